@@ -90,9 +90,7 @@ class MeshConfig:
             if axis not in AXES:
                 raise SpmdkitError(f"unknown mesh axis {axis!r} in --dcn: expected one of {', '.join(AXES)}")
             if factor < 1 or sizes[axis] % factor:
-                raise SpmdkitError(
-                    f"--dcn {axis}={factor} does not divide mesh axis {axis}={sizes[axis]}"
-                )
+                raise SpmdkitError(f"--dcn {axis}={factor} does not divide mesh axis {axis}={sizes[axis]}")
         return sizes
 
 

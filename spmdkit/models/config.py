@@ -1,0 +1,102 @@
+"""`TransformerConfig`: the shape of a Llama-style decoder, with presets from `tiny` to `405b`.
+
+The big presets are shapes only: the planner uses them; nobody initialises 405B parameters on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spmdkit.errors import SpmdkitError
+
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+ATTENTION_KINDS = ("dot", "ring")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Decoder shape and numerics.
+
+    vocab_size: tokens; embed: model width; layers: decoder blocks (stacked and scanned);
+    heads / kv_heads: query and key-value heads (grouped-query attention when kv_heads < heads);
+    head_dim: per-head width; mlp: SwiGLU hidden width; dtype: compute dtype (parameters are param_dtype,
+    float32 by default, and cast at use); remat: what the backward pass recomputes; attention: "dot" (the
+    reference) or "ring" (context parallelism over the `context` mesh axis).
+    """
+
+    vocab_size: int = 264
+    embed: int = 64
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 8
+    mlp: int = 256
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "dot"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
+            if getattr(self, name) < 1:
+                raise SpmdkitError(f"model {name}={getattr(self, name)} must be positive")
+        if self.heads % self.kv_heads:
+            raise SpmdkitError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.remat not in REMAT_POLICIES:
+            raise SpmdkitError(f"unknown remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise SpmdkitError(f"unknown attention {self.attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise SpmdkitError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
+
+    def replace(self, **changes: object) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head."""
+        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.embed * self.mlp
+        per_layer = attention + mlp + 2 * self.embed
+        return 2 * self.vocab_size * self.embed + self.layers * per_layer + self.embed
+
+    def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
+
+        Every matmul weight costs 2 FLOPs per token forward and 4 backward (6N; the embedding lookup is a
+        gather, not a matmul, so its table is left out). Attention adds QK^T and PV: 2 x 2 x seq x heads x
+        head_dim per layer forward, times 3 with backward, halved for causal masking.
+        """
+        matmul_params = self.num_params() - self.vocab_size * self.embed - (2 * self.layers + 1) * self.embed
+        attention = 12 * self.layers * self.heads * self.head_dim * seq_len
+        return 6 * matmul_params + (attention / 2 if causal else attention)
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(),
+    "125m": TransformerConfig(vocab_size=32_000, embed=768, layers=12, heads=12, kv_heads=12, head_dim=64, mlp=2048),
+    "1b": TransformerConfig(vocab_size=128_256, embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192),
+    "7b": TransformerConfig(vocab_size=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008),
+    "70b": TransformerConfig(
+        vocab_size=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, rope_theta=500_000.0
+    ),
+    "405b": TransformerConfig(
+        vocab_size=128_256,
+        embed=16384,
+        layers=126,
+        heads=128,
+        kv_heads=8,
+        head_dim=128,
+        mlp=53248,
+        rope_theta=500_000.0,
+    ),
+}
+
+
+def model_preset(name: str) -> TransformerConfig:
+    if name not in PRESETS:
+        raise SpmdkitError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,200 @@
+"""A Llama-style decoder in Flax NNX: embedding, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+The model is plain: it names logical axes (`embed`, `heads`, `batch`, `act_seq`, ...) on every parameter and
+activation and never a mesh axis. `spmdkit.sharding.rules` maps the names; `constrain` is a no-op when no
+rules are active, so the same module runs on one device unchanged.
+
+Parameters are `param_dtype` (float32) and cast to `dtype` (bfloat16 by default) where they are used; the
+softmax, norms and logits are computed in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmdkit.models.config import TransformerConfig
+from spmdkit.sharding.rules import constrain
+
+# Activation layouts, by logical name. The residual stream carries `act_seq` (sequence parallelism shards it
+# over `tensor` in the norm/residual regions); inside attention and the MLP the sequence is `seq`.
+RESIDUAL = ("batch", "act_seq", "act_embed")
+HIDDEN = ("batch", "seq", "act_embed")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int, dtype: str) -> nnx.Param:
+    """A normal(0, 1/sqrt(fan_in)) parameter carrying its logical axis names."""
+    value = jax.random.normal(rngs.params(), shape, dtype) / jnp.sqrt(fan_in).astype(dtype)
+    return nnx.Param(value, out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * scale, over the last dim; computed in float32. scale: [embed] (`norm`)."""
+
+    def __init__(self, config: TransformerConfig):
+        self.scale = nnx.Param(jnp.ones((config.embed,), config.param_dtype), out_sharding=("norm",))
+        self.eps = config.norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form). x: [batch, seq, heads, head_dim]; positions: [batch, seq].
+
+    Pairs (x_i, x_{i+d/2}) rotate by angle position * theta^(-2i/d). Positions are explicit so that a
+    permuted sequence (zigzag context parallelism) keeps each token's true position.
+    """
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None, None].astype(jnp.float32) * freq  # [batch, seq, 1, half]
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v with grouped-query heads, K/V never repeated.
+
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group.
+    Scores and softmax in float32. Returns [batch, seq, heads, head_dim] in q's dtype.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    if causal:
+        mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
+        scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention. Weights: q [embed, heads, head_dim], k/v [embed, kv_heads, head_dim],
+    o [heads, head_dim, embed]. Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o:
+    one all-reduce, or reduce-scatter under SP, per block forward)."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.param_dtype
+        self.q = _param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), c.embed, pd)
+        self.k = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.embed, pd)
+        self.v = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.embed, pd)
+        self.o = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), c.heads * c.head_dim, pd)
+        self.config = config
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x: [batch, seq, embed] -> [batch, seq, embed]."""
+        c, dt = self.config, self.config.dtype
+        x = constrain(x, HIDDEN)
+        q = constrain(jnp.einsum("bse,ehd->bshd", x, self.q[...].astype(dt)), ("batch", "seq", "heads", None))
+        k = constrain(jnp.einsum("bse,ehd->bshd", x, self.k[...].astype(dt)), ("batch", "seq", "kv_heads", None))
+        v = constrain(jnp.einsum("bse,ehd->bshd", x, self.v[...].astype(dt)), ("batch", "seq", "kv_heads", None))
+        q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
+        if c.attention == "ring":
+            from spmdkit.sharding.context import context_attention  # the one place CP enters the model
+
+            out = context_attention(q, k, v)
+        else:
+            out = dot_attention(q, k, v)
+        out = constrain(out, ("batch", "seq", "heads", None))
+        return constrain(jnp.einsum("bshd,hde->bse", out, self.o[...].astype(dt)), RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x gate) * (x up)). gate/up [embed, mlp] (column-parallel), down [mlp, embed] (row)."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.param_dtype
+        self.gate = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
+        self.up = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
+        self.down = _param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.mlp, pd)
+        self.dtype = config.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [batch, seq, embed] -> [batch, seq, embed]; the hidden [batch, seq, mlp] is split over `mlp`."""
+        dt = self.dtype
+        x = constrain(x, HIDDEN)
+        gate = jnp.einsum("bse,em->bsm", x, self.gate[...].astype(dt))
+        up = jnp.einsum("bse,em->bsm", x, self.up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return constrain(jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dt)), RESIDUAL)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(config)
+        self.attention = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(x + self.attention(self.attention_norm(x), positions), RESIDUAL)
+        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+def _remat_policy(name: str):
+    return {
+        "full": None,
+        "dots_saveable": jax.checkpoint_policies.dots_saveable,
+        "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }[name]
+
+
+class Transformer(nnx.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab] (float32).
+
+    The `layers` blocks are stacked on a leading `layers` dim (built with `nnx.vmap`) and run with `nnx.scan`,
+    so compile time stays flat in depth and the pipeline can split the stack into stages.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = config
+        self.embedding = nnx.Param(
+            jax.random.normal(rngs.params(), (c.vocab_size, c.embed), c.param_dtype), out_sharding=("vocab", "embed")
+        )
+
+        @nnx.split_rngs(splits=c.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(config)
+        self.lm_head = _param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.embed, c.param_dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
+        x = jnp.take(self.embedding[...].astype(self.config.dtype), tokens, axis=0)
+        return constrain(x, RESIDUAL)
+
+    def run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Apply every block in order with a scan; remat per block as the config says."""
+
+        def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
+            return block(x, positions)
+
+        if self.config.remat != "none":
+            body = nnx.remat(body, policy=_remat_policy(self.config.remat))
+        scan = nnx.scan(
+            body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
+        )
+        return scan(x, self.blocks, positions)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
+        x = self.final_norm(x)
+        logits = jnp.einsum("bse,ev->bsv", x, self.lm_head[...].astype(self.config.dtype))
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return self.head(self.run_blocks(self.embed(tokens), positions))

@@ -1,0 +1,293 @@
+"""Read the collectives out of compiled HLO: what XLA will send per step, per device.
+
+`collective_report(compiled)` parses `compiled.as_text()` (the optimized, per-device program) and returns,
+per collective opcode (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), how many
+instructions there are, how many times they execute per call, and the bytes they move.
+
+Loops matter: a scan over layers compiles to one `while` whose body holds one layer's collectives; they run
+`known_trip_count` times. Executed counts and bytes multiply through nested loops; instructions in a
+`conditional` count once per branch (an upper bound: only one branch runs).
+
+Byte counts are the operand bytes (what a device contributes): for all-reduce, the buffer reduced; for
+all-gather, the local shard; for reduce-scatter, the full local buffer; for collective-permute, what is sent.
+Compiled HLO no longer prints operand shapes inline, so operands are looked up in a name -> type table.
+
+Reduce-scatter on CPU: GSPMD expresses "sum, then keep my shard" as an all-reduce whose result is only read
+through `dynamic-slice`s that keep 1/N of it. XLA's GPU and TPU pipelines rewrite that pattern into one
+`reduce-scatter` (the ReduceScatterCreator pass); the CPU backend does not. The report classifies such an
+all-reduce (per tuple element, following fusions) as `reduce-scatter` with `form="all-reduce+dynamic-slice"`,
+so the same strategy reads the same on every backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any
+
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*?)\)(,.*)?$")
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+
+
+def type_bytes(hlo_type: str) -> int:
+    """Bytes of an HLO type string such as `f32[8,16]{1,0}` or a tuple `(f32[4], bf16[2,2])`."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(hlo_type):
+        if dtype in _DTYPE_BYTES:
+            count = 1
+            for d in filter(None, dims.split(",")):
+                count *= int(d)
+            total += count * _DTYPE_BYTES[dtype]
+    return total
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective instruction of the compiled program."""
+
+    opcode: str
+    name: str
+    computation: str
+    operand_bytes: int
+    result_bytes: int
+    group_size: int  # devices taking part in one group (0 when unknown, e.g. collective-permute)
+    executions: int = 1  # times it runs per call of the program (loop trip counts multiplied)
+    form: str = ""  # how the backend spelled it, where that differs from `opcode`
+
+
+@dataclasses.dataclass
+class CollectiveReport:
+    """Every collective of a compiled program, with per-opcode totals."""
+
+    collectives: list[Collective]
+
+    def count(self, opcode: str, executed: bool = False) -> int:
+        """Instructions of `opcode` in the program (or, with `executed`, times they run per call)."""
+        return sum(c.executions if executed else 1 for c in self.collectives if c.opcode == opcode)
+
+    def bytes(self, opcode: str | None = None) -> int:
+        """Operand bytes moved per call by `opcode` (all opcodes when None), loops multiplied."""
+        return sum(c.operand_bytes * c.executions for c in self.collectives if opcode in (None, c.opcode))
+
+    def by_opcode(self) -> dict[str, dict[str, int]]:
+        totals: dict[str, dict[str, int]] = collections.defaultdict(
+            lambda: {"instructions": 0, "executions": 0, "operand_bytes": 0, "result_bytes": 0}
+        )
+        for c in self.collectives:
+            t = totals[c.opcode]
+            t["instructions"] += 1
+            t["executions"] += c.executions
+            t["operand_bytes"] += c.operand_bytes * c.executions
+            t["result_bytes"] += c.result_bytes * c.executions
+        return dict(sorted(totals.items()))
+
+    def table(self) -> str:
+        """A text table: opcode, instructions, executions per step, bytes per step per device."""
+        rows = [f"{'collective':<20}{'instrs':>8}{'runs/step':>11}{'bytes/step/device':>20}"]
+        for op, t in self.by_opcode().items():
+            rows.append(f"{op:<20}{t['instructions']:>8}{t['executions']:>11}{t['operand_bytes']:>20,}")
+        if len(rows) == 1:
+            rows.append("(no collectives)")
+        return "\n".join(rows)
+
+
+def _elements(hlo_type: str) -> int:
+    total = 0
+    for _, dims in _SHAPE.findall(hlo_type):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count
+    return total
+
+
+def _tuple_parts(hlo_type: str) -> list[str]:
+    """'(f32[2], bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']; a non-tuple type -> [type]."""
+    return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(hlo_type)] if hlo_type.startswith("(") else [hlo_type]
+
+
+def _group_size(attrs: str) -> int:
+    if m := _MESH_GROUPS.search(attrs):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return _product(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
+    if m := _IOTA_GROUPS.search(attrs):
+        return int(m.group(2))
+    if m := _LIST_GROUPS.search(attrs):
+        return len([d for d in m.group(1).split(",") if d])
+    return 0
+
+
+def _product(values: Any) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+class _Module:
+    """Instructions by name, and who reads each one, for following an all-reduce to its consumers."""
+
+    def __init__(self, computations: dict[str, list[str]]):
+        self.by_comp: dict[str, list[_Instr]] = {}
+        self.users: dict[str, list[_Instr]] = collections.defaultdict(list)
+        self.params: dict[tuple[str, int], str] = {}  # (computation, parameter index) -> instruction name
+        for comp, lines in computations.items():
+            instrs = []
+            for line in lines:
+                if not (m := _INSTR.match(line)):
+                    continue
+                name, rtype, opcode, operands, attrs = m.groups()
+                ins = _Instr(
+                    name, rtype, opcode, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()], attrs or ""
+                )
+                instrs.append(ins)
+                for o in ins.operands:
+                    self.users[o].append(ins)
+                if opcode == "parameter" and ins.operands and ins.operands[0].isdigit():
+                    self.params[(comp, int(ins.operands[0]))] = name
+            self.by_comp[comp] = instrs
+
+    def only_sliced(self, name: str, elements: int, group: int, depth: int = 0) -> bool:
+        """Is the value `name` (of `elements` elements) read only by dynamic-slices keeping 1/group of it?"""
+        users = self.users.get(name, [])
+        if not users or group < 2 or depth > 4:
+            return False
+        for user in users:
+            if user.opcode == "dynamic-slice" and user.operands[0] == name:
+                if _elements(user.type) * group != elements:
+                    return False
+            elif user.opcode == "fusion" and (m := re.search(r"calls=%?([\w.\-]+)", user.attrs)):
+                for index, operand in enumerate(user.operands):
+                    if operand == name and not self.only_sliced(
+                        self.params.get((m.group(1), index), ""), elements, group, depth + 1
+                    ):
+                        return False
+            elif user.opcode in ("bitcast", "copy") and _elements(user.type) == elements:
+                if not self.only_sliced(user.name, elements, group, depth + 1):
+                    return False
+            else:
+                return False
+        return True
+
+    def scattered_parts(self, ins: _Instr, group: int) -> list[bool]:
+        """Per tuple element of an all-reduce: is it a reduce-scatter in all-reduce form?"""
+        parts = _tuple_parts(ins.type)
+        if len(parts) == 1 and not ins.type.startswith("("):
+            return [self.only_sliced(ins.name, _elements(ins.type), group)]
+        by_index = {
+            int(m.group(1)): u.name
+            for u in self.users.get(ins.name, [])
+            if u.opcode == "get-tuple-element" and (m := re.search(r"index=(\d+)", u.attrs))
+        }
+        return [i in by_index and self.only_sliced(by_index[i], _elements(p), group) for i, p in enumerate(parts)]
+
+
+def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """HLO module text -> ({computation name: instruction lines}, entry computation name)."""
+    computations: dict[str, list[str]] = {}
+    entry, current = "", None
+    for raw in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", raw)
+        if current is None:
+            if (m := _COMP_HEADER.match(line.strip())) and "=" not in line.split("{")[0].split("(")[0]:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+        elif line.strip() == "}":
+            current = None
+        else:
+            computations[current].append(line)
+    return computations, entry
+
+
+def _executions(computations: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call, following while trip counts from the entry."""
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if name not in computations or depth > 64:
+            return
+        runs[name] += times
+        for line in computations[name]:
+            trip = int(m.group(1)) if (m := _TRIP.search(line)) else 1
+            for kind, callee in _CALLED.findall(line):
+                visit(callee, times * (trip if kind == "body" else 1), depth + 1)
+            for group in _BRANCHES.findall(line):
+                for callee in group.split(","):
+                    visit(callee.strip().lstrip("%"), times, depth + 1)
+
+    visit(entry, 1)
+    return runs
+
+
+def collective_report(compiled_or_text: Any) -> CollectiveReport:
+    """Parse a `jax.stages.Compiled` (or its `.as_text()`) into a `CollectiveReport`."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    computations, entry = _split_computations(text)
+    module = _Module(computations)
+    types = {ins.name: ins.type for instrs in module.by_comp.values() for ins in instrs}
+    runs = _executions(computations, entry) if entry else {}
+    found = []
+    for comp, instrs in module.by_comp.items():
+        for ins in instrs:
+            base = ins.opcode.removesuffix("-start")
+            if base not in COLLECTIVES or ins.opcode.endswith("-done"):
+                continue
+            group = _group_size(ins.attrs)
+            common = dict(name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1)
+            if base == "all-reduce":
+                operand_types = [types.get(o, "") for o in ins.operands]
+                for scattered, rtype, otype in zip(
+                    module.scattered_parts(ins, group), _tuple_parts(ins.type), operand_types, strict=False
+                ):
+                    found.append(
+                        Collective(
+                            opcode="reduce-scatter" if scattered else "all-reduce",
+                            operand_bytes=type_bytes(otype),
+                            result_bytes=type_bytes(rtype) // (group if scattered else 1),
+                            form="all-reduce+dynamic-slice" if scattered else "",
+                            **common,
+                        )
+                    )
+                continue
+            found.append(
+                Collective(
+                    opcode=base,
+                    operand_bytes=sum(type_bytes(types.get(o, "")) for o in ins.operands),
+                    result_bytes=type_bytes(ins.type),
+                    **common,
+                )
+            )
+    return CollectiveReport(found)

@@ -1,0 +1,448 @@
+"""Ring attention over the `context` mesh axis, load-balanced (zigzag), with a hand-written ring backward.
+
+Shapes (global): q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], out like q.
+seq is sharded over the context axis (N devices), batch over `batch_axes`, heads and kv_heads over
+`heads_axis`. Each device holds 2 sequence chunks of c = seq / (2N) tokens (see `spmdkit.sharding.zigzag`
+for which original chunks, and for changing the layout of the inputs and positions).
+
+Forward (N steps). Keys and values travel around the ring: at step t device r holds the K/V chunks of device
+(r - t) mod N, and the K/V for step t+1 are sent (`ppermute`, one packed buffer) before step t's math so the
+transfer overlaps it. For every (query chunk, key chunk) pair, with scores s = q k^T / sqrt(head_dim), the
+online softmax keeps float32 running statistics per query row:
+
+    m' = max(m, rowmax(s))        l' = l exp(m - m') + rowsum(exp(s - m'))
+    o' = o exp(m - m') + exp(s - m') v
+    out = o / l                   lse = m + log(l)
+
+Under a causal mask a pair is computed in full (key chunk before query chunk), with a triangular mask
+(the same chunk, only at step 0) or skipped (key chunk after query chunk): `lax.switch` runs only the taken
+branch, so skipped pairs cost no FLOPs. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated.
+
+Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device). With D = rowsum(dO * O) - dlse:
+
+    P = exp(s - lse)     dV += P^T dO     dP = dO V^T     dS = P * (dP - D)
+    dQ += dS K / sqrt(head_dim)           dK += dS^T Q / sqrt(head_dim)
+
+dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
+last step one more hop brings dK, dV home. `key_tile` scans the keys of a chunk pair in tiles, bounding the
+scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.zigzag import (
+    causal_work_balance,
+    check_load_balance,
+    check_seq_len,
+    from_zigzag,
+    inverse_zigzag_indices,
+    slot_chunk_ids,
+    to_zigzag,
+    zigzag_indices,
+)
+
+# The layout helpers live in spmdkit.sharding.zigzag and are re-exported here.
+__all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
+__all__ += ["ring_attention", "ring_attention_with_lse"]
+
+_F32 = jnp.float32
+_INIT_MAX = float(np.finfo(np.float32).min)  # finite, so fully masked key tiles never give exp(-inf + inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of one ring-attention call (hashable: it is a custom_vjp non-diff argument)."""
+
+    mesh: Mesh
+    axis_name: str
+    batch_axes: tuple[str, ...]
+    heads_axis: str | None
+    causal: bool
+    load_balance: str
+    key_tile: int
+    scale: float
+
+    @property
+    def n(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        return frozenset({self.axis_name, *self.batch_axes, *([self.heads_axis] if self.heads_axis else [])})
+
+    @property
+    def batch_spec(self) -> tuple[str, ...] | None:
+        return self.batch_axes or None
+
+    @property
+    def token_spec(self) -> P:
+        """[batch, seq, heads, head_dim]."""
+        return P(self.batch_spec, self.axis_name, self.heads_axis, None)
+
+    @property
+    def lse_spec(self) -> P:
+        """[batch, heads, seq]."""
+        return P(self.batch_spec, self.heads_axis, self.axis_name)
+
+
+# ---------------------------------------------------------------- local layout (inside shard_map)
+
+
+def _split_q(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, 2c, H, D] -> [2 (slot), B, kv_heads, group, c, D]."""
+    b, s2, h, d = x.shape
+    return x.reshape(b, 2, s2 // 2, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _merge_q(x: jax.Array) -> jax.Array:
+    """[2, B, kv_heads, group, c, D] -> [B, 2c, H, D]."""
+    _, b, hk, g, c, d = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, 2 * c, hk * g, d)
+
+
+def _split_kv(x: jax.Array) -> jax.Array:
+    """[B, 2c, kv_heads, D] -> [2 (slot), B, kv_heads, c, D]."""
+    b, s2, hk, d = x.shape
+    return x.reshape(b, 2, s2 // 2, hk, d).transpose(1, 0, 3, 2, 4)
+
+
+def _merge_kv(x: jax.Array) -> jax.Array:
+    """[2, B, kv_heads, c, D] -> [B, 2c, kv_heads, D]."""
+    _, b, hk, c, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, 2 * c, hk, d)
+
+
+def _split_rows(x: jax.Array, kv_heads: int) -> jax.Array:
+    """Per-row statistics [B, H, 2c] -> [2, B, kv_heads, group, c]."""
+    b, h, s2 = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, 2, s2 // 2).transpose(3, 0, 1, 2, 4)
+
+
+def _merge_rows(x: jax.Array) -> jax.Array:
+    """[2, B, kv_heads, group, c] -> [B, H, 2c]."""
+    _, b, hk, g, c = x.shape
+    return x.transpose(1, 2, 3, 0, 4).reshape(b, hk * g, 2 * c)
+
+
+def _key_tiles(x: jax.Array, tile: int) -> jax.Array:
+    """[B, kv_heads, c, D] -> [c / tile, B, kv_heads, tile, D]."""
+    b, hk, c, d = x.shape
+    return x.reshape(b, hk, c // tile, tile, d).transpose(2, 0, 1, 3, 4)
+
+
+def _merge_tiles(x: jax.Array) -> jax.Array:
+    """[c / tile, B, kv_heads, tile, D] -> [B, kv_heads, c, D]."""
+    nt, b, hk, tile, d = x.shape
+    return x.transpose(1, 2, 0, 3, 4).reshape(b, hk, nt * tile, d)
+
+
+def _hop(x: jax.Array, ring: _Ring) -> jax.Array:
+    """Send `x` one step around the ring: device r -> r + 1."""
+    return lax.ppermute(x, ring.axis_name, perm=[(j, (j + 1) % ring.n) for j in range(ring.n)])
+
+
+# ---------------------------------------------------------------- block math for one (query, key) chunk pair
+
+
+def _scores(q: jax.Array, k: jax.Array, tile_index: jax.Array, diagonal: bool, scale: float) -> jax.Array:
+    """s = q k^T * scale, [B, kv_heads, group, c, tile] float32; on the diagonal pair keys after the query
+    are set to -inf (both chunks are the same chunk, so local offsets compare positions)."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=_F32) * scale
+    if diagonal:
+        tile = k.shape[2]
+        q_pos = jnp.arange(q.shape[3])[:, None]
+        k_pos = tile_index * tile + jnp.arange(tile)[None, :]
+        s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
+    return s
+
+
+def _fwd_pair(q, k, v, acc, *, diagonal: bool, ring: _Ring):
+    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk."""
+
+    def tile_step(acc, xs):
+        o, m, denom = acc
+        index, kt, vt = xs
+        s = _scores(q, kt, index, diagonal, ring.scale)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vt.dtype), vt, preferred_element_type=_F32)
+        return (o * corr[..., None] + pv, m_new, denom * corr + p.sum(-1)), None
+
+    tiles = k.shape[2] // ring.key_tile
+    xs = (jnp.arange(tiles), _key_tiles(k, ring.key_tile), _key_tiles(v, ring.key_tile))
+    return lax.scan(tile_step, acc, xs)[0]
+
+
+def _bwd_pair(rows, k, v, grads, *, diagonal: bool, ring: _Ring):
+    """Gradient contributions of one chunk pair. rows = (q, dO, lse, D) of the query chunk;
+    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk."""
+    q, do, lse, delta = rows
+    dq, dk, dv = grads
+
+    def tile_step(dq, xs):
+        index, kt, vt = xs
+        p = jnp.exp(_scores(q, kt, index, diagonal, ring.scale) - lse[..., None])
+        dv_t = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=_F32)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, vt, preferred_element_type=_F32)
+        ds = p * (dp - delta[..., None])
+        dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kt.dtype), kt, preferred_element_type=_F32) * ring.scale
+        dk_t = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=_F32) * ring.scale
+        return dq, (dk_t, dv_t)
+
+    tiles = k.shape[2] // ring.key_tile
+    xs = (jnp.arange(tiles), _key_tiles(k, ring.key_tile), _key_tiles(v, ring.key_tile))
+    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, xs)
+    return dq, dk + _merge_tiles(dk_t), dv + _merge_tiles(dv_t)
+
+
+# ---------------------------------------------------------------- one ring step: the 4 chunk pairs
+
+_FULL, _DIAG, _SKIP = 0, 1, 2
+
+
+def _take(x: jax.Array, i) -> jax.Array:
+    return lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _put(x: jax.Array, i, value: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(x, value, i, axis=0)
+
+
+def _pair_mode(ring: _Ring, r, t, i, j) -> jax.Array:
+    """FULL (key chunk before query chunk), DIAG (the same chunk: only at step 0) or SKIP (key chunk after),
+    from the global chunk ids of query slot i on device r and key slot j of device (r - t) mod N."""
+    ids = jnp.asarray(slot_chunk_ids(ring.n, ring.load_balance), jnp.int32)
+    q_id, k_id = ids[r, i], ids[(r - t) % ring.n, j]
+    return jnp.where(k_id < q_id, _FULL, jnp.where(k_id == q_id, _DIAG, _SKIP))
+
+
+def _ring_step(pair_fn, state, kv, ring: _Ring, r, t):
+    """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, diagonal)` for the 4 pairs
+    (query slot i, key slot j), looped (one traced copy); under `causal`, `lax.switch` runs only the taken
+    branch of full / diagonal / skip."""
+    branches = (
+        functools.partial(pair_fn, diagonal=False),
+        functools.partial(pair_fn, diagonal=True),
+        lambda state, kv, i, j: state,
+    )
+
+    def pair(p, state):
+        i, j = p // 2, p % 2
+        if not ring.causal:
+            return branches[_FULL](state, kv, i, j)
+        return lax.switch(_pair_mode(ring, r, t, i, j), branches, state, kv, i, j)
+
+    return lax.fori_loop(0, 4, pair, state)
+
+
+def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
+    """Run the N steps while K/V rotate; the hop for step t+1 is issued before step t's math. `send_back`
+    (the backward's dK, dV hop) is applied after every step: N times, the last one bringing them home."""
+    send_back = send_back or (lambda s: s)
+    r = lax.axis_index(ring.axis_name)
+
+    def body(t, carry):
+        kv, state = carry
+        nxt = _hop(kv, ring)
+        return nxt, send_back(_ring_step(pair_fn, state, kv, ring, r, t))
+
+    if ring.n > 1:
+        kv, state = lax.fori_loop(0, ring.n - 1, body, (kv, state))
+    state = _ring_step(pair_fn, state, kv, ring, r, ring.n - 1)
+    return send_back(state) if ring.n > 1 else state
+
+
+# ---------------------------------------------------------------- forward and backward programs (per device)
+
+
+def _forward_local(ring: _Ring, q, k, v):
+    """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] -> out [B, 2c, H, D], lse [B, H, 2c] float32.
+    State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32."""
+    qs = _split_q(q, k.shape[2])
+    o = jnp.zeros_like(qs, dtype=_F32)
+    state = (o, jnp.full_like(o[..., 0], _INIT_MAX), jnp.zeros_like(o[..., 0]))
+
+    def pair(state, kv, i, j, diagonal):
+        acc = tuple(_take(s, i) for s in state)
+        new = _fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, diagonal=diagonal, ring=ring)
+        return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
+
+    o, m, denom = _ring_loop(pair, state, jnp.stack([_split_kv(k), _split_kv(v)]), ring)
+    return _merge_q((o / denom[..., None]).astype(q.dtype)), _merge_rows(m + jnp.log(denom))
+
+
+def _backward_local(ring: _Ring, q, k, v, out, lse, dout, dlse):
+    """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
+    State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
+    kv_heads = k.shape[2]
+    qs, dos = _split_q(q, kv_heads), _split_q(dout, kv_heads)
+    delta = jnp.sum(dos.astype(_F32) * _split_q(out, kv_heads).astype(_F32), -1) - _split_rows(dlse, kv_heads)
+    rows = (qs, dos, _split_rows(lse, kv_heads), delta)
+    kv = jnp.stack([_split_kv(k), _split_kv(v)])
+
+    def pair(state, kv, i, j, diagonal):
+        dq, dk, dv = state
+        grads = (_take(dq, i), _take(dk, j), _take(dv, j))
+        kj, vj = _take(kv[0], j), _take(kv[1], j)
+        dqi, dkj, dvj = _bwd_pair(tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, ring=ring)
+        return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
+
+    def send_back(state):  # dK, dV travel packed in one buffer
+        dkv = _hop(jnp.stack(state[1:]), ring)
+        return state[0], dkv[0], dkv[1]
+
+    dkv = jnp.zeros_like(kv, dtype=_F32)
+    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=_F32), dkv[0], dkv[1]), kv, ring, send_back)
+    return _merge_q(dq).astype(q.dtype), _merge_kv(dk).astype(k.dtype), _merge_kv(dv).astype(v.dtype)
+
+
+def _shard_map(ring: _Ring, fn, in_specs, out_specs):
+    return jax.shard_map(
+        functools.partial(fn, ring),
+        mesh=ring.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=ring.manual_axes,
+        check_vma=True,
+    )
+
+
+def _forward(ring: _Ring, q, k, v):
+    tok = ring.token_spec
+    return _shard_map(ring, _forward_local, (tok, tok, tok), (tok, ring.lse_spec))(q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(ring: _Ring, q, k, v):
+    return _forward(ring, q, k, v)
+
+
+def _attention_fwd(ring: _Ring, q, k, v):
+    out, lse = _forward(ring, q, k, v)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(ring: _Ring, residuals, cotangents):
+    tok, lse = ring.token_spec, ring.lse_spec
+    backward = _shard_map(ring, _backward_local, (tok, tok, tok, tok, lse, tok, lse), (tok, tok, tok))
+    return backward(*residuals, *cotangents)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _present(mesh: Mesh, axis: str | None) -> bool:
+    return axis is not None and mesh.shape.get(axis, 1) > 1
+
+
+def _check_shapes(q, k, v) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise SpmdkitError(
+            f"ring attention takes q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] "
+            f"of equal shape; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise SpmdkitError(f"q {q.shape} and k/v {k.shape} differ in batch, seq or head_dim: make them equal")
+    if q.shape[2] % k.shape[2]:
+        raise SpmdkitError(
+            f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
+        )
+
+
+def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> None:
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if size % devices:
+        raise SpmdkitError(
+            f"{what}={size} is not divisible by mesh axes {'x'.join(axes)} of size {devices}: change {what} or "
+            f"shard it over other axes"
+        )
+
+
+def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile) -> _Ring:
+    """Check every user input and resolve the axes (size-1 and absent axes are dropped)."""
+    _check_shapes(q, k, v)
+    check_load_balance(load_balance)
+    if axis_name not in mesh.shape:
+        raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: pass axis_name=")
+    chunk = check_seq_len(q.shape[1], mesh.shape[axis_name])
+    batch_axes = tuple(a for a in batch_axes if _present(mesh, a) and a != axis_name)
+    heads_axis = heads_axis if _present(mesh, heads_axis) else None
+    _check_divides("batch", q.shape[0], batch_axes, mesh)
+    if heads_axis:
+        _check_divides("heads", q.shape[2], (heads_axis,), mesh)
+        _check_divides("kv_heads", k.shape[2], (heads_axis,), mesh)
+    key_tile = chunk if key_tile is None else key_tile
+    if key_tile < 1 or chunk % key_tile:
+        raise SpmdkitError(
+            f"key_tile={key_tile} does not divide the chunk length seq/(2 x context) = {chunk}: pick a divisor "
+            f"of {chunk} or None"
+        )
+    return _Ring(mesh, axis_name, batch_axes, heads_axis, causal, load_balance, key_tile, q.shape[3] ** -0.5)
+
+
+def ring_attention_with_lse(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis_name: str = "context",
+    causal: bool = True,
+    load_balance: str = "zigzag",
+    batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    heads_axis: str | None = "tensor",
+    key_tile: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`ring_attention` that also returns lse [batch, heads, seq] float32 (the log-sum-exp of each query
+    row's scaled scores, seq in the same layout as q), differentiable like `out`."""
+    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
+    return _attention(ring, q, k, v)
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis_name: str = "context",
+    causal: bool = True,
+    load_balance: str = "zigzag",
+    batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    heads_axis: str | None = "tensor",
+    key_tile: int | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention (scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
+
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], heads a multiple of kv_heads
+    (GQA: query head h uses kv head h // (heads / kv_heads)). Returns out [batch, seq, heads, head_dim] in
+    q's dtype, in the same sequence layout as the inputs.
+
+    Sharding: seq over `axis_name` (N devices; seq divisible by 2N), batch over the `batch_axes` present in
+    the mesh, heads and kv_heads over `heads_axis` (None: replicated). Axes absent from the mesh or of size 1
+    are ignored; the other mesh axes stay automatic. Callable from inside `jax.jit` on an Auto mesh.
+
+    `load_balance="zigzag"`: the caller has put the sequence (and the positions used for RoPE) in the
+    zigzag layout with `to_zigzag(x, n=N)`, so device r holds chunks r and 2N-1-r and causal work is
+    balanced. `"none"` (or `"contiguous"`): the natural order. The layout only matters when `causal`.
+    `key_tile` (a divisor of seq / 2N, default the whole chunk) bounds the per-pair scratch memory.
+    Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse.
+    """
+    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
+    return _attention(ring, q, k, v)[0]

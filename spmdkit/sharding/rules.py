@@ -1,0 +1,198 @@
+"""Logical axis names -> mesh axes, and the strategy presets built from them.
+
+The model names the dimensions of every parameter and activation with logical names; this module alone
+decides which mesh axes they map onto. Parameter names: `embed, heads, kv_heads, head_dim, mlp, vocab,
+experts, layers, norm`. Activation names: `batch`, `seq` (inside attention and MLP), `act_seq` (the
+residual/norm regions, where sequence parallelism shards it over `tensor` too), `act_embed` (the residual
+stream's width, never sharded: under FSDP the *weights'* `embed` goes to `fsdp`, the activations' doesn't),
+and `heads, kv_heads, mlp, vocab` as for the weights.
+
+| strategy | what the rules say |
+|---|---|
+| DP, HSDP, FSDP | `batch -> (data, fsdp)`; ZeRO-3 also `embed -> fsdp` for parameters |
+| ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> fsdp` |
+| TP | `heads, kv_heads, mlp, vocab -> tensor` |
+| SP | as TP, plus `act_seq -> tensor` |
+| CP | `seq, act_seq -> context` |
+| EP / PP | `experts -> expert`, `layers -> pipeline` |
+
+Mesh axes of size 1 are dropped from the specs they would appear in: they cost nothing and clutter tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.mesh import MeshConfig
+
+AxisTable = Mapping[str, tuple[str, ...]]
+
+# Logical names that fall back to replication (with a warning) when the mesh axis doesn't divide them:
+# grouped-query attention has fewer KV heads than TP ranks at scale, and Megatron replicates them then.
+REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Two tables: one for parameters and activations, one for the optimizer state of each parameter.
+
+    `gradients_like_optimizer` is ZeRO-2: gradients take the optimizer's (sharded) layout as soon as they
+    are computed, so XLA reduce-scatters them instead of all-reducing.
+    """
+
+    params: AxisTable
+    optimizer: AxisTable
+    gradients_like_optimizer: bool = False
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+
+
+def make_rules(zero_stage: int = 3, sequence_parallel: bool = False) -> Rules:
+    """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise SpmdkitError(f"ZeRO stage {zero_stage} is not one of 0, 1, 2, 3")
+    act_seq = ("context", "tensor") if sequence_parallel else ("context",)
+    common = {
+        "batch": ("data", "fsdp"),
+        "seq": ("context",),
+        "act_seq": act_seq,
+        "act_embed": (),
+        "heads": ("tensor",),
+        "kv_heads": ("tensor",),
+        "head_dim": (),
+        "mlp": ("tensor",),
+        "vocab": ("tensor",),
+        "experts": ("expert",),
+        "layers": ("pipeline",),
+        "norm": (),
+    }
+    sharded_embed = {**common, "embed": ("fsdp",)}
+    replicated_embed = {**common, "embed": ()}
+    return Rules(
+        params=sharded_embed if zero_stage == 3 else replicated_embed,
+        optimizer=sharded_embed if zero_stage >= 1 else replicated_embed,
+        gradients_like_optimizer=zero_stage == 2,
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named strategy: which axis takes the devices, the ZeRO stage and SP."""
+
+    mesh: str
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+    help: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "dp": Preset("data=-1", 0, help="data parallel: parameters replicated, gradients all-reduced"),
+    "fsdp": Preset("fsdp=-1", 3, help="fully sharded (ZeRO-3): parameters, gradients, optimizer sharded"),
+    "zero1": Preset("fsdp=-1", 1, help="ZeRO-1: optimizer state sharded, parameters replicated"),
+    "zero2": Preset("fsdp=-1", 2, help="ZeRO-2: optimizer state and gradients sharded"),
+    "zero3": Preset("fsdp=-1", 3, help="same as fsdp"),
+    "hsdp": Preset("data=2,fsdp=-1", 3, help="FSDP inside a node, replicas across nodes"),
+    "tp": Preset("tensor=-1", 3, help="tensor parallel (Megatron column/row)"),
+    "sp": Preset("tensor=-1", 3, True, help="tensor + sequence parallel"),
+    "cp": Preset("context=-1", 3, help="context parallel (ring attention)"),
+    "ep": Preset("expert=-1", 3, help="expert parallel"),
+    "pp": Preset("pipeline=-1", 1, help="pipeline parallel (ZeRO-1 partners it)"),
+}
+
+
+def preset(name: str) -> tuple[MeshConfig, Rules]:
+    """A preset's mesh config and rules: `preset("zero2")`."""
+    if name not in PRESETS:
+        raise SpmdkitError(f"unknown strategy preset {name!r}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    return MeshConfig.parse(p.mesh), make_rules(p.zero_stage, p.sequence_parallel)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int] | None,
+    mesh: Mesh,
+    table: AxisTable,
+    *,
+    what: str = "array",
+) -> PartitionSpec:
+    """Logical names of each dim -> PartitionSpec over `mesh`, checking that every mapped axis divides.
+
+    A mesh axis is used at most once per array (the first dim that asks gets it). With `shape=None` the
+    divisibility check is skipped (for callers that only know the names).
+    """
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for dim, name in enumerate(names):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise SpmdkitError(f"{what}: logical axis {name!r} has no rule; known: {', '.join(sorted(table))}")
+        axes = tuple(a for a in table[name] if mesh.shape.get(a, 1) > 1 and a not in used)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if shape is not None and axes and shape[dim] % size:
+            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+            if name in REPLICATE_IF_INDIVISIBLE:
+                warnings.warn(
+                    f"{what} {tuple(shape)}: dim {dim} ({name}={shape[dim]}) is not divisible by {axis_text}; "
+                    f"replicating it",
+                    stacklevel=2,
+                )
+                axes = ()
+            else:
+                raise SpmdkitError(
+                    f"{what} of shape {tuple(shape)}: dim {dim} ({name}={shape[dim]}) is not divisible by mesh "
+                    f"axis {axis_text}; change the model size or the mesh"
+                )
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+# The rules and mesh in force while a model is traced; `constrain` reads them.
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar("spmdkit_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
+    """Make `constrain` map logical names with `rules` over `mesh` (around tracing a sharded program)."""
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[Rules, Mesh] | None:
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Hint the sharding of activation `x` by the logical names of its dims; a no-op without rules.
+
+    Inside a `shard_map` region the manual axes are already split off, so they are dropped from the hint.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    rules, mesh = active
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    table = {k: tuple(a for a in v if a not in manual) for k, v in rules.params.items()} if manual else rules.params
+    spec = logical_to_spec(names, x.shape, mesh, table, what="activation")
+    if manual:
+        return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

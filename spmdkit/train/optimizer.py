@@ -1,0 +1,72 @@
+"""The optimizer: optax AdamW with warmup + cosine decay, global-norm clipping, a decay mask, NaN skipping.
+
+All of it is optax: `warmup_cosine_decay_schedule`, `clip_by_global_norm`, `adamw(mask=...)`, and
+`apply_if_finite`, which leaves parameters and moments unchanged on a step whose gradients hold NaN or Inf
+and counts consecutive bad steps (the loop stops the run after `max_bad_steps` of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+from spmdkit.errors import SpmdkitError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW settings. `lr` is the peak; it warms up linearly over `warmup_steps`, then decays by cosine to
+    `lr * final_lr_fraction` at `decay_steps` (default: the run's steps)."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    max_bad_steps: int = 5
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise SpmdkitError(f"learning rate {self.lr} must be positive")
+        if self.warmup_steps < 0:
+            raise SpmdkitError(f"warmup steps {self.warmup_steps} must be >= 0")
+
+
+def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    decay = max(config.decay_steps or total_steps, config.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if config.warmup_steps else config.lr,
+        peak_value=config.lr,
+        warmup_steps=config.warmup_steps,
+        decay_steps=decay,
+        end_value=config.lr * config.final_lr_fraction,
+    )
+
+
+def decay_mask(params: Any) -> Any:
+    """True for weights that decay: everything but norm scales (paths containing 'norm')."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """clip -> AdamW(schedule, masked decay), wrapped so non-finite gradients skip the update."""
+    tx = optax.chain(
+        optax.clip_by_global_norm(config.clip_norm) if config.clip_norm > 0 else optax.identity(),
+        optax.adamw(
+            schedule(config, total_steps),
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=decay_mask,
+        ),
+    )
+    # The loop, not optax, decides when too many bad steps end the run: never let apply_if_finite give up.
+    return optax.apply_if_finite(tx, max_consecutive_errors=2**30)

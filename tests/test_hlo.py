@@ -1,0 +1,54 @@
+"""The collective parser against a shard_map program whose collectives are known by construction."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.sharding.hlo import collective_report, type_bytes
+from spmdkit.sharding.mesh import make_mesh
+
+
+def test_type_bytes():
+    assert type_bytes("f32[8,16]{1,0}") == 512
+    assert type_bytes("(bf16[4], s32[2,2])") == 8 + 16
+    assert type_bytes("f32[]") == 4
+
+
+def test_counts_bytes_and_loop_trips():
+    mesh = make_mesh("fsdp=8")
+    block = 128 * 64 * 4  # one device's (128, 64) float32 block
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+    def program(x):
+        total = jax.lax.psum(x, "fsdp")
+        gathered = jax.lax.all_gather(x, "fsdp", tiled=True)
+        scattered = jax.lax.psum_scatter(gathered, "fsdp", tiled=True)
+        shifted = jax.lax.ppermute(x, "fsdp", [(j, (j + 1) % 8) for j in range(8)])
+        looped, _ = jax.lax.scan(lambda c, _: (jax.lax.psum(c, "fsdp") * 0.5 + c, None), x, None, length=5)
+        return total + scattered + shifted + looped
+
+    report = collective_report(program.lower(jnp.ones((1024, 64))).compile())
+    assert report.count("all-gather") == 1 and report.bytes("all-gather") == block
+    assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == 8 * block
+    assert report.count("collective-permute") == 1 and report.bytes("collective-permute") == block
+    assert report.count("all-reduce") == 2  # one outside the loop, one in its body
+    assert report.count("all-reduce", executed=True) == 6  # the body runs 5 times
+    assert report.bytes("all-reduce") == 6 * block
+    assert all(c.group_size == 8 for c in report.collectives if c.opcode != "collective-permute")
+    assert "reduce-scatter" in report.table()
+
+
+def test_gspmd_reduce_scatter_is_recognised():
+    """A sharded matmul output summed over the contracting axis: GSPMD's reduce-scatter (on CPU: all-reduce
+    followed by a dynamic-slice keeping 1/8) is reported as one reduce-scatter of the full buffer."""
+    mesh = make_mesh("tensor=8")
+    x = jax.device_put(jnp.ones((64, 128)), NamedSharding(mesh, P(None, "tensor")))
+    w = jax.device_put(jnp.ones((128, 32)), NamedSharding(mesh, P("tensor")))
+    f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("tensor"))))
+    report = collective_report(f.lower(x, w).compile())
+    assert report.count("all-reduce") == 0
+    assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == 64 * 32 * 4

@@ -1,0 +1,349 @@
+"""Pipeline parallelism: schedule tables, same numbers as one device, HLO traffic, memory, errors.
+
+Toy model: 8 residual MLP layers (d=16) scanned inside each chunk, a linear head with mean cross-entropy.
+Compilations are cached per (mesh, schedule, M) and shared between tests to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.sharding import pipeline_schedule as ps
+from spmdkit.sharding.mesh import make_mesh
+from spmdkit.sharding.pipeline import (
+    deinterleave_layers,
+    from_microbatches,
+    interleave_layers,
+    pipeline_value_and_grad,
+    to_microbatches,
+)
+from spmdkit.sharding.pipeline_schedule import check_layers, make_schedule
+
+DIM, LAYERS, VOCAB, ROWS, SEQ = 16, 8, 8, 4, 2  # ROWS = global rows per microbatch
+MESHES = ("pipeline=4,data=2", "pipeline=2,fsdp=2,tensor=2")
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+def stage_fn(params: dict, x: jax.Array) -> jax.Array:
+    """Residual MLP layers of one chunk: params leaves [layers, ...], x [rows, seq, dim]."""
+
+    def layer(x, w):
+        return x + jnp.tanh(x @ w["w1"] + w["b1"]) @ w["w2"], None
+
+    return jax.lax.scan(layer, x, params)[0]
+
+
+def loss_fn(head: dict, y: jax.Array, targets: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(y @ head["w"])
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
+def make_model():
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (LAYERS, DIM, 2 * DIM)) / 4,
+        "b1": jax.random.normal(k[1], (LAYERS, 2 * DIM)) / 4,
+        "w2": jax.random.normal(k[2], (LAYERS, 2 * DIM, DIM)) / 6,
+    }
+    return params, {"w": jax.random.normal(k[3], (DIM, VOCAB)) / 4}
+
+
+def make_batch(m: int):
+    k = jax.random.split(jax.random.key(m), 2)
+    return jax.random.normal(k[0], (m, ROWS, SEQ, DIM)), jax.random.randint(k[1], (m, ROWS, SEQ), 0, VOCAB)
+
+
+def reference_loss(params, head, inputs, targets):
+    """The plain sequential model on one device: mean over microbatches of the per-microbatch loss."""
+    ys = jax.vmap(lambda x: stage_fn(params, x))(inputs)
+    return jnp.mean(jax.vmap(lambda y, t: loss_fn(head, y, t))(ys, targets))
+
+
+@functools.cache
+def reference(m: int):
+    params, head = make_model()
+    inputs, targets = make_batch(m)
+    return jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(params, head, inputs, targets)
+
+
+def place_params(mesh, params, v):
+    """Interleave the layer dim and shard it over pipeline; MLP hidden dim over tensor (automatic axis)."""
+    specs = {"w1": P("pipeline", None, "tensor"), "b1": P("pipeline", "tensor"), "w2": P("pipeline", "tensor")}
+    params = interleave_layers(params, mesh.shape["pipeline"], v)
+    return {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in params.items()}
+
+
+@functools.cache
+def compiled_step(mesh_text: str, kind: str, m: int, remat: bool = False):
+    """(compiled pipeline step, placed args, schedule) for one config."""
+    mesh = make_mesh(mesh_text)
+    sched = make_schedule(kind, mesh.shape["pipeline"], m, VIRTUAL[kind])
+    params, head = make_model()
+    inputs, targets = make_batch(m)
+    batch = NamedSharding(mesh, P(None, ("data", "fsdp")))
+    args = (place_params(mesh, params, VIRTUAL[kind]), head, jax.device_put(inputs, batch), targets)
+
+    def step(p, h, x, t):
+        return pipeline_value_and_grad(stage_fn, loss_fn, p, h, x, t, mesh=mesh, schedule=sched, remat=remat)
+
+    return jax.jit(step).lower(*args).compile(), args, sched
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        scale = float(jnp.max(jnp.abs(e)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=rtol * scale)
+
+
+# ---------------------------------------------------------------- schedules as data
+
+
+@pytest.mark.parametrize("P_", [2, 4])
+@pytest.mark.parametrize("M", [4, 8, 16])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_bubble_fraction_matches_theory(kind, M, P_):
+    v = 2 if kind == "interleaved" else 1
+    sched = make_schedule(kind, P_, M, v)
+    theory = (P_ - 1) / (v * M + P_ - 1)
+    assert sched.bubble_fraction() == pytest.approx(theory)
+    assert sched.num_ticks == 2 * (v * M + P_ - 1)
+
+
+def replay(sched: ps.Schedule) -> np.ndarray:
+    """Run the table in Python with tagged messages; check every read; return peak live stash per stage."""
+    T, Pn, _ = sched.table.shape
+    C, tab = sched.num_chunks, sched.table
+    stash = [dict() for _ in range(Pn)]
+    grads = [dict() for _ in range(Pn)]
+    live = np.zeros((T, Pn), int)
+    done = {}
+    for t in range(T):
+        for s in range(Pn):
+            row = tab[t, s]
+            # What the neighbours sent last tick: a forward of chunk c feeds chunk c+1 on stage (c+1) % P.
+            prev, nxt = tab[t - 1, (s - 1) % Pn] if t else None, tab[t - 1, (s + 1) % Pn] if t else None
+            x_msg = g_msg = None
+            if prev is not None and prev[ps.OP] == ps.FORWARD:
+                c = prev[ps.CHUNK] * Pn + (s - 1) % Pn
+                x_msg = (prev[ps.MB], c + 1) if c + 1 < C else None
+            if nxt is not None and nxt[ps.OP] == ps.BACKWARD:
+                c = nxt[ps.CHUNK] * Pn + (s + 1) % Pn
+                g_msg = (nxt[ps.MB], c - 1) if c > 0 else None
+            assert (row[ps.RECV_X] >= 0) == (x_msg is not None), (t, s)
+            assert (row[ps.RECV_G] >= 0) == (g_msg is not None), (t, s)
+            if x_msg:
+                assert row[ps.RECV_X] not in stash[s], "stash slot overwritten before its backward"
+                stash[s][row[ps.RECV_X]] = x_msg
+            if g_msg:
+                assert row[ps.RECV_G] not in grads[s], "cotangent slot overwritten before use"
+                grads[s][row[ps.RECV_G]] = g_msg
+            live[t, s] = len(stash[s])
+        for s in range(Pn):
+            row = tab[t, s]
+            if row[ps.OP] == ps.IDLE:
+                continue
+            m, c = int(row[ps.MB]), int(row[ps.CHUNK]) * Pn + s
+            assert row[ps.FIRST] == (c == 0) and row[ps.LAST] == (c == C - 1)
+            if c > 0:
+                assert stash[s].get(row[ps.SLOT]) == (m, c), "read a stash slot that was not written"
+            if row[ps.OP] == ps.FORWARD:
+                assert ("F", m, c) not in done
+                done["F", m, c] = t
+            else:
+                assert done["F", m, c] < t and ("B", m, c) not in done
+                if c > 0:
+                    del stash[s][row[ps.SLOT]]
+                if c < C - 1:
+                    assert grads[s].pop(row[ps.GRAD_SLOT]) == (m, c), "read a cotangent slot that was not written"
+                done["B", m, c] = t
+    assert len(done) == 2 * sched.num_microbatches * C
+    assert all(not d for d in stash + grads)
+    return live.max(axis=0)
+
+
+@pytest.mark.parametrize(
+    "kind,P_,M,v",
+    [("gpipe", 4, 4, 1), ("gpipe", 2, 3, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
+     ("1f1b", 2, 5, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3)],
+)  # fmt: skip
+def test_replay_schedule(kind, P_, M, v):
+    sched = make_schedule(kind, P_, M, v)
+    peak = replay(sched)
+    np.testing.assert_array_equal(peak, sched.peak_stash())
+    assert sched.num_stash_slots == max(1, peak.max())
+    if kind == "1f1b":
+        assert peak.max() <= P_  # the 1F1B memory bound
+    if kind == "gpipe":  # forwards consume their input in the tick it arrives (the autodiff loop relies on it)
+        fwd = (sched.table[:, :, ps.OP] == ps.FORWARD) & (sched.table[:, :, ps.FIRST] == 0)
+        np.testing.assert_array_equal(sched.table[:, :, ps.RECV_X][fwd], sched.table[:, :, ps.SLOT][fwd])
+        assert peak.max() == M
+
+
+def test_format_and_plot(tmp_path):
+    sched = make_schedule("1f1b", 4, 8)
+    text = sched.format()
+    lines = text.splitlines()
+    assert len(lines) == 1 + 4 and lines[1].split()[2:6] == ["F0", "F1", "F2", "F3"]
+    assert lines[4].split()[2:8] == [".", ".", ".", "F0", "B0", "F1"]
+    assert "F3.1" in make_schedule("interleaved", 4, 8, 2).format()
+    path = tmp_path / "schedule.png"
+    make_schedule("interleaved", 4, 8, 2).plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interleave_layout():
+    layers = jnp.arange(16)
+    stacked = interleave_layers(layers, 2, 2)  # 4 chunks of 4 layers: stage 0 holds chunks 0, 2
+    np.testing.assert_array_equal(stacked, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+    np.testing.assert_array_equal(deinterleave_layers(stacked, 2, 2), layers)
+    np.testing.assert_array_equal(interleave_layers(layers, 4, 1), layers)
+    x = jnp.arange(24).reshape(12, 2)
+    np.testing.assert_array_equal(from_microbatches(to_microbatches(x, 3)), x)
+
+
+# ---------------------------------------------------------------- same numbers as one device
+
+
+@pytest.mark.parametrize("m", [4, 8])
+@pytest.mark.parametrize("mesh_text", MESHES)
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_matches_one_device(kind, mesh_text, m):
+    compiled, args, sched = compiled_step(mesh_text, kind, m)
+    loss, (g_stage, g_head, g_inputs) = compiled(*args)
+    ref_loss, ref_grads = reference(m)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    g_stage = deinterleave_layers(g_stage, sched.num_stages, sched.virtual_stages)
+    assert_close((g_stage, g_head, g_inputs), ref_grads)
+
+
+def test_gpipe_remat_matches_one_device():
+    compiled, args, _ = compiled_step(MESHES[1], "gpipe", 4, remat=True)
+    loss, grads = compiled(*args)
+    ref_loss, ref_grads = reference(4)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("kind,mesh_text", [("gpipe", MESHES[0]), ("1f1b", MESHES[1]), ("interleaved", MESHES[0])])
+def test_three_adam_steps_match(kind, mesh_text):
+    compiled, (params, head, inputs, targets), sched = compiled_step(mesh_text, kind, 4)
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def apply(grads, state, weights):
+        updates, state = tx.update(grads, state)
+        return optax.apply_updates(weights, updates), state
+
+    ref_weights = make_model()
+    ref_state = tx.init(ref_weights)
+    weights, state = (params, head), tx.init((params, head))
+    ref_grad = jax.jit(jax.grad(reference_loss, argnums=(0, 1)))
+    for _ in range(3):
+        _, (g_stage, g_head, _) = compiled(*weights, inputs, targets)
+        weights, state = apply((g_stage, g_head), state, weights)
+        ref_weights, ref_state = apply(ref_grad(*ref_weights, *make_batch(4)), ref_state, ref_weights)
+    params, head = weights
+    params = deinterleave_layers(params, sched.num_stages, sched.virtual_stages)
+    assert_close((params, head), ref_weights)
+
+
+# ---------------------------------------------------------------- right traffic, right memory
+
+
+def collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(opcode, result shape) of every collective in compiled HLO text."""
+    pattern = re.compile(
+        r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+        r"(?:-start)?\("
+    )
+    out = []
+    for line in hlo.splitlines():
+        match = pattern.search(line)
+        if match:
+            dims = re.match(r"\(?[a-z0-9]+\[([0-9,]*)\]", match.group(1)).group(1)
+            out.append((match.group(2), tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def test_1f1b_hlo_traffic():
+    compiled, args, _ = compiled_step(MESHES[0], "1f1b", 8)
+    ops = collectives(compiled.as_text())
+    activation = (ROWS // 2, SEQ, DIM)  # one microbatch on one data shard
+    permutes = [shape for op, shape in ops if op == "collective-permute"]
+    assert permutes and all(shape == activation for shape in permutes)
+    assert len(permutes) == 2  # forward and backward ppermute, once in the rolled loop
+    assert not [op for op, _ in ops if op in ("all-gather", "all-to-all", "reduce-scatter")]
+    # One reduction after the loop (loss, head, stage grads over data, input grads over pipeline); none per tick.
+    assert len([op for op, _ in ops if op == "all-reduce"]) <= 4
+
+
+def test_memory_1f1b_flat_gpipe_grows():
+    temp = {}
+    for kind in ("gpipe", "1f1b"):
+        for m in (8, 16):
+            compiled, *_ = compiled_step(MESHES[0], kind, m)
+            temp[kind, m] = compiled.memory_analysis().temp_size_in_bytes
+    # The input-gradient accumulator [M, microbatch/D, seq, dim] is the only M-sized buffer of 1F1B
+    # (it is as large as the inputs and the input_grads output); the stash stays at P slots.
+    input_grad_growth = 8 * (ROWS // 2) * SEQ * DIM * 4
+    growth_1f1b = temp["1f1b", 16] - temp["1f1b", 8]
+    growth_gpipe = temp["gpipe", 16] - temp["gpipe", 8]
+    assert growth_1f1b <= input_grad_growth
+    assert growth_gpipe > 4 * input_grad_growth
+    assert temp["gpipe", 8] > temp["1f1b", 8]
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: make_schedule("zigzag", 4, 8), "unknown pipeline schedule"),
+        (lambda: make_schedule("1f1b", 4, 2), "at least as many microbatches"),
+        (lambda: make_schedule("interleaved", 4, 2, 2), "at least as many microbatches"),
+        (lambda: make_schedule("interleaved", 4, 6, 2), "divisible by stages"),
+        (lambda: make_schedule("1f1b", 4, 8, 2), "needs kind='interleaved'"),
+        (lambda: make_schedule("gpipe", 0, 8), "must all be >= 1"),
+        (lambda: check_layers(8, 4, 3), "8 layers cannot be split into 4 stages x 3 virtual"),
+        (lambda: to_microbatches(jnp.zeros((10, 2)), 4), "does not split into 4 microbatches"),
+    ],
+)
+def test_schedule_errors(call, match):
+    with pytest.raises(SpmdkitError, match=match):
+        call()
+
+
+def test_pipeline_argument_errors():
+    mesh = make_mesh(MESHES[0])
+    params, head = make_model()
+    inputs, targets = make_batch(4)
+    sched = make_schedule("1f1b", 4, 4)
+
+    def run(fn=stage_fn, **overrides):
+        kw = dict(stage_params=params, head_params=head, inputs=inputs, targets=targets, mesh=mesh, schedule=sched)
+        kw.update(overrides)
+        return pipeline_value_and_grad(fn, loss_fn, **kw)
+
+    with pytest.raises(SpmdkitError, match="schedule has 2 stages but mesh axis pipeline=4"):
+        run(schedule=make_schedule("1f1b", 2, 4))
+    with pytest.raises(SpmdkitError, match="6 layers cannot be split"):
+        run(stage_params=jax.tree.map(lambda a: a[:6], params))
+    with pytest.raises(SpmdkitError, match="inputs must be"):
+        run(inputs=inputs[:3])
+    with pytest.raises(SpmdkitError, match="does not split over data"):
+        run(inputs=jnp.zeros((4, 3, SEQ, DIM)))
+    with pytest.raises(SpmdkitError, match="same shape and dtype"):
+        run(fn=lambda p, x: x[..., :8])
+    with pytest.raises(SpmdkitError, match="no axis 'stages'"):
+        run(axis_name="stages")

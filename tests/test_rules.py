@@ -1,0 +1,75 @@
+"""Logical names -> PartitionSpecs, presets, and the divisibility errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.sharding.mesh import make_mesh
+from spmdkit.sharding.partition import init_sharded
+from spmdkit.sharding.rules import PRESETS, constrain, logical_to_spec, make_rules, preset
+
+
+def test_zero_stages_shard_what_they_should():
+    mesh = make_mesh("fsdp=4,tensor=2")
+    names, shape = ("embed", "mlp"), (64, 256)
+    for stage, param, opt in [
+        (0, P(None, "tensor"), P(None, "tensor")),
+        (1, P(None, "tensor"), P("fsdp", "tensor")),
+        (2, P(None, "tensor"), P("fsdp", "tensor")),
+        (3, P("fsdp", "tensor"), P("fsdp", "tensor")),
+    ]:
+        rules = make_rules(stage)
+        assert logical_to_spec(names, shape, mesh, rules.params) == param
+        assert logical_to_spec(names, shape, mesh, rules.optimizer) == opt
+    assert make_rules(2).gradients_like_optimizer and not make_rules(1).gradients_like_optimizer
+
+
+def test_sequence_parallel_shards_residual_sequence_only():
+    mesh = make_mesh("tensor=8")
+    sp, tp = make_rules(3, sequence_parallel=True), make_rules(3)
+    assert logical_to_spec(("batch", "act_seq", "act_embed"), (8, 16, 64), mesh, sp.params) == P(None, "tensor")
+    assert logical_to_spec(("batch", "act_seq", "act_embed"), (8, 16, 64), mesh, tp.params) == P()
+    assert logical_to_spec(("batch", "seq", "heads", None), (8, 16, 8, 4), mesh, sp.params) == P(None, None, "tensor")
+
+
+def test_indivisible_dimension_names_parameter_shape_and_axis():
+    mesh = make_mesh("fsdp=8")
+    with pytest.raises(SpmdkitError, match=r"blocks/mlp/up of shape \(60, 256\): dim 0 \(embed=60\).*fsdp=8"):
+        logical_to_spec(("embed", "mlp"), (60, 256), mesh, make_rules(3).params, what="blocks/mlp/up")
+
+
+def test_kv_heads_fall_back_to_replication_with_warning():
+    mesh = make_mesh("tensor=8")
+    with pytest.warns(UserWarning, match="kv_heads=4.*replicating"):
+        spec = logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 4, 8), mesh, make_rules(3).params)
+    assert spec == P()
+
+
+def test_presets_and_unknown_preset():
+    mesh_config, rules = preset("zero1")
+    assert mesh_config.fsdp == -1 and rules.zero_stage == 1
+    assert preset("sp")[1].sequence_parallel
+    assert set(PRESETS) >= {"dp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp"}
+    with pytest.raises(SpmdkitError, match="unknown strategy preset 'zero4'"):
+        preset("zero4")
+
+
+def test_constrain_is_identity_without_rules():
+    x = jnp.ones((2, 3))
+    assert constrain(x, ("batch", "act_embed")) is x
+
+
+def test_init_sharded_parameters_are_born_sharded():
+    mesh = make_mesh("fsdp=4,tensor=2")
+    model = init_sharded(lambda: Transformer(TransformerConfig(), rngs=nnx.Rngs(0)), mesh, make_rules(3))
+    up = model.blocks.mlp.up[...]
+    assert up.sharding.spec == P(None, "fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape == (2, 16, 128)
+    # same values as an unsharded build with the same seed
+    with nnx.use_eager_sharding(False):
+        plain = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
+    assert jnp.allclose(jax.device_get(up), plain.blocks.mlp.up[...])
