@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
+from spmdkit.sharding import context
 from spmdkit.sharding.rules import constrain
 
 # Activation layouts, by logical name. The residual stream carries `act_seq` (sequence parallelism shards it
@@ -95,10 +96,8 @@ class Attention(nnx.Module):
         k = constrain(jnp.einsum("bse,ehd->bshd", x, self.k[...].astype(dt)), ("batch", "seq", "kv_heads", None))
         v = constrain(jnp.einsum("bse,ehd->bshd", x, self.v[...].astype(dt)), ("batch", "seq", "kv_heads", None))
         q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
-        if c.attention == "ring":
-            from spmdkit.sharding.context import context_attention  # the one place CP enters the model
-
-            out = context_attention(q, k, v)
+        if c.attention == "ring" and context.context_size() > 1:
+            out = context.context_attention(q, k, v)
         else:
             out = dot_attention(q, k, v)
         out = constrain(out, ("batch", "seq", "heads", None))
