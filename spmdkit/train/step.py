@@ -82,11 +82,13 @@ def make_train_step(
     rules: Rules,
     grad_accum: int = 1,
     lr_schedule: optax.Schedule | None = None,
+    fail_steps: tuple[int, ...] = (),
 ) -> StepFn:
     """The jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
 
     metrics: loss, grad_norm, lr, skipped (1.0 when the gradients were not finite and the update was skipped),
-    bad_steps (consecutive skipped steps so far).
+    bad_steps (consecutive skipped steps so far). `fail_steps` (0-based optimizer steps) get NaN gradients:
+    the test hook for the skip path.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
 
@@ -94,9 +96,12 @@ def make_train_step(
         with use_rules(rules, mesh):
             model, optimizer = nnx.merge(graphdef, state)
             loss, grads = loss_and_grads(model, batch, grad_accum)
+            opt_step = optimizer.step[...]
+            if fail_steps:
+                poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, 1.0)
+                grads = jax.tree.map(lambda g: g * poison, grads)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             grad_norm = optax.tree.norm(grads)
-            opt_step = optimizer.step[...]
             optimizer.update(model, grads)
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
@@ -115,4 +120,19 @@ def make_train_step(
         in_shardings=(train_state.shardings, batch_shardings(mesh, rules)),
         out_shardings=(train_state.shardings, replicated),
         donate_argnums=0,
+    )
+
+
+def make_eval_step(train_state: TrainState, mesh: Mesh, rules: Rules) -> Callable[[nnx.State, Batch], jax.Array]:
+    """The jitted forward-only `eval(state, batch) -> mean loss`."""
+    graphdef = train_state.graphdef
+
+    def evaluate(state: nnx.State, batch: Batch) -> jax.Array:
+        with use_rules(rules, mesh):
+            model = nnx.merge(graphdef, state)[0]
+            return cross_entropy(model(batch["inputs"], batch["positions"]), batch["targets"])
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        evaluate, in_shardings=(train_state.shardings, batch_shardings(mesh, rules)), out_shardings=replicated
     )

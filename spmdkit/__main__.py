@@ -1,0 +1,5 @@
+import sys
+
+from spmdkit.cli import main
+
+sys.exit(main())

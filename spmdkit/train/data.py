@@ -1,0 +1,334 @@
+"""Deterministic, resumable training data through grain, sharded by JAX process.
+
+Three sources, all cut into records of `seq_len + 1` tokens (inputs are the first `seq_len`, targets the last):
+
+- `"stdlib"` (default, no download): byte-level tokens of the running interpreter's standard library `.py`
+  files (sorted paths, no `site-packages`, capped at ~8 MB). Each file is `BOS + utf-8 bytes + EOS`; the files
+  are concatenated and cut into non-overlapping windows. A stable hash of each relative path puts a fixed
+  ~`eval_fraction` of whole files into the eval split.
+- a token file: a flat `.bin` (raw `uint16`/`uint32`, nanoGPT format) or `.npy`, memory-mapped and read lazily
+  window by window; the eval split is the tail `eval_fraction` of the stream.
+- `"synthetic"`: uniform random tokens from a numpy generator seeded per record (1,000,000 records), for benchmarks.
+
+Each JAX process reads only records `process_index::process_count` and yields `global_batch // process_count`
+rows per step; `global_batch_arrays` assembles the per-process batches into global `jax.Array`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sysconfig
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from spmdkit.errors import SpmdkitError
+
+VOCAB_BYTES = 256
+BOS = 256
+EOS = 257
+VOCAB_SIZE = 264  # byte tokens + specials, padded to a multiple of 8
+
+STDLIB_MAX_BYTES = 8_000_000
+SYNTHETIC_RECORDS = 1_000_000
+_BIN_DTYPES = ("uint16", "uint32")
+# One background thread builds the next batches while the device computes; more threads only fight the GIL.
+_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from.
+
+    `source`: "stdlib" | "synthetic" | a path to a `.bin` or `.npy` token file.
+    `token_dtype`: dtype of a raw `.bin` file ("uint16" or "uint32"); a `.npy` file carries its own.
+    `eval_fraction`: held-out share (stdlib: whole files; token file: the tail of the stream).
+    """
+
+    source: str = "stdlib"
+    token_dtype: str = "uint16"
+    eval_fraction: float = 0.05
+
+
+# ----------------------------------------------------------------------------------------------- record sources
+
+
+class WindowSource(Sequence[np.ndarray]):
+    """Record `i` is `tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]`: non-overlapping windows, read lazily."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.window = seq_len + 1
+        self._len = len(tokens) // self.window
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        start = int(index) * self.window
+        return np.asarray(self.tokens[start : start + self.window])
+
+
+class SyntheticSource(Sequence[np.ndarray]):
+    """Record `i`: `seq_len + 1` uniform tokens in `[0, vocab_size)` from `np.random.default_rng((seed, stream, i))`."""
+
+    def __init__(self, num_records: int, seq_len: int, vocab_size: int, seed: int, stream: int):
+        self._len = num_records
+        self.seq_len, self.vocab_size, self.seed, self.stream = seq_len, vocab_size, seed, stream
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        rng = np.random.default_rng((self.seed, self.stream, int(index)))
+        return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------------------------- stdlib corpus
+
+
+def stdlib_root() -> str:
+    """The running interpreter's standard library directory."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def _is_eval_file(relpath: str, eval_fraction: float) -> bool:
+    """Stable across runs and machines: crc32 of the relative path, not Python's salted `hash`."""
+    return zlib.crc32(relpath.encode()) % 10_000 < round(eval_fraction * 10_000)
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_texts() -> tuple[tuple[str, bytes], ...]:
+    """(relative path, utf-8 bytes) of the stdlib `.py` files in sorted path order, up to ~8 MB in all."""
+    root = stdlib_root()
+    paths = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        paths += [os.path.relpath(os.path.join(directory, f), root) for f in files if f.endswith(".py")]
+    texts, total = [], 0
+    for relpath in sorted(paths):
+        with open(os.path.join(root, relpath), "rb") as f:
+            data = f.read()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        texts.append((relpath, data))
+        total += len(data)
+        if total >= STDLIB_MAX_BYTES:
+            break
+    return tuple(texts)
+
+
+def stdlib_files(eval_fraction: float = 0.05) -> dict[str, tuple[str, ...]]:
+    """{"train": relative paths, "eval": relative paths} of the stdlib corpus, each in sorted order; disjoint."""
+    split: dict[str, list[str]] = {"train": [], "eval": []}
+    for relpath, _ in _stdlib_texts():
+        split["eval" if _is_eval_file(relpath, eval_fraction) else "train"].append(relpath)
+    return {name: tuple(paths) for name, paths in split.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_tokens(eval_fraction: float, split: str) -> np.ndarray:
+    """[n] uint16: `BOS + bytes + EOS` of every file of `split`, concatenated in sorted path order."""
+    wanted = split == "eval"
+    parts = []
+    for relpath, data in _stdlib_texts():
+        if _is_eval_file(relpath, eval_fraction) == wanted:
+            parts += [np.array([BOS], np.uint16), np.frombuffer(data, np.uint8).astype(np.uint16)]
+            parts.append(np.array([EOS], np.uint16))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------- token files
+
+
+def _open_token_file(path: str, token_dtype: str) -> np.ndarray:
+    """[n] memory-mapped tokens of a `.bin` or `.npy` file, checked for existence, extension and dtype."""
+    if not os.path.isfile(path):
+        raise SpmdkitError(
+            f"data file {path!r} not found: pass an existing .bin/.npy token file, 'stdlib' or 'synthetic'"
+        )
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".bin":
+        if token_dtype not in _BIN_DTYPES:
+            raise SpmdkitError(f"token_dtype {token_dtype!r} is not supported for .bin files: use 'uint16' or 'uint32'")
+        itemsize = np.dtype(token_dtype).itemsize
+        size = os.path.getsize(path)
+        if size % itemsize:
+            raise SpmdkitError(
+                f"{path} has {size} bytes, not a multiple of {itemsize} ({token_dtype}): check token_dtype or the file"
+            )
+        if size == 0:
+            return np.zeros(0, token_dtype)
+        return np.memmap(path, dtype=token_dtype, mode="r")
+    if ext == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise SpmdkitError(f"{path} is not a readable .npy file ({e}): rewrite it with np.save") from None
+        if tokens.dtype.kind not in "ui":
+            raise SpmdkitError(f"{path} holds {tokens.dtype} values: token files must hold integer ids (e.g. uint16)")
+        return tokens.reshape(-1)
+    raise SpmdkitError(f"data file {path!r} has unknown extension {ext!r}: use a flat .bin (raw tokens) or .npy file")
+
+
+@functools.lru_cache(maxsize=8)
+def _id_range(path: str, size: int, mtime_ns: int, token_dtype: str) -> tuple[int, int]:
+    """(min, max) token id of a file, computed once per file version with numpy on the memmap."""
+    tokens = _open_token_file(path, token_dtype)
+    if len(tokens) == 0:
+        return 0, -1
+    return int(tokens.min()), int(tokens.max())
+
+
+def _file_tokens(config: DataConfig, vocab_size: int, seq_len: int, split: str) -> np.ndarray:
+    """[n] tokens of the `split` part of a token file (train: the head; eval: the tail), checked against vocab."""
+    path = config.source
+    tokens = _open_token_file(path, config.token_dtype)
+    stat = os.stat(path)
+    lo, hi = _id_range(path, stat.st_size, stat.st_mtime_ns, config.token_dtype)
+    if hi >= vocab_size:
+        raise SpmdkitError(f"{path} holds token id {hi} but vocab_size is {vocab_size}: raise vocab_size above {hi}")
+    if lo < 0:
+        raise SpmdkitError(f"{path} holds negative token id {lo}: token ids must be in [0, vocab_size)")
+    if len(tokens) < seq_len + 1:
+        raise SpmdkitError(
+            f"{path} has {len(tokens)} tokens, shorter than one sequence of seq_len+1={seq_len + 1}: "
+            "use a longer file or a smaller seq_len"
+        )
+    n_eval = int(len(tokens) * config.eval_fraction)
+    return tokens[len(tokens) - n_eval :] if split == "eval" else tokens[: len(tokens) - n_eval]
+
+
+# ----------------------------------------------------------------------------------------------- the stream
+
+
+class DataStream(Iterator[dict[str, np.ndarray]]):
+    """Iterator of local batches: `inputs`, `targets`, `positions`, each int32 `[local_batch, seq_len]`.
+
+    `get_state()` / `set_state(state)` give exact resume; `iterator` is the grain `DatasetIterator`, for
+    `grain.checkpoint.CheckpointSave(stream.iterator)` inside an Orbax checkpoint.
+    """
+
+    def __init__(
+        self,
+        dataset: grain.IterDataset,
+        *,
+        seq_len: int,
+        global_batch: int,
+        local_batch: int,
+        num_records: int,
+        split: str,
+    ):
+        self.dataset = dataset
+        self.iterator: grain.DatasetIterator = iter(dataset)
+        self.seq_len, self.global_batch, self.local_batch = seq_len, global_batch, local_batch
+        self.num_records, self.split = num_records, split
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one pass over the split (the eval stream stops after this many)."""
+        return self.num_records // self.global_batch
+
+    def __iter__(self) -> DataStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self.iterator)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.iterator.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.iterator.set_state(state)
+
+
+def _to_example(window: np.ndarray) -> dict[str, np.ndarray]:
+    """[seq_len + 1] tokens -> inputs, targets (shifted by one), positions: int32 [seq_len] each."""
+    window = np.asarray(window, dtype=np.int32)
+    seq_len = len(window) - 1
+    return {"inputs": window[:-1], "targets": window[1:], "positions": np.arange(seq_len, dtype=np.int32)}
+
+
+def _source(config: DataConfig, seq_len: int, vocab_size: int, seed: int, split: str) -> Sequence[np.ndarray]:
+    if config.source == "synthetic":
+        n_eval = max(1, int(SYNTHETIC_RECORDS * config.eval_fraction))
+        count = n_eval if split == "eval" else SYNTHETIC_RECORDS
+        return SyntheticSource(count, seq_len, vocab_size, seed, stream=int(split == "eval"))
+    if config.source == "stdlib":
+        if vocab_size < VOCAB_SIZE:
+            raise SpmdkitError(
+                f"the stdlib source needs vocab_size >= {VOCAB_SIZE} (bytes + BOS/EOS), got {vocab_size}"
+            )
+        return WindowSource(_stdlib_tokens(float(config.eval_fraction), split), seq_len)
+    return WindowSource(_file_tokens(config, vocab_size, seq_len, split), seq_len)
+
+
+def make_data(
+    config: DataConfig, *, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str = "train"
+) -> DataStream:
+    """This process's stream of `[global_batch // process_count, seq_len]` batches of `split` ("train" | "eval").
+
+    train: shuffled with `seed` (reshuffled each epoch), repeated forever. eval: one pass in order, no shuffle.
+    Records are sharded by JAX process (`[process_index::process_count]`), so processes read disjoint records
+    and their batches together form the global batch.
+    """
+    if split not in ("train", "eval"):
+        raise SpmdkitError(f"unknown data split {split!r}: use 'train' or 'eval'")
+    if seq_len < 1 or global_batch < 1:
+        raise SpmdkitError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise SpmdkitError(f"eval_fraction={config.eval_fraction} is out of range: use a value in [0, 1)")
+    nproc, pid = jax.process_count(), jax.process_index()
+    if global_batch % nproc:
+        raise SpmdkitError(
+            f"global_batch={global_batch} does not divide by the {nproc} JAX processes: use a multiple of {nproc}"
+        )
+    source = _source(config, seq_len, vocab_size, seed, split)
+    if len(source) < global_batch:
+        raise SpmdkitError(
+            f"{config.source} {split} split has {len(source)} sequences of seq_len+1={seq_len + 1} tokens, fewer "
+            f"than one global batch of {global_batch}: use more data, a smaller seq_len or a smaller global_batch"
+        )
+    # Every process gets the same number of records, so all of them take the same number of steps.
+    num_records = len(source) - len(source) % nproc
+    local_batch = global_batch // nproc
+    ds = grain.MapDataset.source(source)[:num_records]
+    if split == "train":
+        ds = ds.seed(seed).shuffle()
+    ds = ds[pid::nproc].map(_to_example)
+    if split == "train":
+        ds = ds.repeat()
+    iter_ds = ds.batch(local_batch, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
+    return DataStream(
+        iter_ds,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        local_batch=local_batch,
+        num_records=num_records,
+        split=split,
+    )
+
+
+def global_batch_arrays(
+    local: dict[str, np.ndarray], shardings: dict[str, jax.sharding.NamedSharding]
+) -> dict[str, jax.Array]:
+    """This process's `[local_batch, ...]` arrays -> global `jax.Array`s of `[local_batch * process_count, ...]`.
+
+    Each `shardings[name]` should split the batch dimension over the mesh axes that span the processes.
+    """
+    nproc = jax.process_count()
+    out = {}
+    for name, array in local.items():
+        if name not in shardings:
+            raise SpmdkitError(f"no sharding given for batch field {name!r}: pass shardings for {sorted(local)}")
+        global_shape = (array.shape[0] * nproc, *array.shape[1:])
+        out[name] = jax.make_array_from_process_local_data(shardings[name], array, global_shape)
+    return out

@@ -1,0 +1,237 @@
+"""The training loop: set up mesh, state and data, compile once, run steps, log, evaluate, summarise.
+
+Host-device syncs are kept off the hot path: metrics stay on device and are fetched every `log_every` steps;
+the only per-step read is the previous step's bad-step counter, which is already computed while the current
+step runs. `Trainer.save_hook` / `restore_hook` are where checkpointing plugs in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import TransformerConfig
+from spmdkit.sharding.context import zigzag_batch
+from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
+from spmdkit.sharding.rules import make_rules
+from spmdkit.sharding.summary import parameter_rows
+from spmdkit.train.config import TrainConfig
+from spmdkit.train.data import global_batch_arrays, make_data
+from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput
+from spmdkit.train.optimizer import make_optimizer, schedule
+from spmdkit.train.state import TrainState, create_train_state
+from spmdkit.train.step import batch_shardings, check_batch, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: dict[int, float]  # step (1-based) -> loss, for the logged steps
+    eval_losses: dict[int, float]
+    state: TrainState
+    run_dir: Path
+    skipped_steps: int
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Trainer:
+    """One run: `Trainer(config).run()`."""
+
+    def __init__(self, config: TrainConfig, log: Callable[[str], None] | None = None):
+        self.config = config
+        self.is_main = jax.process_index() == 0
+        self.log = log or (lambda text: print(text, flush=True) if self.is_main else None)
+        self.run_dir = Path(config.run.run_dir).absolute()
+        self.mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn))
+        self.context = self.mesh.shape["context"]
+        self.model_config: TransformerConfig = config.model.build(self.context)
+        self.rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+        run = config.run
+        check_batch(run.batch_size, self.mesh, run.grad_accum)
+        if self.context > 1 and run.seq_len % (2 * self.context):
+            raise SpmdkitError(
+                f"--seq-len {run.seq_len} must be divisible by 2 x context = {2 * self.context} for ring attention"
+            )
+        self.tx = make_optimizer(config.optimizer, run.steps)
+        self.lr_schedule = schedule(config.optimizer, run.steps)
+        self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
+        self.start_step = 0
+        self.save_hook: Callable[[int, Trainer, bool], None] | None = None
+        self.data = make_data(
+            config.data, seq_len=run.seq_len, global_batch=run.batch_size,
+            vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
+        )  # fmt: skip
+
+    # -- reporting -----------------------------------------------------------------------------------------
+
+    def state_bytes_per_device(self) -> tuple[int, int]:
+        """(parameter bytes, optimizer-state bytes) held by one device."""
+        rows = parameter_rows(self.state.state, self.state.shardings)
+        params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
+        return params, sum(r.bytes_per_device for r in rows) - params
+
+    def describe(self) -> str:
+        params, opt = self.state_bytes_per_device()
+        cfg, run = self.model_config, self.config.run
+        zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.rules.zero_stage]
+        return "\n".join(
+            [
+                f"mesh         {format_sizes(dict(self.mesh.shape))} on {self.mesh.devices.size} "
+                f"{jax.devices()[0].platform.upper()} device(s), {jax.process_count()} process(es)",
+                f"parallelism  {describe_parallelism(self.mesh)}; optimizer state {zero}"
+                + ("; sequence parallel" if self.rules.sequence_parallel else "")
+                + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
+                f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
+                f"compute {cfg.dtype}, remat {cfg.remat}",
+                f"memory       per device: parameters {_human_bytes(params)} + optimizer {_human_bytes(opt)}",
+                f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
+            ]
+        )
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.model_config.attention == "ring":
+            local = zigzag_batch(local, self.context)
+        return global_batch_arrays(local, self.batch_shardings)
+
+    def evaluate(self, eval_step: Any) -> float:
+        run = self.config.run
+        stream = make_data(
+            self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
+            vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
+        )  # fmt: skip
+        losses = []
+        for _ in range(run.eval_batches):
+            try:
+                losses.append(eval_step(self.state.state, self.global_batch(next(stream))))
+            except StopIteration:
+                break
+        return float(np.mean(jax.device_get(losses))) if losses else float("nan")
+
+    def run(self) -> TrainResult:
+        config, run = self.config, self.config.run
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(config.to_json())
+        self.log(self.describe())
+        self.batch_shardings = batch_shardings(self.mesh, self.rules)
+        step_fn = make_train_step(
+            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps)
+        )
+        eval_step = make_eval_step(self.state, self.mesh, self.rules)
+        batch = self.global_batch(next(self.data))
+        started = time.perf_counter()
+        compiled = step_fn.lower(self.state.state, batch).compile()
+        self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
+
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        peak = peak_flops(override_tflops=run.peak_tflops)
+        flops_per_token = self.model_config.flops_per_token(run.seq_len)
+        tokens_per_step = run.batch_size * run.seq_len
+        result = TrainResult({}, {}, self.state, self.run_dir, 0)
+        progress = self._progress(run.steps - self.start_step)
+        window_start, window_steps, previous = time.perf_counter(), 0, None
+        try:
+            for step in range(self.start_step + 1, run.steps + 1):
+                if step > self.start_step + 1:
+                    batch = self.global_batch(next(self.data))
+                self.state.state, metrics = compiled(self.state.state, batch)
+                window_steps += 1
+                if previous is not None:
+                    self._check_bad_steps(previous, step - 1)
+                previous = metrics
+                if step % run.log_every == 0 or step in (self.start_step + 1, run.steps):
+                    fetched = jax.device_get(metrics)
+                    elapsed = time.perf_counter() - window_start
+                    speed = throughput(
+                        tokens_per_step, elapsed / window_steps, flops_per_token, jax.device_count(), peak
+                    )
+                    record = {"step": step, **{k: float(v) for k, v in fetched.items()}}
+                    record.update(step_time_s=elapsed / window_steps, **speed)
+                    if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
+                        record["eval_loss"] = result.eval_losses[step] = self.evaluate(eval_step)
+                    result.losses[step] = record["loss"]
+                    writer.write(record)
+                    self._update_progress(progress, record, step)
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.save_hook:
+                    self.save_hook(step, self, step == run.steps)
+            self._check_bad_steps(previous, run.steps)
+        finally:
+            writer.close()
+            if progress is not None:
+                progress.close()
+        result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
+        self._finish(result)
+        return result
+
+    def _check_bad_steps(self, metrics: dict[str, jax.Array], step: int) -> None:
+        bad = int(metrics["bad_steps"])
+        limit = self.config.optimizer.max_bad_steps
+        if bad >= limit:
+            raise SpmdkitError(
+                f"the gradients were NaN or Inf for {bad} consecutive steps (steps {step - bad + 1}-{step}); the "
+                f"parameters are those of step {step - bad}: lower --lr, check the data, or raise max_bad_steps"
+            )
+
+    def _progress(self, total: int) -> Any:
+        if not (self.is_main and self.config.run.progress):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def _update_progress(self, progress: Any, record: dict[str, Any], step: int) -> None:
+        if progress is None:
+            return
+        progress.n = step - self.start_step
+        mfu = record.get("mfu")
+        progress.set_postfix(
+            loss=f"{record['loss']:.3f}",
+            tok_s=f"{record['tokens_per_sec']:,.0f}",
+            mfu="n/a" if mfu is None else f"{mfu:.1%}",
+        )
+
+    def _finish(self, result: TrainResult) -> None:
+        if not self.is_main or not result.losses:
+            return
+        from spmdkit.train.metrics import read_metrics
+
+        records = read_metrics(self.run_dir)
+        plot_loss_curve(records, self.run_dir / "loss.png")
+        speed = [r["tokens_per_sec"] for r in records[1:]] or [records[-1]["tokens_per_sec"]]
+        mfus = [r["mfu"] for r in records[1:] if r.get("mfu") is not None]
+        first, last = records[0], records[-1]
+        lines = [
+            "",
+            f"done: {last['step']} steps, loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f}"
+            + (f", eval loss {last['eval_loss']:.3f}" if "eval_loss" in last else ""),
+            f"speed: {np.median(speed):,.0f} tokens/s, {np.median([r['tflops_per_device'] for r in records]):.3g} "
+            f"TFLOP/s per device, MFU " + (f"{np.median(mfus):.1%}" if mfus else "unknown (pass --peak-tflops)"),
+            f"skipped steps (NaN/Inf): {result.skipped_steps}",
+            f"run directory: {self.run_dir} (config.json, metrics.jsonl, loss.png, tensorboard/)",
+        ]
+        if not math.isfinite(last["loss"]):
+            lines.append("warning: the last loss is not finite")
+        self.log("\n".join(lines))
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run training as configured and return its losses and final state."""
+    return Trainer(config).run()
