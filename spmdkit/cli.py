@@ -50,10 +50,14 @@ TRAIN_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--seed", "run", "seed", int, "seed for initialisation and data order"),
     ("--run-dir", "run", "run_dir", str, "directory for config.json, metrics.jsonl, loss.png, tensorboard/"),
     ("--peak-tflops", "run", "peak_tflops", float, "peak TFLOP/s per device for MFU where the device is unknown"),
+    ("--checkpoint-dir", "checkpoint", "directory", str, "Orbax checkpoint directory (empty: RUN_DIR/checkpoints)"),
+    ("--checkpoint-every", "checkpoint", "every", int, "save a checkpoint every N steps (0: only at the end)"),
+    ("--keep", "checkpoint", "keep", int, "keep the newest N checkpoints"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str, bool, str]] = [
     ("--sequence-parallel", "mesh", "sequence_parallel", True, "shard the residual stream's sequence over tensor (SP)"),
     ("--no-progress", "run", "progress", False, "no progress bar"),
+    ("--no-resume", "checkpoint", "resume", False, "start from step 0 even if the checkpoint directory has steps"),
 ]
 
 
@@ -73,7 +77,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument(
         "--config",
         metavar="FILE.toml",
-        help="TOML config ([model], [mesh], [optimizer], [data], [run]); flags override it",
+        help="TOML config ([model], [mesh], [optimizer], [data], [run], [checkpoint]); flags override it",
     )
     parser.add_argument(
         "--cpu-devices",

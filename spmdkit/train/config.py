@@ -1,6 +1,7 @@
 """The run's configuration: frozen dataclasses, read from TOML, overridden from the command line.
 
-Sections: `model` (a preset plus numerics), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`.
+Sections: `model` (a preset plus numerics), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`,
+`checkpoint`.
 A TOML file has one table per section; keys are the field names. The resolved config is saved as JSON into
 every run directory (and every checkpoint).
 """
@@ -69,12 +70,30 @@ class RunSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """Orbax checkpoints. `directory` defaults to RUN_DIR/checkpoints; save every `every` steps (0: only at the
+    end) and at the end, keep the newest `keep`; `resume` continues from the newest intact step found there."""
+
+    directory: str = ""
+    every: int = 100
+    keep: int = 3
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise SpmdkitError(f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
+        if self.keep < 1:
+            raise SpmdkitError(f"--keep must be at least 1 (got {self.keep})")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelSettings = ModelSettings()
     mesh: MeshSettings = MeshSettings()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     run: RunSettings = RunSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

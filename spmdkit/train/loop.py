@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit.checkpoint.manager import attach
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.sharding.context import zigzag_batch
@@ -30,6 +31,7 @@ from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, th
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, check_batch, make_eval_step, make_train_step
+from spmdkit.train.stop import StopRequest
 
 
 @dataclasses.dataclass
@@ -39,6 +41,7 @@ class TrainResult:
     state: TrainState
     run_dir: Path
     skipped_steps: int
+    stopped_at: int | None = None  # the step a SIGTERM / SIGINT stopped the run after (checkpoint saved)
 
 
 def _human_bytes(n: float) -> str:
@@ -130,6 +133,11 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(config.to_json())
         self.log(self.describe())
+        checkpointer = attach(self)  # resumes from the newest intact checkpoint; saves through save_hook
+        if self.start_step >= run.steps:
+            checkpointer.close()
+            self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
+            return TrainResult({}, {}, self.state, self.run_dir, 0)
         self.batch_shardings = batch_shardings(self.mesh, self.rules)
         step_fn = make_train_step(
             self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps)
@@ -147,6 +155,7 @@ class Trainer:
         result = TrainResult({}, {}, self.state, self.run_dir, 0)
         progress = self._progress(run.steps - self.start_step)
         window_start, window_steps, previous = time.perf_counter(), 0, None
+        stop = StopRequest().install()  # SIGTERM / SIGINT: finish this step, save, return
         try:
             for step in range(self.start_step + 1, run.steps + 1):
                 if step > self.start_step + 1:
@@ -172,13 +181,25 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 if self.save_hook:
                     self.save_hook(step, self, step == run.steps)
-            self._check_bad_steps(previous, run.steps)
+                if stop.requested():
+                    result.stopped_at = step
+                    checkpointer.save_trainer(self, step, force=True)
+                    checkpointer.wait()
+                    break
+            self._check_bad_steps(previous, step)
         finally:
+            stop.uninstall()
+            checkpointer.close()
             writer.close()
             if progress is not None:
                 progress.close()
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
         self._finish(result)
+        if result.stopped_at is not None:
+            self.log(
+                f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved in "
+                f"{checkpointer.directory}: run the same command again to resume"
+            )
         return result
 
     def _check_bad_steps(self, metrics: dict[str, jax.Array], step: int) -> None:

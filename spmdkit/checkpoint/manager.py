@@ -1,0 +1,292 @@
+"""Checkpoints: a thin layer over Orbax's `CheckpointManager` (async, sharded, one directory per step).
+
+A step directory holds three items:
+
+- `state`: the train state (model parameters and optimizer state, the step count included) as a pure nested
+  dict `{"model": ..., "optimizer": ...}`, saved sharded (OCDBT) with `StandardSave`;
+- `data`: the grain iterator state, one JSON file per JAX process (`grain.checkpoint.CheckpointSave`);
+- `config`: the resolved `TrainConfig` as JSON.
+
+Restore builds its target from the *current* shardings (a tree of `jax.ShapeDtypeStruct(..., sharding=...)`),
+so a checkpoint saved on one mesh restores onto any other mesh or device count. A step that fails to read is
+reported, set aside as `<step>.damaged-<time>`, and the next newest step is tried; a checkpoint whose shapes
+differ from the model raises `SpmdkitError` naming the first differing array.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from orbax.checkpoint import checkpoint_managers as policies
+
+from spmdkit.errors import SpmdkitError
+
+if TYPE_CHECKING:
+    from spmdkit.train.loop import Trainer
+
+ITEMS = ("state", "data", "config")
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint step was skipped."""
+
+
+def item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """Handlers for every item, so a fresh manager (new process) can read metadata and restore."""
+    return {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+
+
+def checkpoint_directory(config: Any) -> Path:
+    """`config.checkpoint.directory`, or `RUN_DIR/checkpoints`; always absolute (Orbax requires it)."""
+    directory = config.checkpoint.directory or str(Path(config.run.run_dir) / "checkpoints")
+    return Path(directory).expanduser().absolute()
+
+
+def _path_text(path: tuple[Any, ...]) -> str:
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def abstract_target(state: nnx.State, shardings: Any) -> dict[str, Any]:
+    """The restore target: `{"model", "optimizer"}` trees of ShapeDtypeStructs carrying `shardings`."""
+    leaves, treedef = jax.tree.flatten(state)
+    sharding_leaves = jax.tree.leaves(shardings)
+    if len(leaves) != len(sharding_leaves):
+        raise ValueError(f"state has {len(leaves)} arrays but shardings has {len(sharding_leaves)}")
+    abstract = treedef.unflatten(
+        [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sharding_leaves, strict=True)]
+    )
+    return to_saved_tree(abstract)
+
+
+def to_saved_tree(state: nnx.State) -> dict[str, Any]:
+    """nnx.State of (model, optimizer) -> the pure dict that is saved."""
+    pure = nnx.to_pure_dict(state)
+    return {"model": pure[0], "optimizer": pure[1]}
+
+
+def from_saved_tree(saved: dict[str, Any], like: nnx.State) -> nnx.State:
+    """Inverse of `to_saved_tree`, with the structure (Variable types, metadata) of `like`."""
+    treedef = jax.tree.structure(like)
+    leaves = jax.tree.leaves({0: saved["model"], 1: saved["optimizer"]})
+    return treedef.unflatten(leaves)
+
+
+class Checkpointer:
+    """Save and restore train states under one directory; `every` steps (0: only forced saves), keep `keep`."""
+
+    def __init__(self, directory: str | Path, *, every: int = 100, keep: int = 3, read_only: bool = False):
+        if keep < 1:
+            raise SpmdkitError(f"--keep {keep} must be at least 1")
+        if every < 0:
+            raise SpmdkitError(f"--checkpoint-every {every} must be >= 0 (0 saves only at the end)")
+        self.directory = Path(directory).expanduser().absolute()
+        if read_only and not self.directory.is_dir():
+            raise SpmdkitError(f"checkpoint directory {self.directory} does not exist: check the path")
+        self.every, self.keep = every, keep
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=policies.FixedIntervalPolicy(every) if every else policies.SpecificStepsPolicy(()),
+            preservation_policy=policies.LatestN(keep),
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers())
+        self.last_saved: int | None = None
+
+    # -- saving -------------------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: nnx.State,
+        data: grain.DatasetIterator | None = None,
+        config: dict[str, Any] | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Start an async save of `step` (when due, or `force`); returns whether a save started."""
+        if step == self.last_saved or step in self.manager.all_steps():
+            return False
+        items: dict[str, Any] = {"state": ocp.args.StandardSave(to_saved_tree(state))}
+        if data is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data)
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(config)
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if saved:
+            self.last_saved = step
+        return saved
+
+    def save_trainer(self, trainer: Trainer, step: int, *, force: bool = False) -> bool:
+        config = json.loads(trainer.config.to_json())
+        return self.save(step, trainer.state.state, trainer.data.iterator, config, force=force)
+
+    def hook(self, step: int, trainer: Trainer, is_final: bool) -> None:
+        """`Trainer.save_hook`: periodic saves, and always the final step."""
+        self.save_trainer(trainer, step, force=is_final)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def read_config(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+    def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """'model/embedding' -> (shape, dtype) of every saved array, from metadata only."""
+        metadata = self.manager.item_metadata(step)["state"]
+        if metadata is None:
+            raise ValueError(f"step {step} has no state metadata")
+        flat = jax.tree_util.tree_leaves_with_path(metadata)
+        return {_path_text(path): (tuple(m.shape), str(m.dtype)) for path, m in flat}
+
+    def check_compatible(self, step: int, target: dict[str, Any]) -> None:
+        """SpmdkitError naming the first array whose shape differs between the checkpoint and `target`."""
+        saved = self.saved_shapes(step)
+        wanted = {_path_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+        for path, shape in wanted.items():
+            found = saved.get(path, (None, None))[0]
+            if found != shape:
+                what = "is missing" if found is None else f"has shape {found}"
+                raise SpmdkitError(
+                    f"checkpoint step {step} in {self.directory} does not match this model: {path} {what} in the "
+                    f"checkpoint but has shape {shape} here: use the model settings it was saved with (see "
+                    f"'spmdkit ckpt inspect'), or a fresh --checkpoint-dir, or --no-resume"
+                )
+        extra = sorted(set(saved) - set(wanted))
+        if extra:
+            raise SpmdkitError(
+                f"checkpoint step {step} in {self.directory} does not match this model: it holds {extra[0]} "
+                f"{saved[extra[0]][0]}, which this model lacks: use the model settings it was saved with, or a "
+                f"fresh --checkpoint-dir, or --no-resume"
+            )
+
+    def restore(
+        self, step: int, state: nnx.State, shardings: Any, data: grain.DatasetIterator | None = None
+    ) -> nnx.State:
+        """The train state of `step`, placed on `shardings` (any mesh); restores `data`'s position in place."""
+        target = abstract_target(state, shardings)
+        self.check_compatible(step, target)
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
+        if data is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        if jax.tree.structure(restored["state"]) != jax.tree.structure(target):
+            raise ValueError(f"step {step} restored a tree of a different structure")
+        return from_saved_tree(restored["state"], state)
+
+    def restore_latest(
+        self, state: nnx.State, shardings: Any, data: grain.DatasetIterator | None = None
+    ) -> tuple[int, nnx.State] | None:
+        """(step, state) of the newest intact step, or None when there is no checkpoint at all.
+
+        Damaged steps (unreadable, files missing) are warned about, renamed `<step>.damaged-<time>` so that
+        training can save that step again, and skipped; if every step is damaged, SpmdkitError.
+        """
+        steps = self.steps()
+        damaged = []
+        for step in reversed(steps):
+            try:
+                restored = self.restore(step, state, shardings, data)
+            except SpmdkitError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
+                reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                warnings.warn(
+                    f"checkpoint step {step} in {self.directory} is damaged ({type(error).__name__}: {reason}); "
+                    "falling back to the previous step",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+                damaged.append(step)
+                continue
+            self._set_aside(damaged)
+            return step, restored
+        if damaged:
+            raise SpmdkitError(
+                f"every checkpoint step in {self.directory} is damaged ({', '.join(map(str, damaged))}): "
+                "run 'spmdkit ckpt verify' on it, delete the damaged steps, or pass --no-resume"
+            )
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged steps out of Orbax's view (it would refuse to save those steps again)."""
+        if steps and jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step in steps:
+                path = self.directory / str(step)
+                if path.exists():
+                    path.rename(self.directory / f"{step}.damaged-{stamp}")
+        if steps:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("spmdkit_set_aside_damaged")
+            self.manager.reload()
+
+
+def _trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl records past `step`: the resumed run writes them again."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def restore_latest(trainer: Trainer, checkpointer: Checkpointer) -> int | None:
+    """Restore the newest intact step onto the trainer's current shardings and data stream; set `start_step`."""
+    found = checkpointer.restore_latest(trainer.state.state, trainer.state.shardings, trainer.data.iterator)
+    if found is None:
+        return None
+    step, state = found
+    trainer.state.state = state
+    trainer.start_step = step
+    checkpointer.last_saved = step
+    if trainer.is_main:
+        _trim_metrics(trainer.run_dir, step)
+    return step
+
+
+def attach(trainer: Trainer) -> Checkpointer:
+    """Open the trainer's checkpoint directory, resume from it when allowed, and chain the save hook."""
+    settings = trainer.config.checkpoint
+    checkpointer = Checkpointer(checkpoint_directory(trainer.config), every=settings.every, keep=settings.keep)
+    if settings.resume:
+        step = restore_latest(trainer, checkpointer)
+        if step is not None:
+            trainer.log(f"resumed from step {step} of {checkpointer.directory}")
+    previous: Callable[[int, Trainer, bool], None] | None = trainer.save_hook
+
+    def hook(step: int, trainer: Trainer, is_final: bool) -> None:
+        checkpointer.hook(step, trainer, is_final)
+        if previous is not None:
+            previous(step, trainer, is_final)
+
+    trainer.save_hook = hook
+    return checkpointer
