@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from spmdkit.models import TransformerConfig
 from spmdkit.models.transformer import MLP, RESIDUAL
+from spmdkit.sharding.context import zigzag_batch
 from spmdkit.sharding.hlo import collective_report
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import init_sharded
@@ -34,6 +35,7 @@ STRATEGIES = {
     "tp": ("tensor=8", 3, False),
     "tp_sp": ("tensor=8", 3, True),
     "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
+    "context_ring": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
 }
 
 
@@ -51,9 +53,11 @@ def run(name):
     else:
         mesh_text, zero, sp = STRATEGIES[name]
         mesh, rules = make_mesh(mesh_text), make_rules(zero, sp)
-    state = create_train_state(CONFIG, make_optimizer(OptimizerConfig(warmup_steps=1), STEPS), mesh, rules)
+    context = mesh.shape["context"]
+    config = CONFIG.replace(attention="ring") if context > 1 else CONFIG
+    state = create_train_state(config, make_optimizer(OptimizerConfig(warmup_steps=1), STEPS), mesh, rules)
     step = make_train_step(state, mesh, rules)
-    batch = _batch()
+    batch = zigzag_batch(_batch(), context)
     compiled = step.lower(state.state, batch).compile()
     current, losses = state.state, []
     for _ in range(STEPS):
@@ -156,3 +160,11 @@ def test_sp_replaces_the_all_reduce_with_reduce_scatter_and_all_gather():
     assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == full
     assert report.count("all-gather") == 1 and report.bytes("all-gather") == full // 8
     assert math.isclose(report.bytes(), full + full / 8)
+
+
+def test_context_parallel_step_moves_kv_by_collective_permute_only():
+    report = collective_report(run("context_ring")[2])
+    assert report.count("collective-permute") > 0
+    # K/V never gathered whole: the only all-gathers are FSDP's parameter gathers (no [batch, seq, ...] K/V)
+    gathered = [c for c in report.collectives if c.opcode == "all-gather"]
+    assert all(c.group_size == 2 for c in gathered)  # fsdp=2 groups, never the context ring

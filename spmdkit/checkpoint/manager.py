@@ -163,6 +163,13 @@ class Checkpointer:
         flat = jax.tree_util.tree_leaves_with_path(metadata)
         return {_path_text(path): (tuple(m.shape), str(m.dtype)) for path, m in flat}
 
+    def read_state(self, step: int, device: jax.Device | None = None) -> dict[str, Any]:
+        """The saved `{"model", "optimizer"}` arrays of `step`, whole on one device (default: the first)."""
+        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        metadata = self.manager.item_metadata(step)["state"]
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata)
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+
     def check_compatible(self, step: int, target: dict[str, Any]) -> None:
         """SpmdkitError naming the first array whose shape differs between the checkpoint and `target`."""
         saved = self.saved_shapes(step)

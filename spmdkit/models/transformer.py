@@ -171,8 +171,10 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
-        x = jnp.take(self.embedding[...].astype(self.config.dtype), tokens, axis=0)
-        return constrain(x, RESIDUAL)
+        # Gather the table's `embed` dim first (as FSDP does for every weight): a lookup into an fsdp-sharded
+        # table with (batch, seq)-sharded ids otherwise makes GSPMD all-gather the embedded sequence.
+        table = constrain(self.embedding[...].astype(self.config.dtype), ("vocab", None))
+        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
     def run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Apply every block in order with a scan; remat per block as the config says."""

@@ -1,0 +1,160 @@
+"""Accelerators, meshes over them and their links, for the layout planner (`spmdkit.plan`).
+
+No JAX here (the planner answers without an accelerator in well under two seconds): the mesh axis order and the
+"axis=size" syntax are those of `spmdkit.sharding.mesh`, restated, and `tests/test_plan.py` checks they agree.
+
+Bandwidths are per device and per direction, nominal: NVLink (or TPU ICI) inside a node, the InfiniBand NIC
+(or DCN) share of one device across nodes. The planner applies an efficiency factor to them (NCCL reaches about
+80% of nominal on large messages). A "node" is the fast-link domain: 8 GPUs on an HGX board; for TPU v5p the
+ICI domain is the whole slice, so set `--gpus-per-node` to the slice size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from spmdkit.errors import SpmdkitError
+
+AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "context", "expert", "tensor")  # = spmdkit.sharding.mesh.AXES
+LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator: HBM bytes, dense bf16 peak FLOP/s, bytes/s per direction inside a node and across nodes."""
+
+    name: str
+    hbm_bytes: float
+    peak_flops: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int = 8
+    backend: str = "gpu"  # "cpu": XLA's CPU pipeline, which lacks AllReduceReassociate and ReduceScatterCreator
+
+
+DEVICES: dict[str, Device] = {
+    # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
+    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9),
+    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9),
+    # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
+    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9),
+    # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
+    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9),
+    # TPU v5p: 95 GB HBM, 459 TFLOP/s; a bidirectional ring along one torus axis ~2 x 100 GB/s; DCN ~25 GB/s.
+    "tpu-v5p": Device("tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu"),
+    # Simulated host devices (--xla_force_host_platform_device_count): the compiler-proof target. Its bytes are
+    # real; its FLOP/s and bandwidths are placeholders.
+    "cpu": Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu"),
+}
+DEVICE_TYPES: tuple[str, ...] = (*DEVICES, "custom")
+
+
+def make_device(
+    kind: str,
+    *,
+    hbm_gb: float | None = None,
+    peak_tflops: float | None = None,
+    intra_node_gbs: float | None = None,
+    inter_node_gbs: float | None = None,
+    gpus_per_node: int | None = None,
+) -> Device:
+    """A named device (`h100`, `h200`, `a100`, `b200`, `tpu-v5p`) with optional overrides, or `custom` (all given)."""
+    if kind == "custom":
+        missing = [n for n, v in [("--hbm-gb", hbm_gb), ("--peak-tflops", peak_tflops)] if v is None]
+        missing += [
+            n for n, v in [("--intra-node-gbs", intra_node_gbs), ("--inter-node-gbs", inter_node_gbs)] if v is None
+        ]
+        if missing:
+            raise SpmdkitError(f"--device-type custom needs {', '.join(missing)}")
+        base = Device("custom", 0.0, 0.0, 0.0, 0.0)
+    elif kind in DEVICES:
+        base = DEVICES[kind]
+    else:
+        raise SpmdkitError(f"unknown device type {kind!r}: choose one of {', '.join(DEVICE_TYPES)}")
+    changes = {
+        "hbm_bytes": None if hbm_gb is None else hbm_gb * 1e9,
+        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
+        "intra_node_bw": None if intra_node_gbs is None else intra_node_gbs * 1e9,
+        "inter_node_bw": None if inter_node_gbs is None else inter_node_gbs * 1e9,
+        "gpus_per_node": gpus_per_node,
+    }
+    device = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+    for field in ("hbm_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
+        if getattr(device, field) <= 0:
+            raise SpmdkitError(f"device {field.replace('_', ' ')} must be positive (got {getattr(device, field)})")
+    return device
+
+
+def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
+    """ "data=2,tensor=4" -> sizes of all six axes (unnamed axes 1; one axis may be -1 = the rest of `devices`)."""
+    sizes = dict.fromkeys(AXES, 1)
+    seen: set[str] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not value:
+            raise SpmdkitError(f"--mesh part {part!r} is malformed: write axis=size, e.g. 'data=2,tensor=4'")
+        if name not in AXES:
+            raise SpmdkitError(f"unknown mesh axis {name!r} in --mesh: expected one of {', '.join(AXES)}")
+        if name in seen:
+            raise SpmdkitError(f"mesh axis {name!r} is given twice in --mesh")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise SpmdkitError(f"--mesh size {value!r} for axis {name!r} is not an integer") from None
+        seen.add(name)
+    free = [a for a, n in sizes.items() if n == -1]
+    if any(n == 0 or n < -1 for n in sizes.values()) or len(free) > 1:
+        raise SpmdkitError(f"--mesh {text!r}: sizes must be positive, with at most one -1 ('the rest')")
+    known = math.prod(n for n in sizes.values() if n != -1)
+    if free:
+        if devices is None or devices % known:
+            raise SpmdkitError(f"--mesh {text!r}: the fixed axes ({known} devices) do not divide --devices {devices}")
+        sizes[free[0]] = devices // known
+    elif devices is not None and known != devices:
+        raise SpmdkitError(f"--mesh {text!r} has {known} devices but --devices is {devices}: make them agree")
+    return sizes
+
+
+def format_mesh(sizes: dict[str, int]) -> str:
+    """{'data': 2, 'tensor': 4, ...} -> 'data=2,tensor=4' (axes of size 1 left out)."""
+    return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "single device"
+
+
+def node_local_axes(sizes: dict[str, int], gpus_per_node: int) -> set[str]:
+    """Axes whose rings stay inside a node: filling from the innermost (tensor) outwards, as `make_mesh` lays out
+    devices, an axis is node-local while the product of it and every inner axis is at most `gpus_per_node`."""
+    local, inner = set(), 1
+    for axis in reversed(AXES):
+        inner *= sizes[axis]
+        if inner <= gpus_per_node or sizes[axis] == 1:
+            local.add(axis)
+    return local
+
+
+def wire_bytes(opcode: str, n: int, operand: float) -> float:
+    """Bytes one device sends in a ring collective over n devices, from its operand bytes: all-reduce
+    2(n-1)/n x, reduce-scatter and all-to-all (n-1)/n x, all-gather (n-1) x (its operand is the shard), ppermute 1 x."""
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": n - 1, "collective-permute": 1}.get(opcode, (n - 1) / n)
+    return operand * factor
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_meshes(m: Any, devices: int, gpus_per_node: int, batch: int, seq: int) -> Iterator[dict[str, int]]:
+    """Meshes worth trying: TP a power of two within a node dividing heads, mlp and vocab; PP dividing the layers;
+    CP (a power of two) only for sequences of LONG_CONTEXT tokens or more; no EP (dense model); data x fsdp take
+    the rest and must divide the batch."""
+    powers = [2**k for k in range(devices.bit_length()) if devices % 2**k == 0]
+    for T in (t for t in powers if t <= gpus_per_node and not (m.heads % t or m.mlp % t or m.vocab_size % t)):
+        for C in [c for c in powers if c * T <= devices and seq % (2 * c) == 0] if seq >= LONG_CONTEXT else [1]:
+            rest = devices // (T * C)
+            for P in (p for p in _divisors(rest) if m.layers % p == 0):
+                for F in (f for f in _divisors(rest // P) if m.embed % f == 0):
+                    D = rest // P // F
+                    if batch % (D * F) == 0:
+                        yield {"data": D, "pipeline": P, "fsdp": F, "context": C, "expert": 1, "tensor": T}
