@@ -73,3 +73,20 @@ def test_init_sharded_parameters_are_born_sharded():
     with nnx.use_eager_sharding(False):
         plain = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
     assert jnp.allclose(jax.device_get(up), plain.blocks.mlp.up[...])
+
+
+def test_parameter_table_lists_every_parameter_with_per_device_bytes():
+    from spmdkit.sharding import abstract_state, parameter_rows, parameter_table, state_shardings
+
+    mesh = make_mesh("fsdp=4,tensor=2")
+    graphdef, abstract = abstract_state(lambda: Transformer(TransformerConfig(), rngs=nnx.Rngs(0)))
+    shardings = state_shardings(abstract, mesh, make_rules(3).params)
+    rows = {r.path: r for r in parameter_rows(abstract, shardings)}
+    up = rows["blocks/mlp/up"]
+    assert up.shape == (2, 64, 256) and up.logical == ("layers", "embed", "mlp")
+    assert up.bytes_total == 2 * 64 * 256 * 4 and up.bytes_per_device == up.bytes_total // 8
+    assert rows["final_norm/scale"].bytes_per_device == 64 * 4  # replicated
+    assert sum(r.bytes_total for r in rows.values()) == TransformerConfig().num_params() * 4
+    table = parameter_table(abstract, shardings)
+    assert "blocks/mlp/up" in table and "('fsdp', 'tensor')" in table.replace("None, ", "")
+    assert f"{TransformerConfig().num_params():,} values" in table
