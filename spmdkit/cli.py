@@ -57,7 +57,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, type, str]] = [
 BOOL_FLAGS: list[tuple[str, str, str, bool, str]] = [
     ("--sequence-parallel", "mesh", "sequence_parallel", True, "shard the residual stream's sequence over tensor (SP)"),
     ("--no-progress", "run", "progress", False, "no progress bar"),
-    ("--no-resume", "checkpoint", "resume", False, "start from step 0 even if the checkpoint directory has steps"),
+    ("--no-resume", "checkpoint", "resume", False, "start from step 0 (the checkpoint directory must not hold steps)"),
 ]
 
 
@@ -87,7 +87,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     for flag, section, key, kind, text in TRAIN_FLAGS:
         parser.add_argument(
-            flag, type=kind, dest=f"{section}.{key}", help=f"{text} (default: {_default(section, key)!r})"
+            flag,
+            type=kind,
+            dest=f"{section}.{key}",
+            metavar=flag.lstrip("-").upper().replace("-", "_"),
+            help=f"{text} (default: {_default(section, key)!r})",
         )
     for flag, section, key, value, text in BOOL_FLAGS:
         parser.add_argument(flag, action="store_const", const=value, dest=f"{section}.{key}", help=text)
@@ -130,12 +134,57 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("ckpt", help="inspect or verify a checkpoint directory")
+    commands = parser.add_subparsers(dest="ckpt_command", required=True)
+    inspect = commands.add_parser("inspect", help="steps, saved config, and every array's shape, dtype and size")
+    inspect.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
+    inspect.add_argument("--step", type=int, metavar="N", help="the step to describe (default: the newest)")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.set_defaults(handler=run_ckpt_inspect)
+    verify = commands.add_parser("verify", help="read every step in full; exit 1 if any is damaged")
+    verify.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
+    verify.set_defaults(handler=run_ckpt_verify)
+    return parser
+
+
+def _quiet_absl() -> None:
+    """Orbax logs read-only notices through absl; the ckpt commands print their own report."""
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)
+
+
+def run_ckpt_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from spmdkit.checkpoint.inspect import format_inspection, inspect_checkpoint
+
+    _quiet_absl()
+    info = inspect_checkpoint(args.directory, args.step)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0
+
+
+def run_ckpt_verify(args: argparse.Namespace) -> int:
+    from spmdkit.checkpoint.inspect import format_verification, verify_checkpoint
+
+    _quiet_absl()
+    report = verify_checkpoint(args.directory)
+    print(format_verification(args.directory, report))
+    return 0 if all(r["ok"] for r in report) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from spmdkit.plan import add_plan_parser
+
     parser = argparse.ArgumentParser(
         prog="spmdkit", description="SPMD sharding toolkit for training transformers with JAX."
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_train_parser(subparsers).set_defaults(handler=run_train)
+    add_ckpt_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

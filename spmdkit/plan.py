@@ -21,8 +21,8 @@ Activation bytes per token per layer (r = a E, divided by T under SP; heads and 
 Collective operand bytes per device per step, by opcode (what `collective_report` reads from the HLO):
   DP: all-reduce of the gradients. ZeRO-1: same, then all-gather of the updated parameter shards.
   ZeRO-2/3 over fsdp: reduce-scatter of the gradients (operand = full local gradient), all-reduce of the shard
-  over data (and context); ZeRO-3 all-gathers each shard twice per microbatch (forward, backward).
-  The embedding's gradient (and at ZeRO-3 its looked-up rows) moves as an all-to-all of [t, E] instead.
+  over data (and context); ZeRO-3 all-gathers each layer's shard twice per microbatch (forward, backward), the
+  head's and the embedding's (in the compute dtype) once.
   TP per layer: 2 all-reduces of [t, E] forward (again under full remat), 2 backward on GPU/TPU; XLA:CPU has no
   AllReduceReassociate and reduces each column-parallel projection's input gradient separately: 5 (q, k, v, gate,
   up; 3 when kv heads are replicated). + [t, E] each for the vocab-parallel embedding and LM head, + 3 [t] float32
@@ -32,12 +32,12 @@ Collective operand bytes per device per step, by opcode (what `collective_report
   per tick, 2(vM+P-1) ticks (GPipe: 2(M+P-1) sends), + all-reduce over pipeline of embedding and head gradients.
 Wire bytes (ring): all-reduce 2(n-1)/n x operand, reduce-scatter and all-to-all (n-1)/n x operand, all-gather
 (n-1) x operand (the operand is the shard), ppermute 1 x; on NVLink when the axes stay in a node, else InfiniBand.
-Time: compute = FLOPs / (devices x peak x efficiency), FLOPs = model FLOPs (6N + attention) + recomputation
-(full remat and spmdkit's 1F1B chunk recompute: a forward each, 1/3; dots_with_no_batch_dims_saveable: the
-attention forward); float32 compute runs at half the bf16 peak (TF32). Gradient and
-parameter traffic overlaps compute (exposed: the excess over compute, at least one layer's share); activation
-traffic (TP/SP, PP, embedding) is exposed; bubble (P-1)/(M+P-1), interleaved (P-1)/(vM+P-1), adds
-(compute + exposed) b/(1-b). MFU = model FLOPs / (step time x devices x peak bf16).
+Time: compute = FLOPs / (devices x peak x efficiency); FLOPs = model FLOPs (6N + attention) + recomputation (full
+remat, and spmdkit's 1F1B/interleaved chunk recompute: a forward each, +1/3; dots_with_no_batch_dims_saveable: the
+attention forward); float32 runs at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
+(exposed: the excess over compute, at least one layer's share); activation traffic (TP/SP, PP) is exposed. Bubble
+b = (P-1)/(M+P-1), interleaved (P-1)/(vM+P-1), adds (compute + exposed) b/(1-b). Step = compute + exposed +
+bubble; tokens/s = B S / step; MFU = model FLOPs / (step x devices x peak bf16).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from spmdkit.plan_devices import (
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # = spmdkit.sharding.pipeline_schedule.KINDS
-REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")  # least recompute first
+REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
 
 
 def parameters(m: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
@@ -281,26 +281,21 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
 
     for p in s.params:
         full = s.local(p, "grads", gathered=True)  # the gradient before any fsdp reduction
-        # The embedding with its embed columns split: XLA moves the looked-up rows (ZeRO-3, forward) and their
-        # gradient [t, E] with all-to-alls instead of gathering the table and reduce-scattering its gradient.
         if "fsdp" in p.grads:
-            if p.name == "embedding":
-                add("all-to-all", ("fsdp",), act, overlapped=False)
-            else:
-                add("reduce-scatter", ("fsdp",), full)
+            add("reduce-scatter", ("fsdp",), full)
             add("all-reduce", ("data", "context"), full / s["fsdp"])
         else:  # replicated gradients; norm scales under SP also sum over the sequence shards on `tensor`
             norm_sp = ("tensor",) if s.sequence_parallel and p.name.endswith("norm") else ()
             add("all-reduce", ("data", "fsdp", "context", *norm_sp), full)
         if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
             add("all-reduce", ("pipeline",), s.local(p, "grads"))
-        if "fsdp" in p.optimizer:
-            if s.zero < 3:
-                add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
-            elif p.name == "embedding":
-                add("all-to-all", ("fsdp",), act, overlapped=False)
-            else:
-                add("all-gather", ("fsdp",), 2 * M * s.local(p, "params"))  # forward + backward, every microbatch
+        if "fsdp" in p.optimizer and s.zero < 3:
+            add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
+        elif "fsdp" in p.params:
+            # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
+            # outside the scan, once; the embedding table once, cast to the compute dtype before the gather.
+            gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
+            add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
     if T > 1:
         layers, ends = s.stage_layers, 1 if P > 1 else 2  # ends: embedding forward, LM-head input grad backward
         forward = 2 * layers * (2 if m.remat == "full" else 1)  # full remat repeats the forward's collectives
@@ -377,6 +372,8 @@ def estimate(
     """
     m = model_preset(model) if isinstance(model, str) else model
     dev = make_device(device) if isinstance(device, str) else device
+    if not (0 < efficiency <= 1 and 0 < comm_efficiency <= 1):
+        raise SpmdkitError(f"efficiencies must be in (0, 1], got {efficiency} and {comm_efficiency}")
     if isinstance(mesh, str):
         sizes = parse_mesh(mesh, devices)
     else:
@@ -460,12 +457,34 @@ def _model_name(m: TransformerConfig) -> str:
     return names[0] if names else f"custom ({m.num_params() / 1e9:.3g}B parameters)"
 
 
-def _microbatch_counts(P: int, local_batch: int, schedule: str) -> list[int]:
-    """Accumulation steps (powers of two), or pipeline microbatches: P, 2P, 4P, 8P, one sequence per rank."""
-    if P == 1:
-        return [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
-    counts = sorted({k * P for k in (1, 2, 4, 8)} | {local_batch})
-    return [c for c in counts if local_batch % c == 0 and c >= P and (schedule != "interleaved" or c % P == 0)]
+def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
+              sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
+              virtual_stages: int | None) -> list[list[list[Layout]]]:  # fmt: skip
+    """Layouts to try on `mesh`: per (ZeRO stage, pipeline schedule), per remat policy (least recompute first), per
+    microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B
+    and interleaved (v=2) pipelines; accumulation steps (powers of two) or pipeline microbatches P, 2P, 4P, 8P and
+    one sequence per data-parallel rank."""
+    T, P, F = mesh["tensor"], mesh["pipeline"], mesh["fsdp"]
+    local_batch, sp = batch_size // (mesh["data"] * F), bool(T > 1 if sequence_parallel is None else sequence_parallel)
+    pipes = (
+        [(schedule or "1f1b", virtual_stages or (2 if schedule == "interleaved" else 1))] if P > 1 else [("1f1b", 1)]
+    )
+    if P > 1 and schedule is None and model.layers % (2 * P) == 0:
+        pipes.append(("interleaved", virtual_stages or 2))
+    out = []
+    for z in [zero] if zero is not None else ([2, 3] if F > 1 else [3]):
+        for sched, v in pipes:
+            if microbatches:
+                counts = [microbatches]
+            elif P == 1:
+                counts = [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
+            else:
+                counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
+            layout = functools.partial(Layout, mesh=tuple(mesh.items()), batch_size=batch_size, seq_len=seq_len,
+                                       zero=z, sequence_parallel=sp, schedule=sched, virtual_stages=v)  # fmt: skip
+            policies = [remat] if remat else REMAT_ORDER
+            out.append([[layout(model.replace(remat=r), microbatches=M) for M in counts] for r in policies])
+    return out
 
 
 def search(
@@ -486,38 +505,26 @@ def search(
 ) -> tuple[list[Estimate], Estimate | None]:
     """(the layouts that fit, fastest first; the smallest one that does not fit, or None).
 
-    Settings left None are searched, per mesh: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B and
-    interleaved (v=2) pipelines; then the least-recompute remat policy that fits, with its fastest microbatch
-    count. Layouts spmdkit cannot run (indivisible sizes) are skipped."""
+    Per mesh and per (ZeRO stage, schedule) of `_variants`: the least-recompute remat policy that fits, with its
+    fastest microbatch count. Layouts spmdkit cannot run (indivisible sizes) are skipped."""
     fitting, smallest = [], (math.inf, None)
+    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages)
     for mesh in meshes:
-        T, P, F = mesh["tensor"], mesh["pipeline"], mesh["fsdp"]
-        pipes = [(schedule or "1f1b", virtual_stages or (2 if schedule == "interleaved" else 1))]
-        if P > 1 and schedule is None and model.layers % (2 * P) == 0:
-            pipes.append(("interleaved", virtual_stages or 2))
-        sp = bool(T > 1 if sequence_parallel is None else sequence_parallel)
-        for z in [zero] if zero is not None else ([2, 3] if F > 1 else [3]):
-            for sched, v in pipes if P > 1 else [("1f1b", 1)]:
-                counts = (
-                    [microbatches] if microbatches else _microbatch_counts(P, batch_size // (mesh["data"] * F), sched)
-                )
-                for policy in [remat] if remat else REMAT_ORDER:
-                    fit = []
-                    for M in counts:
-                        layout = Layout(
-                            model.replace(remat=policy), tuple(mesh.items()), batch_size, seq_len, z, sp, M, sched, v
-                        )
-                        try:
-                            check_layout(layout)
-                        except SpmdkitError:
-                            continue
-                        need = sum(memory(layout).values())
-                        if need <= dev.hbm_bytes:
-                            fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
-                        smallest = min(smallest, (need, layout), key=lambda x: x[0])
-                    if fit:
-                        fitting.append(min(fit, key=lambda e: e.step_s))
-                        break
+        for by_policy in _variants(model, mesh, batch_size, seq_len, *settings):
+            for layouts in by_policy:
+                fit = []
+                for layout in layouts:
+                    try:
+                        check_layout(layout)
+                    except SpmdkitError:
+                        continue
+                    need = sum(memory(layout).values())
+                    if need <= dev.hbm_bytes:
+                        fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
+                    smallest = min(smallest, (need, layout), key=lambda x: x[0])
+                if fit:
+                    fitting.append(min(fit, key=lambda e: e.step_s))
+                    break
     fitting.sort(key=lambda e: (e.step_s, e.total_memory))
     return fitting, (evaluate(smallest[1], dev, efficiency, comm_efficiency) if smallest[1] else None)
 
@@ -574,7 +581,8 @@ def format_table(estimates: list[Estimate]) -> str:
             "-" if e.mesh["pipeline"] == 1 else e.schedule + (f"x{e.virtual_stages}" if e.virtual_stages > 1 else "")
         )
         rows.append(
-            f"{i:>2} {format_mesh(e.mesh):<34}{e.zero:>5}{'y' if e.sequence_parallel else 'n':>4} {e.remat[:14]:<14}"
+            f"{i:>2} {format_mesh(e.mesh):<34}{e.zero if e.mesh['fsdp'] > 1 else '-':>5}"
+            f"{'y' if e.sequence_parallel else 'n':>4} {e.remat.replace('with_no_batch_dims_saveable', 'no_batch'):<14}"
             f"{e.microbatches:>5} {sched:<12}{f'{e.total_memory / 1e9:.1f}/{e.hbm_bytes / 1e9:.0f}':>13}"
             f"{e.step_s:>9.3g}{e.compute_s:>9.3g}{e.exposed_comm_s:>8.3g}{e.bubble_s:>8.3g}{e.tokens_per_s:>11,.0f}"
             f"{e.mfu:>6.1%}"
@@ -605,7 +613,7 @@ def plot(estimates: list[Estimate], path: str) -> None:
     fig = Figure(figsize=(max(8.0, 2.2 * len(estimates)), 5.5))
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    labels = [format_mesh(e.mesh).replace(",", "\n") for e in estimates]
+    labels = [f"#{i}\n" + format_mesh(e.mesh).replace(",", "\n") for i, e in enumerate(estimates, 1)]  # table ranks
     x = list(range(len(estimates)))
     memory_parts = {k: [e.memory[k] for e in estimates] for k in estimates[0].memory}
     time_parts = {k: [getattr(e, f"{k}_s") for e in estimates] for k in ("compute", "exposed_comm", "bubble")}
@@ -661,6 +669,20 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return parser
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """One-line errors for settings that would otherwise only make every layout look impossible."""
+    if args.devices < 1 or args.seq_len < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise SpmdkitError("--devices, --seq-len and --batch-size must be positive")
+    if args.zero is not None and args.zero not in (0, 1, 2, 3):
+        raise SpmdkitError(f"--zero {args.zero} is not one of 0, 1, 2, 3")
+    if args.pipeline_schedule is not None and args.pipeline_schedule not in SCHEDULES:
+        raise SpmdkitError(
+            f"unknown --pipeline-schedule {args.pipeline_schedule!r}: choose one of {', '.join(SCHEDULES)}"
+        )
+    if min(args.microbatches or 1, args.virtual_stages or 1, args.top) < 1 or not 0 < args.efficiency <= 1:
+        raise SpmdkitError("--microbatches, --virtual-stages and --top must be positive, --efficiency in (0, 1]")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of `spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
     model = model_preset(args.model).replace(dtype=args.dtype, remat=args.remat or "none")
@@ -672,8 +694,7 @@ def run_plan(args: argparse.Namespace) -> int:
         inter_node_gbs=args.inter_node_gbs,
         gpus_per_node=args.gpus_per_node,
     )
-    if args.devices < 1:
-        raise SpmdkitError(f"--devices {args.devices} must be at least 1")
+    _check_args(args)
     if args.mesh:
         meshes = [parse_mesh(args.mesh, args.devices)]
         replicas = meshes[0]["data"] * meshes[0]["fsdp"]
@@ -686,6 +707,10 @@ def run_plan(args: argparse.Namespace) -> int:
         remat=args.remat, microbatches=args.microbatches, schedule=args.pipeline_schedule,
         virtual_stages=args.virtual_stages, efficiency=args.efficiency,
     )  # fmt: skip
+    if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
+        estimate(model, meshes[0], device=dev, batch_size=batch, seq_len=args.seq_len, zero=3 if args.zero is None
+                 else args.zero, sequence_parallel=bool(args.sequence_parallel), microbatches=args.microbatches,
+                 schedule=args.pipeline_schedule or "1f1b", virtual_stages=args.virtual_stages or 1)  # fmt: skip
     if not fitting and not (args.mesh and smallest):
         raise SpmdkitError(
             f"no layout of {args.devices} x {dev.name} fits {args.model} with batch {batch} x {args.seq_len}"
@@ -699,12 +724,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         plot(shown, args.plot)
     if args.json:
-        print(
-            json.dumps(
-                {"recommended": best.to_dict(), "explanation": why, "candidates": [e.to_dict() for e in shown]},
-                indent=1,
-            )
-        )
+        report = {"recommended": best.to_dict(), "explanation": why, "candidates": [e.to_dict() for e in shown]}
+        print(json.dumps(report, indent=1))
         return 0
     title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node), batch {batch}"
     print(f"{title} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)} meshes fit")

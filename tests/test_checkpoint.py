@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, checkpoint_directory
+from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, attach, checkpoint_directory
 from spmdkit.cli import build_parser, overrides_from_args
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
@@ -257,11 +258,6 @@ def _damage(step_dir, how):
         (step_dir / "data" / "process_0-of-1.json").unlink()
 
 
-# Orbax leaves the reads of a failed restore un-awaited; Python reports them when they are collected.
-quiet_failed_reads = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@quiet_failed_reads
 @pytest.mark.parametrize("how", ["arrays deleted", "files truncated", "data state deleted"])
 def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):
     shardings = _layout(abstract, "data=8")
@@ -290,7 +286,6 @@ def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):
     fresh.close()
 
 
-@quiet_failed_reads
 def test_every_step_damaged_is_an_error_not_a_fresh_start(tmp_path, abstract):
     shardings = _layout(abstract, "data=8")
     checkpointer = Checkpointer(tmp_path / "ckpt", every=1)
@@ -320,6 +315,17 @@ def test_flags_and_default_directory(tmp_path):
         apply_overrides(TrainConfig(), {"checkpoint": {"keep": 0}})
 
 
+def test_no_resume_refuses_to_mix_runs_in_one_directory(saved_run, tmp_path):
+    config = apply_overrides(TrainConfig(), {"checkpoint": {"directory": str(saved_run), "resume": False}})
+    trainer = types.SimpleNamespace(config=config, save_hook=None, log=print)
+    with pytest.raises(SpmdkitError, match="--no-resume, but .* already holds steps 2-6 .* pass a fresh"):
+        attach(trainer)
+    fresh = apply_overrides(config, {"checkpoint": {"directory": str(tmp_path / "new")}})
+    trainer = types.SimpleNamespace(config=fresh, save_hook=None, log=print)
+    attach(trainer).close()
+    assert callable(trainer.save_hook) and (tmp_path / "new").is_dir()
+
+
 def test_stop_request_catches_sigterm_and_restores_the_handler():
     before = signal.getsignal(signal.SIGTERM)
     with StopRequest() as stop:
@@ -327,3 +333,61 @@ def test_stop_request_catches_sigterm_and_restores_the_handler():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() and stop.name == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# ----------------------------------------------------------------------------------------------- spmdkit ckpt
+
+
+@pytest.fixture
+def saved_run(tmp_path, abstract):
+    """Steps 2, 4, 6 with data and config items, as training writes them."""
+    shardings = _layout(abstract, "fsdp=4,tensor=2")
+    checkpointer, stream = Checkpointer(tmp_path / "ckpt", every=2), _stream()
+    config = json.loads(TrainConfig().to_json())
+    for step in (2, 4, 6):
+        next(stream)
+        checkpointer.save(step, _random_state(abstract, shardings, seed=step), stream.iterator, config)
+    checkpointer.close()
+    return tmp_path / "ckpt"
+
+
+def _spmdkit(capsys, *args):
+    from spmdkit.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ckpt_inspect_text_and_json(saved_run, capsys):
+    code, out, _ = _spmdkit(capsys, "ckpt", "inspect", str(saved_run))
+    assert code == 0
+    assert "steps       2, 4, 6 (showing 6)" in out
+    assert f"parameters  {MODEL.num_params():,}" in out and "saved by    model tiny" in out
+    assert re.search(r"model/embedding\s+\(264, 64\)\s+float32\s+66\.0 KiB", out)
+    assert "data        process_0-of-1.json" in out
+
+    code, out, _ = _spmdkit(capsys, "ckpt", "inspect", str(saved_run), "--step", "4", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["step"] == 4 and info["steps"] == [2, 4, 6]
+    assert info["parameters"] == MODEL.num_params() and info["config"]["model"]["name"] == "tiny"
+    arrays = {a["path"]: a for a in info["arrays"]}
+    assert arrays["optimizer/step"]["shape"] == [] and arrays["model/lm_head"]["bytes"] == 64 * 264 * 4
+
+    code, _, err = _spmdkit(capsys, "ckpt", "inspect", str(saved_run), "--step", "5")
+    assert code == 2 and "step 5 is not in" in err and "holds steps 2, 4, 6" in err
+    code, _, err = _spmdkit(capsys, "ckpt", "inspect", str(saved_run / "nope"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_ckpt_verify_reports_damaged_steps_and_exits_1(saved_run, capsys):
+    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(saved_run))
+    assert code == 0 and "step 2: ok" in out and "3 of 3 steps intact" in out
+
+    _damage(saved_run / "6", "arrays deleted")
+    _damage(saved_run / "4", "data state deleted")
+    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(saved_run))
+    assert code == 1
+    assert "step 2: ok" in out
+    assert "step 4: DAMAGED (data/ holds no process_*-of-*.json file)" in out
+    assert "step 6: DAMAGED (" in out and "1 of 3 steps intact" in out

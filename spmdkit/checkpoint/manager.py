@@ -16,6 +16,7 @@ differ from the model raises `SpmdkitError` naming the first differing array.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -84,6 +85,33 @@ def from_saved_tree(saved: dict[str, Any], like: nnx.State) -> nnx.State:
     return treedef.unflatten(leaves)
 
 
+def describe_error(error: BaseException) -> str:
+    """'Type: first line' of the innermost cause (Orbax wraps TensorStore errors in generic ones)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = (str(error).splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+def drop_orphaned_reads() -> None:
+    """Silence the orphans of a failed Orbax restore. Its other array reads are abandoned mid-flight and, when
+    finalised later (closed coroutines, callbacks onto the closed event loop), each reports an unraisable
+    exception: dozens of tracebacks in the middle of the user's run. Installs (once) a `sys.unraisablehook`
+    that drops exactly those and passes everything else on to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "spmdkit_orphaned_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error, source = unraisable.exc_value, unraisable.object
+        orphan = getattr(source, "__name__", "") == "_read_array_index_and_device_put"
+        if not (orphan or (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")):
+            previous(unraisable)
+
+    hook.spmdkit_orphaned_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Save and restore train states under one directory; `every` steps (0: only forced saves), keep `keep`."""
 
@@ -119,7 +147,7 @@ class Checkpointer:
         force: bool = False,
     ) -> bool:
         """Start an async save of `step` (when due, or `force`); returns whether a save started."""
-        if step == self.last_saved or step in self.manager.all_steps():
+        if step == self.last_saved or step in self.manager.all_steps() or not self.due(step, force):
             return False
         items: dict[str, Any] = {"state": ocp.args.StandardSave(to_saved_tree(state))}
         if data is not None:
@@ -131,7 +159,12 @@ class Checkpointer:
             self.last_saved = step
         return saved
 
+    def due(self, step: int, force: bool = False) -> bool:
+        return force or self.manager.should_save(step)
+
     def save_trainer(self, trainer: Trainer, step: int, *, force: bool = False) -> bool:
+        if not self.due(step, force):  # cheap check first: this runs after every step
+            return False
         config = json.loads(trainer.config.to_json())
         return self.save(step, trainer.state.state, trainer.data.iterator, config, force=force)
 
@@ -181,14 +214,14 @@ class Checkpointer:
                 raise SpmdkitError(
                     f"checkpoint step {step} in {self.directory} does not match this model: {path} {what} in the "
                     f"checkpoint but has shape {shape} here: use the model settings it was saved with (see "
-                    f"'spmdkit ckpt inspect'), or a fresh --checkpoint-dir, or --no-resume"
+                    f"'spmdkit ckpt inspect {self.directory}'), or a fresh --checkpoint-dir"
                 )
         extra = sorted(set(saved) - set(wanted))
         if extra:
             raise SpmdkitError(
                 f"checkpoint step {step} in {self.directory} does not match this model: it holds {extra[0]} "
                 f"{saved[extra[0]][0]}, which this model lacks: use the model settings it was saved with, or a "
-                f"fresh --checkpoint-dir, or --no-resume"
+                f"fresh --checkpoint-dir"
             )
 
     def restore(
@@ -221,21 +254,21 @@ class Checkpointer:
             except SpmdkitError:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
-                reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
                 warnings.warn(
-                    f"checkpoint step {step} in {self.directory} is damaged ({type(error).__name__}: {reason}); "
+                    f"checkpoint step {step} in {self.directory} is damaged ({describe_error(error)}); "
                     "falling back to the previous step",
                     CheckpointWarning,
                     stacklevel=2,
                 )
                 damaged.append(step)
-                continue
-            self._set_aside(damaged)
-            return step, restored
+            else:
+                self._set_aside(damaged)
+                return step, restored
+            drop_orphaned_reads()
         if damaged:
             raise SpmdkitError(
                 f"every checkpoint step in {self.directory} is damaged ({', '.join(map(str, damaged))}): "
-                "run 'spmdkit ckpt verify' on it, delete the damaged steps, or pass --no-resume"
+                "see 'spmdkit ckpt verify', then delete the damaged steps or use a fresh --checkpoint-dir"
             )
         return None
 
@@ -288,6 +321,13 @@ def attach(trainer: Trainer) -> Checkpointer:
         step = restore_latest(trainer, checkpointer)
         if step is not None:
             trainer.log(f"resumed from step {step} of {checkpointer.directory}")
+    elif checkpointer.steps():
+        steps = checkpointer.steps()
+        checkpointer.close()
+        raise SpmdkitError(
+            f"--no-resume, but {checkpointer.directory} already holds steps {steps[0]}-{steps[-1]} of an earlier "
+            "run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never overwritten)"
+        )
     previous: Callable[[int, Trainer, bool], None] | None = trainer.save_hook
 
     def hook(step: int, trainer: Trainer, is_final: bool) -> None:

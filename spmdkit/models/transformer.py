@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
@@ -38,9 +39,14 @@ class RMSNorm(nnx.Module):
         self.eps = config.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * scale over the last dim, in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -171,31 +177,59 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
-        # Gather the table's `embed` dim first (as FSDP does for every weight): a lookup into an fsdp-sharded
-        # table with (batch, seq)-sharded ids otherwise makes GSPMD all-gather the embedded sequence.
-        table = constrain(self.embedding[...].astype(self.config.dtype), ("vocab", None))
-        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        return embed_tokens(self.embedding[...], tokens, self.config.dtype)
 
     def run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Apply every block in order with a scan; remat per block as the config says."""
-
-        def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
-            return block(x, positions)
-
-        if self.config.remat != "none":
-            body = nnx.remat(body, policy=_remat_policy(self.config.remat))
-        scan = nnx.scan(
-            body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
-        )
-        return scan(x, self.blocks, positions)
+        return apply_blocks(self.blocks, x, positions, self.config.remat)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
-        x = self.final_norm(x)
-        logits = jnp.einsum("bse,ev->bsv", x, self.lm_head[...].astype(self.config.dtype))
-        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        return head_logits(x, self.final_norm.scale[...], self.lm_head[...], self.config)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            positions = default_positions(tokens.shape)
         return self.head(self.run_blocks(self.embed(tokens), positions))
+
+
+# The three stages of the forward pass as functions of arrays, so that the pipeline can run them apart.
+
+
+def default_positions(shape: tuple[int, int]) -> jax.Array:
+    """[batch, seq] positions 0..seq-1."""
+    return jnp.broadcast_to(jnp.arange(shape[1]), shape)
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
+    """table [vocab, embed], tokens [batch, seq] -> [batch, seq, embed] in `dtype`."""
+    # Gather the table's `embed` dim first (as FSDP does for every weight): a lookup into an fsdp-sharded
+    # table with (batch, seq)-sharded ids otherwise makes GSPMD all-gather the embedded sequence.
+    table = constrain(table.astype(dtype), ("vocab", None))
+    return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+
+
+def apply_blocks(blocks: Block, x: jax.Array, positions: jax.Array, remat: str) -> jax.Array:
+    """Run a stack of blocks (parameters with a leading layer dim) over x [batch, seq, embed] with a scan."""
+
+    def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
+        return block(x, positions)
+
+    if remat != "none":
+        body = nnx.remat(body, policy=_remat_policy(remat))
+    scan = nnx.scan(
+        body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
+    )
+    return scan(x, blocks, positions)
+
+
+def head_logits(x: jax.Array, norm_scale: jax.Array, lm_head: jax.Array, config: TransformerConfig) -> jax.Array:
+    """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
+    x = rms_norm(x, norm_scale, config.norm_eps)
+    logits = jnp.einsum("bse,ev->bsv", x, lm_head.astype(config.dtype))
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32. logits [batch, seq, vocab], targets [batch, seq]."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()

@@ -177,6 +177,16 @@ def use_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspend_rules() -> Iterator[None]:
+    """Make `constrain` a no-op inside (for tracing a function on per-device shapes outside its shard_map)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def active_rules() -> tuple[Rules, Mesh] | None:
     return _ACTIVE.get()
 

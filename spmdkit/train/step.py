@@ -17,16 +17,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.transformer import cross_entropy
+from spmdkit.sharding.pipeline_schedule import Schedule
 from spmdkit.sharding.rules import Rules, logical_to_spec, use_rules
 from spmdkit.train.state import TrainState
 
 Batch = dict[str, jax.Array]  # inputs, targets, positions: int32 [batch, seq]
 StepFn = Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32. logits [batch, seq, vocab], targets [batch, seq]."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
 def batch_shardings(mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
@@ -83,19 +80,26 @@ def make_train_step(
     grad_accum: int = 1,
     lr_schedule: optax.Schedule | None = None,
     fail_steps: tuple[int, ...] = (),
+    pipeline: Schedule | None = None,
 ) -> StepFn:
     """The jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
 
     metrics: loss, grad_norm, lr, skipped (1.0 when the gradients were not finite and the update was skipped),
     bad_steps (consecutive skipped steps so far). `fail_steps` (0-based optimizer steps) get NaN gradients:
-    the test hook for the skip path.
+    the test hook for the skip path. With a `pipeline` schedule the loss and gradients come from the pipeline
+    program (`spmdkit.train.pipeline_step`) instead of autodiff of the whole model.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
 
     def step(state: nnx.State, batch: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
         with use_rules(rules, mesh):
             model, optimizer = nnx.merge(graphdef, state)
-            loss, grads = loss_and_grads(model, batch, grad_accum)
+            if pipeline is None:
+                loss, grads = loss_and_grads(model, batch, grad_accum)
+            else:
+                from spmdkit.train.pipeline_step import pipeline_loss_and_grads
+
+                loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
             opt_step = optimizer.step[...]
             if fail_steps:
                 poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, 1.0)

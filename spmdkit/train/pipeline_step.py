@@ -1,0 +1,107 @@
+"""Loss and gradients of the transformer through the pipeline program (`spmdkit.sharding.pipeline`).
+
+The forward pass is cut in three: the embedding runs before the pipeline (on every stage, batch-sharded),
+the scanned block stack is split into stages over the `pipeline` axis, and the final norm + LM head + loss run
+on the last stage. The embedding's gradient comes from a `jax.vjp` applied to the pipeline's d loss / d inputs.
+Gradients are reassembled into the parameters' tree, so the optimizer update is the same as without PP.
+
+Interleaved schedules (v > 1) want stage s to hold model chunks s, s+P, ...: the stack is permuted into that
+layout inside the step and the gradients permuted back, so parameters, checkpoints and evaluation keep the
+model's layer order. That permutation moves the block parameters between stages once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.transformer import (
+    Transformer,
+    apply_blocks,
+    cross_entropy,
+    default_positions,
+    embed_tokens,
+    head_logits,
+)
+from spmdkit.sharding.pipeline import (
+    deinterleave_layers,
+    interleave_layers,
+    pipeline_value_and_grad,
+    to_microbatches,
+)
+from spmdkit.sharding.pipeline_schedule import Schedule, check_layers, make_schedule
+from spmdkit.sharding.rules import Rules, suspend_rules
+
+
+def pipeline_schedule(kind: str, mesh: Mesh, microbatches: int, virtual_stages: int, layers: int) -> Schedule:
+    """The schedule for the mesh's `pipeline` axis, checked against the model's layer count."""
+    stages = mesh.shape["pipeline"]
+    check_layers(layers, stages, virtual_stages)
+    return make_schedule(kind, stages, microbatches or 2 * stages, virtual_stages)
+
+
+def _assemble(params: nnx.State, pieces: dict[str, Any]) -> nnx.State:
+    """A gradient tree shaped like `params` from the pipeline's pieces (blocks, head, embedding)."""
+    blocks = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(pieces["blocks"])}
+
+    def pick(path: tuple[Any, ...], _: jax.Array) -> jax.Array:
+        top = path[0].key
+        if top == "blocks":
+            return blocks[jax.tree_util.keystr(path[1:])]
+        return pieces[top]
+
+    return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def pipeline_loss_and_grads(
+    model: Transformer, batch: dict[str, jax.Array], *, mesh: Mesh, rules: Rules, schedule: Schedule
+) -> tuple[jax.Array, nnx.State]:
+    """Mean loss over the batch and gradients w.r.t. every `nnx.Param`, computed by the pipeline schedule.
+
+    batch: inputs / targets [batch, seq]; the batch splits into `schedule.num_microbatches` microbatches
+    (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
+    """
+    config = model.config
+    if config.attention == "ring" and mesh.shape.get("context", 1) > 1:
+        raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
+    stages, virtual = schedule.num_stages, schedule.virtual_stages
+    blocks_def, blocks = nnx.split(model.blocks)
+    params = nnx.state(model, nnx.Param)
+
+    def embed(table: jax.Array) -> jax.Array:
+        return to_microbatches(embed_tokens(table, batch["inputs"], config.dtype), schedule.num_microbatches)
+
+    def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
+        run = lambda: apply_blocks(nnx.merge(blocks_def, chunk), x, default_positions(x.shape[:2]), config.remat)
+        if "pipeline" in jax.sharding.get_abstract_mesh().manual_axes:
+            return run()
+        with suspend_rules():  # the kernel's shape check: per-device shapes, outside the shard_map
+            return run()
+
+    def loss_fn(head: dict[str, jax.Array], y: jax.Array, targets: jax.Array) -> jax.Array:
+        return cross_entropy(head_logits(y, head["norm"], head["lm_head"], config), targets)
+
+    inputs, embed_vjp = jax.vjp(embed, model.embedding[...])
+    stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
+    head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head[...]}
+    loss, (d_stages, d_head, d_inputs) = pipeline_value_and_grad(
+        stage_fn,
+        loss_fn,
+        stage_params,
+        head,
+        inputs,
+        to_microbatches(batch["targets"], schedule.num_microbatches),
+        mesh=mesh,
+        schedule=schedule,
+        batch_axes=rules.params["batch"],
+        remat=config.remat != "none",
+    )
+    if virtual > 1:
+        d_stages = deinterleave_layers(d_stages, stages, virtual)
+    (d_table,) = embed_vjp(d_inputs)
+    pieces = {"blocks": d_stages, "final_norm": d_head["norm"], "lm_head": d_head["lm_head"], "embedding": d_table}
+    return loss, _assemble(params, pieces)

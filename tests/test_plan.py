@@ -1,0 +1,281 @@
+"""The layout planner: textbook figures, agreement with the code it restates, and the compiler's own numbers.
+
+The compiler proof compiles the real train step of six strategies on the 8 simulated CPU devices (once each,
+module cache) and holds the planner's per-device state bytes and collective operand bytes to within 10% of
+`compiled.memory_analysis()` and `collective_report(compiled)`.
+"""
+
+import argparse
+import functools
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import PRESETS, TransformerConfig
+from spmdkit.plan import (
+    SCHEDULES,
+    add_plan_parser,
+    bubble_fraction,
+    estimate,
+    parameters,
+    run_plan,
+    stash_slots,
+    table,
+)
+from spmdkit.plan_devices import AXES, DEVICES, make_device, parse_mesh
+
+CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
+BATCH, SEQ = 8, 32
+STRATEGIES = {  # name: (mesh, ZeRO stage, sequence parallel)
+    "dp": ("data=8", 0, False),
+    "fsdp": ("fsdp=8", 3, False),
+    "zero1": ("fsdp=8", 1, False),
+    "tp": ("tensor=8", 3, False),
+    "sp": ("tensor=8", 3, True),
+    "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
+    "context": ("context=4,fsdp=2", 3, False),  # ring attention: the K/V ring's collective-permutes
+}
+
+
+# --- textbook figures, computed here from first principles ---------------------------------------------------
+
+
+def _state_per_param(model: TransformerConfig) -> float:
+    """Parameters + gradients + optimizer bytes per parameter the planner gives one unsharded device."""
+    e = estimate(model, {}, device="h100", batch_size=1, seq_len=128)
+    return (e.memory["parameters"] + e.memory["gradients"] + e.memory["optimizer"]) / model.num_params()
+
+
+def test_mixed_precision_adam_is_16_bytes_per_parameter():
+    # float32 master weights (4) + float32 gradients (4) + AdamW's two float32 moments (8) = 16 bytes/parameter
+    assert _state_per_param(PRESETS["70b"]) == pytest.approx(4 + 4 + 2 * 4)
+    seventy = 16 * PRESETS["70b"].num_params()
+    seven = 16 * PRESETS["7b"].num_params()
+    assert seventy == pytest.approx(16 * 70e9, rel=0.01)  # 1.12 TB
+    assert 16 * 70e9 == pytest.approx(1.12e12) and 16 * 7e9 == pytest.approx(112e9)
+    assert seven == pytest.approx(112e9, rel=0.04)  # the 7b preset has 6.74B parameters
+    assert estimate("7b", {}, batch_size=1, seq_len=128).state_bytes == pytest.approx(12 * PRESETS["7b"].num_params())
+
+
+def test_pipeline_bubble_p4_m8_is_27_percent():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)  # (P-1)/(M+P-1)
+    assert round(100 * bubble_fraction(4, 8), 1) == 27.3
+    assert bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 19)
+    e = estimate(PRESETS["7b"], "pipeline=4,fsdp=2", batch_size=16, microbatches=8)
+    assert e.bubble == pytest.approx(3 / 11)
+
+
+def test_bubble_and_stash_agree_with_the_schedule_tables():
+    from spmdkit.sharding.pipeline_schedule import KINDS, make_schedule
+
+    assert SCHEDULES == KINDS
+    for kind, P, M, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 24, 1), ("interleaved", 4, 8, 2)]:
+        schedule = make_schedule(kind, P, M, v)
+        assert bubble_fraction(P, M, v) == pytest.approx(schedule.bubble_fraction())
+        assert stash_slots(kind, P, M, v) == schedule.num_stash_slots
+
+
+def test_llama3_405b_like_fits_on_16k_h100s_with_tp8_pp16():
+    model = PRESETS["405b"].replace(layers=128, remat="full")  # 405B-like: 128 layers so PP=16 divides them
+    e = estimate(model, "fsdp=128,pipeline=16,tensor=8", device="h100", batch_size=2048, seq_len=8192, zero=1,
+                 sequence_parallel=True)  # fmt: skip
+    E, H, K, d, F, V = model.embed, model.heads, model.kv_heads, model.head_dim, model.mlp, model.vocab_size
+    per_layer = E * d * (2 * H + 2 * K) + 3 * E * F + 2 * E
+    # layers split over pipeline and tensor (norms only over pipeline), embedding and head over tensor only
+    layers = model.layers * (per_layer - 2 * E) / (16 * 8) + model.layers * 2 * E / 16
+    assert e.memory["parameters"] == pytest.approx(4 * (layers + 2 * V * E / 8 + E), rel=1e-6)
+    assert e.memory["optimizer"] == pytest.approx(2 * e.memory["parameters"] / 128, rel=0.01)  # ZeRO-1 over 128
+    assert e.fits and e.total_memory < 80e9
+    assert 0 < e.mfu < 1 and e.bubble == pytest.approx(15 / (16 + 15))
+
+
+# --- what the planner restates from the code --------------------------------------------------------------
+
+
+def test_mesh_axes_and_parsing_agree_with_the_mesh_module():
+    from spmdkit.sharding.mesh import AXES as MESH_AXES
+    from spmdkit.sharding.mesh import MeshConfig
+
+    assert AXES == MESH_AXES
+    for text, devices in [("data=2,fsdp=2,tensor=2", 8), ("tensor=4,fsdp=-1", 16), ("pipeline=2", 2)]:
+        assert parse_mesh(text, devices) == MeshConfig.parse(text).resolve(devices)
+    for bad in ["data=2,data=2", "tensr=2", "data=x", "data=3"]:
+        with pytest.raises(SpmdkitError):
+            parse_mesh(bad, 8)
+
+
+def test_rule_tables_agree_with_make_rules():
+    from spmdkit.sharding.rules import make_rules
+
+    names = {n for _, _, logical in parameters(CONFIG) for n in logical}
+    for zero in range(4):
+        rules = make_rules(zero)
+        for kind, want in [("params", rules.params), ("optimizer", rules.optimizer)]:
+            assert {n: table(zero, kind).get(n) for n in names} == {n: (want[n] or (None,))[0] for n in names}
+        grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
+        assert {n: table(zero, "grads").get(n) for n in names} == {n: (grads[n] or (None,))[0] for n in names}
+
+
+def test_parameter_inventory_matches_the_model():
+    from flax import nnx
+
+    from spmdkit.models import Transformer
+    from spmdkit.sharding.partition import abstract_state
+
+    _, state = abstract_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    real = {}
+    for path, variable in nnx.to_flat_state(state):
+        name = str(path[-2] if path[-1] == "scale" else path[-1])  # norms hold a `scale`
+        real[name] = (tuple(variable.get_value().shape), tuple(variable.out_sharding))
+    assert {name: (shape, names) for name, shape, names in parameters(CONFIG)} == real
+
+
+def test_peak_flops_agree_with_the_metrics_table():
+    from spmdkit.train.metrics import PEAK_BF16_FLOPS
+
+    for name, kind in [("h100", "H100"), ("h200", "H200"), ("a100", "A100"), ("b200", "B200"), ("tpu-v5p", "TPU v5p")]:
+        assert DEVICES[name].peak_flops == PEAK_BF16_FLOPS[kind]
+
+
+def test_planner_imports_neither_jax_nor_matplotlib():
+    # A stub `spmdkit.models` package lets `spmdkit.models.config` load without the package __init__ (which
+    # imports the Flax model): what remains is exactly what the planner itself needs.
+    code = (
+        "import sys, types, spmdkit; pkg = types.ModuleType('spmdkit.models'); "
+        "pkg.__path__ = [spmdkit.__path__[0] + '/models']; sys.modules['spmdkit.models'] = pkg; "
+        "import spmdkit.plan; heavy = {m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'matplotlib', 'numpy'}; "
+        "print(sorted(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_user_errors_are_one_line_spmdkit_errors():
+    for kwargs in [
+        {"mesh": "tensor=3"},  # heads=8 not divisible by 3
+        {"mesh": "pipeline=4"},  # tiny has 2 layers
+        {"mesh": "data=8", "batch_size": 4},
+        {"mesh": "data=8", "zero": 5},
+        {"mesh": "expert=2"},
+        {"mesh": "pipeline=2", "schedule": "zigzag"},
+    ]:
+        mesh = kwargs.pop("mesh")
+        with pytest.raises(SpmdkitError) as info:
+            estimate(CONFIG, mesh, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(SpmdkitError):
+        make_device("tpu-v9")
+    with pytest.raises(SpmdkitError):
+        make_device("custom", hbm_gb=80)
+    assert make_device("custom", hbm_gb=80, peak_tflops=100, intra_node_gbs=100, inter_node_gbs=10).hbm_bytes == 80e9
+
+
+# --- the compiler's numbers ---------------------------------------------------------------------------------
+
+
+def _config(mesh_text: str) -> TransformerConfig:
+    return CONFIG.replace(attention="ring") if "context" in mesh_text else CONFIG
+
+
+@functools.cache
+def compiled_step(name):
+    """The compiled train step of strategy `name` on the 8 simulated devices, from abstract (unallocated) state."""
+    from flax import nnx
+
+    from spmdkit.models import Transformer
+    from spmdkit.sharding.mesh import make_mesh
+    from spmdkit.sharding.partition import abstract_state, state_shardings
+    from spmdkit.sharding.rules import make_rules
+    from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
+    from spmdkit.train.state import TrainState, train_state_shardings
+    from spmdkit.train.step import batch_shardings, make_train_step
+
+    mesh_text, zero, sp = STRATEGIES[name]
+    mesh, rules = make_mesh(mesh_text), make_rules(zero, sp)
+    tx = make_optimizer(OptimizerConfig(warmup_steps=1), 3)
+
+    def make():
+        model = Transformer(_config(mesh_text), rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    graphdef, abstract = abstract_state(make)
+    shardings = train_state_shardings(abstract, mesh, rules)
+    params = nnx.state(nnx.merge(graphdef, abstract)[0], nnx.Param)
+    grad_shardings = state_shardings(params, mesh, rules.optimizer if rules.gradients_like_optimizer else rules.params)
+    leaves, treedef = jax.tree.flatten(abstract)
+    specs = jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
+        ],
+    )
+    step = make_train_step(TrainState(graphdef, specs, shardings, grad_shardings), mesh, rules)
+    batch = {
+        k: jax.ShapeDtypeStruct((BATCH, SEQ), np.int32, sharding=s) for k, s in batch_shardings(mesh, rules).items()
+    }
+    # The backend (LLVM) optimisation level does not change the HLO passes or the buffers; it halves compile time.
+    options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return step.lower(specs, batch).compile(compiler_options=options), mesh
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_planner_matches_the_compiled_step(name):
+    from spmdkit.sharding.hlo import collective_report
+
+    compiled, mesh = compiled_step(name)
+    mesh_text, zero, sp = STRATEGIES[name]
+    config = _config(mesh_text)
+    planned = estimate(config, mesh_text, device="cpu", batch_size=BATCH, seq_len=SEQ, zero=zero, sequence_parallel=sp)
+    # inputs, targets, positions: int32 [batch, seq], batch over data x fsdp, sequence over context
+    batch_bytes = 3 * BATCH * SEQ * 4 // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"])
+    state = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
+    traffic = collective_report(compiled).bytes()
+    assert planned.state_bytes == pytest.approx(state, rel=0.10), f"{name}: state {planned.state_bytes} vs {state}"
+    predicted = sum(planned.collective_bytes.values())
+    assert predicted == pytest.approx(traffic, rel=0.10), f"{name}: collectives {predicted} vs {traffic}"
+
+
+# --- the command ---------------------------------------------------------------------------------------------
+
+
+def _plan(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="spmdkit")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    assert args.handler is run_plan
+    return args.handler(args)
+
+
+def test_plan_recommends_a_fitting_layout_for_70b_on_64_h100(capsys):
+    assert _plan("--model", "70b", "--devices", "64", "--device-type", "h100", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["recommended"]
+    assert best["fits"] and math.prod(best["mesh"].values()) == 64
+    assert best["mesh"]["tensor"] <= 8 and out["explanation"]  # tensor parallelism never leaves a node
+    assert [c["step_s"] for c in out["candidates"]] == sorted(c["step_s"] for c in out["candidates"])
+
+
+def test_plan_with_a_mesh_prints_details_and_plots(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert _plan("--model", "7b", "--devices", "8", "--mesh", "fsdp=8", "--zero", "3", "--plot", str(png)) == 0
+    out = capsys.readouterr().out
+    assert "fsdp=8" in out and "activations" in out and "reduce-scatter" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SpmdkitError):
+        _plan("--model", "7b", "--devices", "8", "--mesh", "fsdp=4")
+    with pytest.raises(SpmdkitError):
+        _plan("--model", "405b", "--devices", "8")  # nothing fits
+
+
+def test_spmdkit_plan_command_answers():
+    cmd = [sys.executable, "-m", "spmdkit", "plan", "--model", "70b", "--devices", "64", "--device-type", "h100"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: " in out.stdout and "tensor=" in out.stdout
