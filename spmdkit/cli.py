@@ -33,6 +33,9 @@ TRAIN_FLAGS: list[tuple[str, str, str, type, str]] = [
         int,
         "ZeRO stage over fsdp: 0 (replicate), 1 (optimizer), 2 (+gradients), 3 (+parameters)",
     ),
+    ("--pipeline-schedule", "mesh", "pipeline_schedule", str, "with pipeline > 1: gpipe, 1f1b or interleaved"),
+    ("--microbatches", "mesh", "microbatches", int, "pipeline microbatches per step (0 = twice the stages)"),
+    ("--virtual-stages", "mesh", "virtual_stages", int, "layer chunks per pipeline stage (interleaved schedule)"),
     ("--lr", "optimizer", "lr", float, "peak learning rate (linear warmup, cosine decay to 10%%)"),
     ("--warmup-steps", "optimizer", "warmup_steps", int, "learning-rate warmup steps"),
     ("--weight-decay", "optimizer", "weight_decay", float, "AdamW weight decay (not applied to norm scales)"),
@@ -123,6 +126,9 @@ def simulate_cpu_devices(count: int | None) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from spmdkit.launch import initialize_distributed
+
+    initialize_distributed()  # joins a multi-process job (spmdkit launch, SLURM, Open MPI) before JAX computes
     from spmdkit.train.config import TrainConfig, apply_overrides, load_toml
     from spmdkit.train.loop import train
 
@@ -176,6 +182,7 @@ def run_ckpt_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from spmdkit.launch import add_launch_parser
     from spmdkit.plan import add_plan_parser
 
     parser = argparse.ArgumentParser(
@@ -185,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(subparsers).set_defaults(handler=run_train)
     add_ckpt_parser(subparsers)
     add_plan_parser(subparsers)
+    add_launch_parser(subparsers)
     return parser
 
 

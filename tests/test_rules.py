@@ -68,7 +68,7 @@ def test_init_sharded_parameters_are_born_sharded():
     model = init_sharded(lambda: Transformer(TransformerConfig(), rngs=nnx.Rngs(0)), mesh, make_rules(3))
     up = model.blocks.mlp.up[...]
     assert up.sharding.spec == P(None, "fsdp", "tensor")
-    assert up.addressable_shards[0].data.shape == (2, 16, 128)
+    assert up.addressable_shards[0].data.shape == (TransformerConfig().layers, 16, 128)
     # same values as an unsharded build with the same seed
     with nnx.use_eager_sharding(False):
         plain = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
@@ -83,8 +83,9 @@ def test_parameter_table_lists_every_parameter_with_per_device_bytes():
     shardings = state_shardings(abstract, mesh, make_rules(3).params)
     rows = {r.path: r for r in parameter_rows(abstract, shardings)}
     up = rows["blocks/mlp/up"]
-    assert up.shape == (2, 64, 256) and up.logical == ("layers", "embed", "mlp")
-    assert up.bytes_total == 2 * 64 * 256 * 4 and up.bytes_per_device == up.bytes_total // 8
+    layers = TransformerConfig().layers
+    assert up.shape == (layers, 64, 256) and up.logical == ("layers", "embed", "mlp")
+    assert up.bytes_total == layers * 64 * 256 * 4 and up.bytes_per_device == up.bytes_total // 8
     assert rows["final_norm/scale"].bytes_per_device == 64 * 4  # replicated
     assert sum(r.bytes_total for r in rows.values()) == TransformerConfig().num_params() * 4
     table = parameter_table(abstract, shardings)

@@ -27,7 +27,7 @@ class TransformerConfig:
 
     vocab_size: int = 264
     embed: int = 64
-    layers: int = 2
+    layers: int = 4
     heads: int = 8
     kv_heads: int = 4
     head_dim: int = 8

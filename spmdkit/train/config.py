@@ -37,12 +37,19 @@ class ModelSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    """`mesh` like "data=2,fsdp=2,tensor=2" (empty: every device on fsdp); `dcn` the across-node factors."""
+    """`mesh` like "data=2,fsdp=2,tensor=2" (empty: every device on fsdp); `dcn` the across-node factors.
+
+    With `pipeline` > 1 in the mesh: `pipeline_schedule` (gpipe, 1f1b, interleaved), `microbatches` per step
+    (0: twice the stages) and `virtual_stages` (interleaved only).
+    """
 
     mesh: str = ""
     dcn: str = ""
     zero: int = 3
     sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual_stages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

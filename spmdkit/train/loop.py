@@ -23,12 +23,14 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.sharding.context import zigzag_batch
 from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
+from spmdkit.sharding.pipeline_schedule import Schedule
 from spmdkit.sharding.rules import make_rules
 from spmdkit.sharding.summary import parameter_rows
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.data import global_batch_arrays, make_data
 from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput
 from spmdkit.train.optimizer import make_optimizer, schedule
+from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, check_batch, make_eval_step, make_train_step
 from spmdkit.train.stop import StopRequest
@@ -66,6 +68,7 @@ class Trainer:
         self.rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
         run = config.run
         check_batch(run.batch_size, self.mesh, run.grad_accum)
+        self.pipeline = self._pipeline_schedule()
         if self.context > 1 and run.seq_len % (2 * self.context):
             raise SpmdkitError(
                 f"--seq-len {run.seq_len} must be divisible by 2 x context = {2 * self.context} for ring attention"
@@ -88,6 +91,28 @@ class Trainer:
         params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
         return params, sum(r.bytes_per_device for r in rows) - params
 
+    def _pipeline_schedule(self) -> Schedule | None:
+        """The pipeline schedule when the mesh has a pipeline axis (checked before anything compiles)."""
+        if self.mesh.shape["pipeline"] == 1:
+            return None
+        mesh_settings, run = self.config.mesh, self.config.run
+        if run.grad_accum != 1:
+            raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
+        schedule = pipeline_schedule(
+            mesh_settings.pipeline_schedule,
+            self.mesh,
+            mesh_settings.microbatches,
+            mesh_settings.virtual_stages,
+            self.model_config.layers,
+        )
+        replicas = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if run.batch_size % (schedule.num_microbatches * replicas):
+            raise SpmdkitError(
+                f"--batch-size {run.batch_size} must be a multiple of microbatches x data x fsdp = "
+                f"{schedule.num_microbatches} x {replicas}"
+            )
+        return schedule
+
     def describe(self) -> str:
         params, opt = self.state_bytes_per_device()
         cfg, run = self.model_config, self.config.run
@@ -103,7 +128,15 @@ class Trainer:
                 f"compute {cfg.dtype}, remat {cfg.remat}",
                 f"memory       per device: parameters {_human_bytes(params)} + optimizer {_human_bytes(opt)}",
                 f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
+                *([self._describe_pipeline()] if self.pipeline else []),
             ]
+        )
+
+    def _describe_pipeline(self) -> str:
+        p = self.pipeline
+        return (
+            f"pipeline     {p.kind} over {p.num_stages} stages, {p.num_microbatches} microbatches, "
+            f"{p.virtual_stages} virtual stage(s) each; bubble {p.bubble_fraction():.1%}"
         )
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -140,8 +173,10 @@ class Trainer:
             return TrainResult({}, {}, self.state, self.run_dir, 0)
         self.batch_shardings = batch_shardings(self.mesh, self.rules)
         step_fn = make_train_step(
-            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps)
+            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline
         )
+        if self.pipeline is not None and self.is_main:
+            self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
         eval_step = make_eval_step(self.state, self.mesh, self.rules)
         batch = self.global_batch(next(self.data))
         started = time.perf_counter()

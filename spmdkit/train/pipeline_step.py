@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -35,6 +36,10 @@ from spmdkit.sharding.pipeline import (
 )
 from spmdkit.sharding.pipeline_schedule import Schedule, check_layers, make_schedule
 from spmdkit.sharding.rules import Rules, suspend_rules
+
+# Activations cross stage boundaries in float32. XLA's CPU compiler aborts ("Invalid binary instruction opcode
+# copy") on the bfloat16 form of the pipeline loop in jax 0.10.2; float32 costs 2x the (small) ppermute bytes.
+BOUNDARY_DTYPE = jnp.float32
 
 
 def pipeline_schedule(kind: str, mesh: Mesh, microbatches: int, virtual_stages: int, layers: int) -> Schedule:
@@ -73,10 +78,15 @@ def pipeline_loss_and_grads(
     params = nnx.state(model, nnx.Param)
 
     def embed(table: jax.Array) -> jax.Array:
-        return to_microbatches(embed_tokens(table, batch["inputs"], config.dtype), schedule.num_microbatches)
+        x = embed_tokens(table, batch["inputs"], config.dtype).astype(BOUNDARY_DTYPE)
+        return to_microbatches(x, schedule.num_microbatches)
 
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
-        run = lambda: apply_blocks(nnx.merge(blocks_def, chunk), x, default_positions(x.shape[:2]), config.remat)
+        def run() -> jax.Array:
+            blocks = nnx.merge(blocks_def, chunk)
+            y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
+            return y.astype(BOUNDARY_DTYPE)
+
         if "pipeline" in jax.sharding.get_abstract_mesh().manual_axes:
             return run()
         with suspend_rules():  # the kernel's shape check: per-device shapes, outside the shard_map
