@@ -1,5 +1,7 @@
 """The run's configuration: frozen dataclasses, read from TOML, overridden from the command line.
 
+This module imports no JAX: the CLI reads it to print defaults, and `spmdkit plan` must start fast.
+
 Sections: `model` (a preset plus numerics), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`,
 `checkpoint`.
 A TOML file has one table per section; keys are the field names. The resolved config is saved as JSON into
@@ -17,8 +19,43 @@ from typing import Any
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig, model_preset
-from spmdkit.train.data import DataConfig
-from spmdkit.train.optimizer import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW settings. `lr` is the peak; it warms up linearly over `warmup_steps`, then decays by cosine to
+    `lr * final_lr_fraction` at `decay_steps` (default: the run's steps)."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    max_bad_steps: int = 5
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise SpmdkitError(f"learning rate {self.lr} must be positive")
+        if self.warmup_steps < 0:
+            raise SpmdkitError(f"warmup steps {self.warmup_steps} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from.
+
+    `source`: "stdlib" | "synthetic" | a path to a `.bin` or `.npy` token file.
+    `token_dtype`: dtype of a raw `.bin` file ("uint16" or "uint32"); a `.npy` file carries its own.
+    `eval_fraction`: held-out share (stdlib: whole files; token file: the tail of the stream).
+    """
+
+    source: str = "stdlib"
+    token_dtype: str = "uint16"
+    eval_fraction: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)

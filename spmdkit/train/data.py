@@ -16,7 +16,6 @@ rows per step; `global_batch_arrays` assembles the per-process batches into glob
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sysconfig
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.train.config import DataConfig
 
 VOCAB_BYTES = 256
 BOS = 256
@@ -40,20 +40,6 @@ SYNTHETIC_RECORDS = 1_000_000
 _BIN_DTYPES = ("uint16", "uint32")
 # One background thread builds the next batches while the device computes; more threads only fight the GIL.
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from.
-
-    `source`: "stdlib" | "synthetic" | a path to a `.bin` or `.npy` token file.
-    `token_dtype`: dtype of a raw `.bin` file ("uint16" or "uint32"); a `.npy` file carries its own.
-    `eval_fraction`: held-out share (stdlib: whole files; token file: the tail of the stream).
-    """
-
-    source: str = "stdlib"
-    token_dtype: str = "uint16"
-    eval_fraction: float = 0.05
 
 
 # ----------------------------------------------------------------------------------------------- record sources

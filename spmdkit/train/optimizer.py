@@ -7,36 +7,12 @@ and counts consecutive bad steps (the loop stops the run after `max_bad_steps` o
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import optax
 
-from spmdkit.errors import SpmdkitError
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW settings. `lr` is the peak; it warms up linearly over `warmup_steps`, then decays by cosine to
-    `lr * final_lr_fraction` at `decay_steps` (default: the run's steps)."""
-
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int = 0
-    final_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    max_bad_steps: int = 5
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise SpmdkitError(f"learning rate {self.lr} must be positive")
-        if self.warmup_steps < 0:
-            raise SpmdkitError(f"warmup steps {self.warmup_steps} must be >= 0")
+from spmdkit.train.config import OptimizerConfig
 
 
 def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
