@@ -159,7 +159,7 @@ def test_planner_imports_neither_jax_nor_matplotlib():
 def test_user_errors_are_one_line_spmdkit_errors():
     for kwargs in [
         {"mesh": "tensor=3"},  # heads=8 not divisible by 3
-        {"mesh": "pipeline=4"},  # tiny has 2 layers
+        {"mesh": "pipeline=3"},  # 4 layers do not split into 3 stages
         {"mesh": "data=8", "batch_size": 4},
         {"mesh": "data=8", "zero": 5},
         {"mesh": "expert=2"},
