@@ -1,12 +1,11 @@
-"""Multi-host start-up: join one JAX distributed runtime from explicit variables, SLURM or Open MPI; start N local
-processes (`spmdkit launch --processes N`); write or submit an sbatch script (`spmdkit launch --slurm`).
+"""Multi-host start-up: join one JAX distributed runtime (`initialize_distributed`), run N local processes
+(`spmdkit launch --processes N`), or write and submit an sbatch script (`spmdkit launch --slurm`).
 
-`initialize_distributed()` runs before JAX computes anything. It reads, in order: `SPMDKIT_NUM_PROCESSES` /
-`SPMDKIT_PROCESS_ID` / `SPMDKIT_COORDINATOR` (what `spmdkit launch` sets), srun's `SLURM_PROCID` / `SLURM_NTASKS`
-(coordinator: `SPMDKIT_COORDINATOR`, else the first node of the step's node list), Open MPI's
-`OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (coordinator: `SPMDKIT_COORDINATOR`). None of them: one process.
-`SPMDKIT_CPU_DEVICES=M` gives each process M simulated CPU devices. A process that stops sending heartbeats for
-`SPMDKIT_HEARTBEAT_TIMEOUT` seconds (default 30) ends every other process of the job with a non-zero status.
+`initialize_distributed()` reads, in order: `SPMDKIT_NUM_PROCESSES` / `SPMDKIT_PROCESS_ID` / `SPMDKIT_COORDINATOR`
+(what `spmdkit launch` sets); srun's `SLURM_PROCID` / `SLURM_NTASKS` (coordinator: `SPMDKIT_COORDINATOR`, else the
+first node of the node list); Open MPI's `OMPI_COMM_WORLD_RANK` / `_SIZE` (coordinator: `SPMDKIT_COORDINATOR`).
+None of them: a single process. `SPMDKIT_CPU_DEVICES=M` gives the process M simulated CPU devices. A process that
+sends no heartbeat for `SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status.
 """
 
 from __future__ import annotations
@@ -31,17 +30,17 @@ from spmdkit.errors import SpmdkitError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID"
 CPU_DEVICES, LOCAL_DEVICE_IDS = "SPMDKIT_CPU_DEVICES", "SPMDKIT_LOCAL_DEVICE_IDS"
-_TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds)
+TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds)
     "SPMDKIT_INIT_TIMEOUT": ("initialization_timeout", 120),
     "SPMDKIT_HEARTBEAT_TIMEOUT": ("heartbeat_timeout_seconds", 30),
     "SPMDKIT_SHUTDOWN_TIMEOUT": ("shutdown_timeout_seconds", 60),
 }
-_FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+_FORCED_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedEnv:
-    """Where this process sits in the job, and which launcher said so ("spmdkit", "slurm" or "openmpi")."""
+    """This process's place in the job; `source` says who described it: "spmdkit", "slurm" or "openmpi"."""
 
     coordinator: str
     num_processes: int
@@ -54,117 +53,98 @@ class DistributedEnv:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compact host list -> host names: 'node[01-03,07],gpu-a' -> ['node01', 'node02', 'node03', ...]."""
-    hosts: list[str] = []
+    """SLURM's compact host list, without scontrol: 'gpu[01-02,07],login' -> gpu01, gpu02, gpu07, login."""
+    hosts = []
     for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
         parts: list[list[str]] = []
         for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
             parts.append([text])
-            if ranges:
-                parts.append(_expand_ranges(ranges))
+            numbers: list[str] = []
+            for part in ranges.split(",") if ranges else ():
+                lo, _, hi = part.partition("-")
+                if not lo.isdigit() or not (hi or lo).isdigit():
+                    raise SpmdkitError(f"cannot read the SLURM node list {nodelist!r}: set {COORDINATOR}=HOST:PORT")
+                numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+            parts += [numbers] if numbers else []
         hosts += ["".join(p) for p in itertools.product(*parts)]
-    if not hosts:
-        raise SpmdkitError(f"cannot read the SLURM node list {nodelist!r}: set SPMDKIT_COORDINATOR=host:port")
     return hosts
 
 
-def _expand_ranges(ranges: str) -> list[str]:
-    """'01-03,07' -> ['01', '02', '03', '07'] (zero padding kept)."""
-    out = []
-    for part in ranges.split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise SpmdkitError(f"cannot read the SLURM node range [{ranges}]: set SPMDKIT_COORDINATOR=host:port")
-        out += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
-    return out
-
-
-def _int_var(environ: Mapping[str, str], name: str) -> int:
+def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in env and default is not None:
+        return default
     try:
-        return int(environ[name])
+        return int(env[name])
     except KeyError:
-        raise SpmdkitError(f"{name} is not set: set it, or unset the other variables of a multi-process run") from None
+        raise SpmdkitError(f"{name} is not set: a multi-process run needs it (or unset the others)") from None
     except ValueError:
-        raise SpmdkitError(f"{name}={environ[name]!r} is not an integer") from None
+        raise SpmdkitError(f"{name}={env[name]!r} is not an integer") from None
 
 
-def _gpu_device_ids(environ: Mapping[str, str], local_rank: int, tasks_here: int) -> tuple[int, ...] | None:
-    """One GPU per task when several tasks share a node that shows each task all its GPUs; else JAX's default."""
-    if environ.get(LOCAL_DEVICE_IDS):
-        return tuple(int(x) for x in environ[LOCAL_DEVICE_IDS].split(","))
-    cpu = CPU_DEVICES in environ or environ.get("JAX_PLATFORMS", "").startswith("cpu")
-    narrowed = len(environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")) == 1
-    return None if cpu or narrowed or tasks_here <= 1 else (local_rank,)
-
-
-def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
-    """The distributed set-up the environment describes, or None for a single process."""
-    env = os.environ if environ is None else environ
-    if NUM_PROCESSES in env:
-        count, pid = _int_var(env, NUM_PROCESSES), _int_var(env, PROCESS_ID)
-        found = DistributedEnv(env.get(COORDINATOR, ""), count, pid, "spmdkit", _gpu_device_ids(env, 0, 1))
-    elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
-        count = _int_var(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-        coordinator = env.get(COORDINATOR) or _slurm_coordinator(env)
-        local = _gpu_device_ids(env, int(env.get("SLURM_LOCALID", "0")), count // max(nodes, 1))
-        found = DistributedEnv(coordinator, count, _int_var(env, "SLURM_PROCID"), "slurm", local)
-    elif "OMPI_COMM_WORLD_SIZE" in env:
-        count, pid = _int_var(env, "OMPI_COMM_WORLD_SIZE"), _int_var(env, "OMPI_COMM_WORLD_RANK")
-        coordinator = env.get(COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS", "")
-        if not coordinator and count > 1:
-            raise SpmdkitError(
-                f"Open MPI run of {count} processes but no coordinator: export {COORDINATOR}=HOST:PORT (rank 0's "
-                f"host, a free port) and pass it to every rank (mpirun -x {COORDINATOR})"
-            )
-        local = _gpu_device_ids(
-            env, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-        )
-        found = DistributedEnv(coordinator, count, pid, "openmpi", local)
-    else:
-        return None
-    if found.num_processes < 1 or not 0 <= found.process_id < found.num_processes:
-        raise SpmdkitError(
-            f"process id {found.process_id} of {found.num_processes} processes ({found.source}) is invalid"
-        )
-    if found.num_processes > 1 and ":" not in found.coordinator:
-        raise SpmdkitError(f"coordinator address {found.coordinator!r} must be HOST:PORT (set {COORDINATOR})")
-    return found
+def _local_device_ids(env: Mapping[str, str], local_rank: int, tasks_on_node: int) -> tuple[int, ...] | None:
+    """One GPU per task when several tasks share a node and each sees all its GPUs; else JAX's default (None)."""
+    if env.get(LOCAL_DEVICE_IDS):
+        return tuple(int(x) for x in env[LOCAL_DEVICE_IDS].split(","))
+    cpu = CPU_DEVICES in env or env.get("JAX_PLATFORMS", "").startswith("cpu")
+    one_gpu = len(env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")) == 1
+    return None if cpu or one_gpu or tasks_on_node <= 1 else (local_rank,)
 
 
 def _slurm_coordinator(env: Mapping[str, str]) -> str:
-    """First host of the step's (else the job's) node list, port SPMDKIT_COORDINATOR_PORT or one from the job id."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        raise SpmdkitError(f"SLURM run without SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: set {COORDINATOR}=HOST:PORT")
-    port = env.get("SPMDKIT_COORDINATOR_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-    return f"{expand_nodelist(nodelist)[0]}:{port}"
+    """The first host of the step's (else the job's) node list, port SPMDKIT_COORDINATOR_PORT or from the job id."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    port = _int_var(env, "SPMDKIT_COORDINATOR_PORT", 20000 + _int_var(env, "SLURM_JOB_ID", 0) % 20000)
+    hosts = expand_nodelist(nodelist)
+    return f"{hosts[0]}:{port}" if hosts else ""
+
+
+def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """The multi-process set-up the environment describes, or None (a single process)."""
+    env = os.environ if environ is None else environ
+    coordinator = env.get(COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS", "")
+    if NUM_PROCESSES in env:
+        source, count, rank = "spmdkit", _int_var(env, NUM_PROCESSES), _int_var(env, PROCESS_ID)
+        local_rank, per_node = 0, 1
+    elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
+        source, rank, local_rank = "slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_LOCALID", 0)
+        count = _int_var(env, "SLURM_STEP_NUM_TASKS", _int_var(env, "SLURM_NTASKS", 1))
+        per_node = count // max(_int_var(env, "SLURM_STEP_NUM_NODES", _int_var(env, "SLURM_NNODES", 1)), 1)
+        coordinator = coordinator or _slurm_coordinator(env)
+    elif "OMPI_COMM_WORLD_SIZE" in env:
+        source, count, rank = "openmpi", _int_var(env, "OMPI_COMM_WORLD_SIZE"), _int_var(env, "OMPI_COMM_WORLD_RANK")
+        local_rank = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        per_node = _int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    else:
+        return None
+    if not 0 <= rank < count:
+        raise SpmdkitError(f"process id {rank} of {count} processes ({source}) is invalid")
+    if count > 1 and not re.fullmatch(r".+:\d+", coordinator):
+        raise SpmdkitError(
+            f"{source} run of {count} processes without a coordinator (got {coordinator!r}): export "
+            f"{COORDINATOR}=HOST:PORT (process 0's host, a free port) to every process"
+        )
+    return DistributedEnv(coordinator, count, rank, source, _local_device_ids(env, local_rank, per_node))
 
 
 def _cpu_device_count(env: Mapping[str, str]) -> int | None:
-    """SPMDKIT_CPU_DEVICES, checked against a device count already forced through XLA_FLAGS (--cpu-devices)."""
+    """SPMDKIT_CPU_DEVICES, checked against a count already forced through XLA_FLAGS (`--cpu-devices`)."""
     if CPU_DEVICES not in env:
         return None
-    count = _int_var(env, CPU_DEVICES)
-    forced = _FORCE_COUNT.search(env.get("XLA_FLAGS", ""))
+    count, forced = _int_var(env, CPU_DEVICES), _FORCED_COUNT.search(env.get("XLA_FLAGS", ""))
     if count < 1 or (forced and int(forced.group(1)) != count):
         raise SpmdkitError(
-            f"mismatched device counts: {CPU_DEVICES}={count} (spmdkit launch --devices-per-process) but "
-            f"--cpu-devices / XLA_FLAGS asks for {forced.group(1) if forced else count}: give the count once"
+            f"mismatched device counts: {CPU_DEVICES}={count} (launch --devices-per-process) but --cpu-devices / "
+            f"XLA_FLAGS asks for {forced.group(1) if forced else count}: give the count once, to the launcher"
         )
     return count
 
 
 def initialize_distributed(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
-    """Join the job the environment describes (see the module docstring); call before JAX computes anything.
-
-    Returns the detected set-up (None: no variables, a single process, nothing done).
-    """
+    """Join the job the environment describes; call before JAX computes anything. None: one process, nothing done."""
     env = os.environ if environ is None else environ
+    cpu_devices, found = _cpu_device_count(env), detect_environment(env)
     import jax
 
-    cpu_devices = _cpu_device_count(env)
-    found = detect_environment(env)
     try:
         if cpu_devices is not None:
             jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -172,21 +152,17 @@ def initialize_distributed(environ: Mapping[str, str] | None = None) -> Distribu
             return found
         if cpu_devices is not None or env.get("JAX_PLATFORMS", "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        timeouts = {key: int(env.get(var, default)) for var, (key, default) in _TIMEOUTS.items()}
         jax.distributed.initialize(
             coordinator_address=found.coordinator,
             num_processes=found.num_processes,
             process_id=found.process_id,
             local_device_ids=list(found.local_device_ids) if found.local_device_ids else None,
             cluster_detection_method="deactivate",
-            **timeouts,
+            **{key: _int_var(env, var, default) for var, (key, default) in TIMEOUTS.items()},
         )
     except (RuntimeError, ValueError) as error:  # JaxRuntimeError is a RuntimeError
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SpmdkitError(
-            f"could not start JAX as process {found.process_id if found else 0} of "
-            f"{found.num_processes if found else 1}{f' (coordinator {found.coordinator})' if found else ''}: {first}"
-        ) from None
+        where = f"process {found.process_id} of {found.num_processes} at {found.coordinator}" if found else "JAX"
+        raise SpmdkitError(f"could not start {where}: {(str(error).strip() or repr(error)).splitlines()[0]}") from None
     return found
 
 
@@ -194,7 +170,7 @@ def initialize_distributed(environ: Mapping[str, str] | None = None) -> Distribu
 
 
 def free_port(port: int | None = None) -> int:
-    """`port` if nothing listens on it on 127.0.0.1 (else an error); with None, a free port the OS picks."""
+    """`port` if it is free on 127.0.0.1 (else an error); None: a free port the OS picks."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port or 0))
@@ -203,36 +179,40 @@ def free_port(port: int | None = None) -> int:
         return sock.getsockname()[1]
 
 
-def visible_gpus(environ: Mapping[str, str]) -> list[str]:
-    """GPU ids this host shows: CUDA_VISIBLE_DEVICES if set, else what `nvidia-smi -L` lists (none: [])."""
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-    if not shutil.which("nvidia-smi"):
-        return []
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """GPU ids this host shows: CUDA_VISIBLE_DEVICES if set, else those `nvidia-smi -L` lists."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     try:
         listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [str(i) for i, line in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in listing.splitlines()))]
+
+
+def resolve_platform(platform: str, env: Mapping[str, str]) -> str:
+    """'auto' -> 'gpu' where GPUs are visible and JAX_PLATFORMS does not say cpu, else 'cpu'."""
+    if platform != "auto":
+        return platform
+    return "cpu" if env.get("JAX_PLATFORMS", "").startswith("cpu") or not visible_gpus(env) else "gpu"
 
 
 def process_environments(
-    processes: int, devices_per_process: int | None, port: int, platform: str, environ: Mapping[str, str]
+    processes: int, devices_per_process: int | None, port: int, platform: str, env: Mapping[str, str]
 ) -> list[dict[str, str]]:
-    """The environment of each local process: coordinator, count, id, and its devices (CPU count or GPU ids)."""
-    base = dict(environ, PYTHONUNBUFFERED="1")
-    base.update({COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(processes)})
+    """Each local process's environment: coordinator, count, id, and its devices (a CPU count or GPU ids)."""
+    base = dict(env, PYTHONUNBUFFERED="1", **{COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(processes)})
     if platform == "cpu":
-        base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=_FORCE_COUNT.sub("", base.get("XLA_FLAGS", "")).strip())
-        base[CPU_DEVICES] = str(devices_per_process or 1)
+        xla_flags = _FORCED_COUNT.sub("", base.get("XLA_FLAGS", "")).strip()
+        base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, **{CPU_DEVICES: str(devices_per_process or 1)})
         return [dict(base, **{PROCESS_ID: str(i)}) for i in range(processes)]
-    gpus = visible_gpus(environ)
+    gpus = visible_gpus(env)
     per = devices_per_process or len(gpus) // processes
     if per < 1 or per * processes > len(gpus) or (devices_per_process is None and len(gpus) % processes):
         raise SpmdkitError(
-            f"mismatched device counts: {processes} processes x {devices_per_process or 'an equal share of'} GPUs "
-            f"does not fit the {len(gpus)} GPU(s) of this host: use --processes {len(gpus) or 1} (one per GPU), "
-            f"1 (one per host), or --platform cpu"
+            f"mismatched device counts: {processes} processes x {devices_per_process or 'equal shares of'} GPU(s) "
+            f"do not fit the {len(gpus)} GPU(s) here: use --processes {len(gpus) or 1} (one per GPU), --processes 1, "
+            "or --platform cpu"
         )
     return [
         dict(base, **{PROCESS_ID: str(i), "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])})
@@ -240,82 +220,68 @@ def process_environments(
     ]
 
 
+def check_command(command: Sequence[str]) -> None:
+    """The command exists and leaves the device count to the launcher."""
+    if not command:
+        raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --processes 2 -- spmdkit train")
+    if not shutil.which(command[0]):
+        raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
+    if any(arg.split("=")[0] == "--cpu-devices" for arg in command):
+        raise SpmdkitError("mismatched device counts: give --devices-per-process to launch, not --cpu-devices")
+
+
 def _pump(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copy lines from a child's pipe, each prefixed with `[i] `; of '\\r'-rewritten lines keep the last."""
+    """Copy a child's lines to `sink`, each after `prefix`; of a '\\r'-rewritten line (a progress bar) the last."""
     for line in iter(source.readline, b""):
-        body = line.rstrip(b"\r\n").rsplit(b"\r", 1)[-1]
         with lock:
-            sink.write(prefix + body + b"\n")
+            sink.write(prefix + line.rstrip(b"\r\n").rsplit(b"\r", 1)[-1] + b"\n")
             sink.flush()
-    source.close()
 
 
 def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def _signal_all(children: Sequence[subprocess.Popen], sig: int) -> None:
-    for child in children:
-        if child.poll() is None:
-            try:
-                os.killpg(child.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    if code >= 0:
+        return f"exited with status {code}"
+    return f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
 
 
 def stop_all(children: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every running child (the trainer saves and stops), SIGKILL what still runs after `grace` s."""
-    _signal_all(children, signal.SIGTERM)
+    """SIGTERM each running child's process group (the trainer saves and stops); SIGKILL it after `grace` s."""
     deadline = time.monotonic() + grace
-    try:
-        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        _signal_all(children, signal.SIGKILL)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for child in children:
-            child.wait()
+            if child.poll() is None:
+                try:
+                    os.killpg(child.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(c.poll() is None for c in children):
+            time.sleep(0.1)
+    for child in children:
+        child.wait()
 
 
-def _note(text: str) -> None:
-    print(f"spmdkit launch: {text}", file=sys.stderr, flush=True)
+def _statuses(children: Sequence[subprocess.Popen], skip: int | None = None) -> str:
+    return "; ".join(f"process {i} {_describe(c.returncode)}" for i, c in enumerate(children) if i != skip)
 
 
-def supervise(children: Sequence[subprocess.Popen], grace: float) -> int:
-    """Wait for the children. One that fails stops the others within seconds; Ctrl-C / SIGTERM stops all."""
+def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str]:
+    """Wait for all children: (0, ''), or on the first failure stop the others and say who failed (status, text)."""
     try:
-        while True:
-            codes = [child.poll() for child in children]
+        while (codes := [c.poll() for c in children]) != [0] * len(children):
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
-                code = codes[failed]
-                running = sum(code is None for code in codes)
-                _note(f"process {failed} (pid {children[failed].pid}) {_describe(code)}; stopping {running} other(s)")
                 stop_all(children, grace=5.0)
-                _note(f"failed: process {failed} {_describe(code)}")
-                return code if code > 0 else 128 - code
-            if all(code == 0 for code in codes):
-                return 0
+                text = f"process {failed} {_describe(codes[failed])}; then {_statuses(children, failed)}"
+                return codes[failed] if codes[failed] > 0 else 128 - codes[failed], text
             time.sleep(0.1)
+        return 0, ""
     except KeyboardInterrupt:
-        _note(f"interrupted: stopping all processes (up to {grace:g} s to save; Ctrl-C again to kill)")
+        print(f"spmdkit launch: stopping all processes ({grace:g} s to save; Ctrl-C again kills)", file=sys.stderr)
         try:
             stop_all(children, grace=grace)
         except KeyboardInterrupt:
             stop_all(children, grace=0)
-        return 130
-
-
-def resolve_platform(platform: str) -> str:
-    """ "cpu" or "gpu"; "auto" is gpu when GPUs are visible and JAX_PLATFORMS does not say cpu."""
-    if platform != "auto":
-        return platform
-    cpu_only = os.environ.get("JAX_PLATFORMS", "").startswith("cpu")
-    return "cpu" if cpu_only or not visible_gpus(os.environ) else "gpu"
+        return 130, f"interrupted: {_statuses(children)}"
 
 
 def launch_local(
@@ -326,18 +292,17 @@ def launch_local(
     platform: str = "auto",
     grace: float = 60.0,
 ) -> int:
-    """Run `command` as `processes` local processes of one JAX job on 127.0.0.1; their exit status, or the failure."""
-    if processes < 1:
-        raise SpmdkitError(f"--processes {processes} must be at least 1")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise SpmdkitError(f"--devices-per-process {devices_per_process} must be at least 1")
-    platform = resolve_platform(platform)
-    _check_command(command, processes * (devices_per_process or 1) if platform == "cpu" else None)
+    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status."""
+    if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
+        raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
+    platform = resolve_platform(platform, os.environ)
+    check_command(command)
     port = free_port(port)
     environments = process_environments(processes, devices_per_process, port, platform, os.environ)
     children: list[subprocess.Popen] = []
-    lock, threads = threading.Lock(), []
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    lock, pumps = threading.Lock(), []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
         for i, env in enumerate(environments):
             child = subprocess.Popen(
@@ -345,91 +310,60 @@ def launch_local(
             )
             children.append(child)
             for source, sink in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
-                threads.append(threading.Thread(target=_pump, args=(source, sink, f"[{i}] ".encode(), lock)))
-                threads[-1].daemon = True
-                threads[-1].start()
+                pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
+                pumps[-1].start()
         pids = ", ".join(str(c.pid) for c in children)
-        _note(f"{processes} process(es) on 127.0.0.1:{port} ({platform}), pids {pids}")
-        code = supervise(children, grace)
+        print(f"spmdkit launch: {processes} process(es) at 127.0.0.1:{port} ({platform}), pids {pids}", file=sys.stderr)
+        code, text = supervise(children, grace)
     finally:
         stop_all(children, grace=0)
-        signal.signal(signal.SIGTERM, previous)
-        for thread in threads:
-            thread.join(timeout=2)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        for pump in pumps:
+            pump.join(timeout=2)
+    if text:
+        print(f"spmdkit launch: {'failed: ' if code != 130 else ''}{text}", file=sys.stderr, flush=True)
     return code
-
-
-def _check_command(command: Sequence[str], cpu_devices: int | None) -> None:
-    """The command exists, leaves device counts to the launcher, and (spmdkit train --mesh) fits the devices."""
-    if not command:
-        raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --processes 2 -- spmdkit train")
-    if not shutil.which(command[0]):
-        raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
-    if any(arg == "--cpu-devices" or arg.startswith("--cpu-devices=") for arg in command):
-        raise SpmdkitError("mismatched device counts: pass --devices-per-process to launch, not --cpu-devices")
-    mesh = _flag_value(command, "--mesh")
-    if cpu_devices is not None and mesh is not None and "train" in command:
-        from spmdkit.sharding.mesh import MeshConfig
-
-        try:
-            MeshConfig.parse(mesh, _flag_value(command, "--dcn") or "").resolve(cpu_devices)
-        except SpmdkitError as error:
-            raise SpmdkitError(f"mismatched device counts: {error} (processes x devices-per-process)") from None
-
-
-def _flag_value(command: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(command):
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-        if arg == flag and i + 1 < len(command):
-            return command[i + 1]
-    return None
 
 
 # ----------------------------------------------------------------------------------------------- SLURM
 
 
 NCCL_OPTIONS = """\
-# NCCL on H100 nodes with InfiniBand: the defaults are usually right; uncomment what your cluster needs.
-# export NCCL_DEBUG=INFO                    # once: the log shows whether IB ("NET/IB") and GPUDirect RDMA are used
+# NCCL on H100 nodes with InfiniBand: the defaults usually work; uncomment what your cluster needs.
+# export NCCL_DEBUG=INFO                  # once: the log says whether IB ("NET/IB") and GPUDirect RDMA are used
 # export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7  # the compute HCAs (ibv_devinfo)
-# export NCCL_SOCKET_IFNAME=ib0             # the interface for NCCL's bootstrap (not docker0 / lo)
-# export NCCL_NET_GDR_LEVEL=PHB             # GPUDirect RDMA between GPU and HCA under the same PCIe host bridge
-# export NCCL_IB_GID_INDEX=3                # RoCE fabrics only
-# export NCCL_NVLS_ENABLE=1                 # NVLink SHARP on NVSwitch systems (H100 SXM)
-# export NCCL_CROSS_NIC=0                   # keep rings on the same NIC rail across nodes
-# export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95  # JAX preallocates 75% of HBM by default
+# export NCCL_SOCKET_IFNAME=ib0           # the interface for NCCL's bootstrap (not docker0 / lo)
+# export NCCL_NET_GDR_LEVEL=PHB           # GPUDirect RDMA where GPU and HCA share a PCIe host bridge
+# export NCCL_IB_GID_INDEX=3              # RoCE fabrics only
+# export NCCL_NVLS_ENABLE=0               # NVLink SHARP (NVSwitch) is on where supported; 0 if it fails or hangs
+# export NCCL_CROSS_NIC=0                 # rail-optimised fabrics: keep each ring on the same NIC rail
+# export XLA_PYTHON_CLIENT_MEM_FRACTION=0.90  # JAX preallocates 75% of HBM by default
 # export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap FSDP collectives with compute
 """
 
 
-def sbatch_script(
-    command: Sequence[str],
-    nodes: int,
-    gpus_per_node: int,
-    partition: str | None = None,
-    time_limit: str | None = None,
-    account: str | None = None,
-    job_name: str = "spmdkit",
-) -> str:
-    """An sbatch script: one srun task per GPU, the coordinator on the allocation's first node."""
+def sbatch_script(command: Sequence[str], nodes: int, gpus_per_node: int, **options: str | None) -> str:
+    """An sbatch script: one srun task per GPU, each joining the coordinator on the allocation's first node.
+
+    `options`: more #SBATCH options by name (job_name="x" -> --job-name=x); None leaves one out.
+    """
     if nodes < 1 or gpus_per_node < 1:
         raise SpmdkitError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be at least 1")
     if not command:
         raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --slurm ... -- spmdkit train")
-    options = {"job-name": job_name, "nodes": nodes, "ntasks-per-node": gpus_per_node}
-    options.update({"gpus-per-node": gpus_per_node, "partition": partition, "time": time_limit, "account": account})
-    header = "".join(f"#SBATCH --{key}={value}\n" for key, value in options.items() if value is not None)
+    sbatch: dict[str, object] = {"nodes": nodes, "ntasks-per-node": gpus_per_node, "gpus-per-node": gpus_per_node}
+    sbatch.update(options)
+    header = "".join(f"#SBATCH --{k.replace('_', '-')}={v}\n" for k, v in sbatch.items() if v is not None)
     return f"""#!/bin/bash
-# Written by `spmdkit launch --slurm`: {nodes} node(s) x {gpus_per_node} GPU(s) = {nodes * gpus_per_node} tasks.
+# Written by `spmdkit launch --slurm`: {nodes} nodes x {gpus_per_node} GPUs, one task per GPU.
 {header}#SBATCH --exclusive
 #SBATCH --output=%x-%j.out
-
 set -euo pipefail
-# source /path/to/venv/bin/activate         # the environment spmdkit is installed in
+# source /path/to/venv/bin/activate       # the environment spmdkit is installed in
 
-# Every task joins the JAX coordinator on the allocation's first node; rank and count come from SLURM_PROCID
-# and SLURM_NTASKS. A task that dies ends the others (heartbeat, SPMDKIT_HEARTBEAT_TIMEOUT s; srun's kill-on-bad-exit).
+# Every task joins the coordinator on the first node; rank and count come from SLURM_PROCID / SLURM_NTASKS.
+# A task that dies ends the others: heartbeats (SPMDKIT_HEARTBEAT_TIMEOUT s) and srun --kill-on-bad-exit.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export {COORDINATOR}="$head_node:$((20000 + SLURM_JOB_ID % 20000))"
 export SPMDKIT_HEARTBEAT_TIMEOUT=${{SPMDKIT_HEARTBEAT_TIMEOUT:-30}}
@@ -447,37 +381,45 @@ def submit_slurm(script: str, path: str, dry_run: bool) -> int:
     with open(path, "w") as f:
         f.write(script)
     if not shutil.which("sbatch"):
-        raise SpmdkitError(f"sbatch not found: not a SLURM login node? The script is in {path}; run sbatch {path}")
+        raise SpmdkitError(f"sbatch not found (not a SLURM login node?): the script is in {path}; submit it there")
     return subprocess.run(["sbatch", path]).returncode
 
 
 # ----------------------------------------------------------------------------------------------- the command
 
 
+LAUNCH_FLAGS: list[tuple[str, dict]] = [
+    ("--processes", dict(type=int, metavar="N", help="local processes (default: one per GPU, else 1)")),
+    (
+        "--devices-per-process",
+        dict(type=int, metavar="M", help="CPU: simulated devices each (default 1); GPU: GPUs each"),
+    ),
+    ("--platform", dict(choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu where GPUs are visible")),
+    ("--port", dict(type=int, help="coordinator port on 127.0.0.1 (default: a free one)")),
+    ("--grace", dict(type=float, default=60.0, help="seconds processes get to save after Ctrl-C (default: 60)")),
+    ("--slurm", dict(action="store_true", help="write an sbatch script (one task per GPU) and submit it")),
+    ("--nodes", dict(type=int, metavar="K", help="--slurm: nodes")),
+    ("--gpus-per-node", dict(type=int, default=8, metavar="G", help="--slurm: GPUs (= tasks) per node (default: 8)")),
+    ("--partition", dict(help="--slurm: partition")),
+    ("--time", dict(help="--slurm: time limit, e.g. 24:00:00")),
+    ("--account", dict(help="--slurm: account")),
+    ("--job-name", dict(default="spmdkit", help="--slurm: job name (default: spmdkit)")),
+    ("--script", dict(default="spmdkit.sbatch", help="--slurm: where to write the script (default: spmdkit.sbatch)")),
+    ("--dry-run", dict(action="store_true", help="--slurm: print the script, submit nothing")),
+]
+
+
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The `spmdkit launch` subcommand (its handler is `run_launch`)."""
     parser = subparsers.add_parser(
         "launch",
-        help="run a command as several JAX processes (local, or a SLURM job)",
+        help="run a command as the processes of one JAX job (here, or as a SLURM job)",
         description="Run COMMAND as N local processes of one JAX job (spmdkit launch --processes 2 "
         "--devices-per-process 4 -- spmdkit train ...), or write and submit an sbatch script (--slurm).",
     )
-    add = parser.add_argument
-    add("--processes", type=int, metavar="N", help="local processes (default: 1 per GPU, else 1)")
-    add("--devices-per-process", type=int, metavar="M", help="CPU: simulated devices each; GPU: GPUs each")
-    add("--platform", choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu if GPUs are visible")
-    add("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
-    add("--grace", type=float, default=60.0, help="seconds to let processes save after Ctrl-C (default: 60)")
-    add("--slurm", action="store_true", help="write an sbatch script (one task per GPU) and submit it")
-    add("--nodes", type=int, metavar="K", help="--slurm: nodes")
-    add("--gpus-per-node", type=int, default=8, metavar="G", help="--slurm: GPUs (tasks) per node (default: 8)")
-    add("--partition", help="--slurm: partition")
-    add("--time", help="--slurm: time limit, e.g. 24:00:00")
-    add("--account", help="--slurm: account")
-    add("--job-name", default="spmdkit", help="--slurm: job name (default: spmdkit)")
-    add("--script", default="spmdkit.sbatch", help="--slurm: where to write the script (default: spmdkit.sbatch)")
-    add("--dry-run", action="store_true", help="--slurm: print the script, submit nothing")
-    add("launch_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command every process runs")
+    for flag, kwargs in LAUNCH_FLAGS:
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("launch_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what each process runs")
     parser.set_defaults(handler=run_launch)
     return parser
 
@@ -486,14 +428,20 @@ def run_launch(args: argparse.Namespace) -> int:
     command = args.launch_command[1:] if args.launch_command[:1] == ["--"] else args.launch_command
     if args.slurm:
         if args.processes is not None or args.nodes is None:
-            raise SpmdkitError("--slurm takes --nodes K and --gpus-per-node G (one task per GPU), not --processes")
+            raise SpmdkitError("--slurm takes --nodes K and --gpus-per-node G (a task per GPU), not --processes")
         script = sbatch_script(
-            command, args.nodes, args.gpus_per_node, args.partition, args.time, args.account, args.job_name
+            command,
+            args.nodes,
+            args.gpus_per_node,
+            job_name=args.job_name,
+            partition=args.partition,
+            time=args.time,
+            account=args.account,
         )
         return submit_slurm(script, args.script, args.dry_run)
     if args.nodes is not None or args.dry_run:
-        raise SpmdkitError("--nodes and --dry-run go with --slurm; local runs take --processes N")
-    platform = resolve_platform(args.platform)
+        raise SpmdkitError("--nodes and --dry-run go with --slurm; a local run takes --processes N")
+    platform = resolve_platform(args.platform, os.environ)
     processes = args.processes
     if processes is None:
         processes = max(len(visible_gpus(os.environ)), 1) if platform == "gpu" else 1

@@ -1,0 +1,361 @@
+"""Multi-process launching: environment detection, the local launcher with real processes on 127.0.0.1 (gloo),
+a lost process ending the others, the sbatch script, and bad input."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.errors import SpmdkitError
+from spmdkit.launch import (
+    detect_environment,
+    expand_nodelist,
+    initialize_distributed,
+    process_environments,
+    sbatch_script,
+)
+
+BIN = str(Path(sys.executable).parent)
+TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 0 --seq-len 32 --batch-size 8 "
+TRAIN += "--dtype float32 --no-progress"
+# Joins the job, says so, then runs collectives ("busy") or sleeps ("idle") until it is stopped.
+PEER = """
+import sys, time
+import numpy as np
+from spmdkit.launch import initialize_distributed
+initialize_distributed()
+import jax
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("ready")
+print("ready", jax.process_index(), jax.device_count(), flush=True)
+while True:
+    if sys.argv[1] == "busy":
+        multihost_utils.process_allgather(np.int32(1))
+    time.sleep(0.05)
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The test's environment (which forces 8 devices through XLA_FLAGS: the launcher must drop that)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
+    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "JAX_PLATFORMS": "cpu", **extra}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _launch_peers(tmp_path: Path, mode: str, *flags: str) -> tuple[subprocess.Popen, Path, list[int]]:
+    """`spmdkit launch --processes 2 --devices-per-process 2 -- python PEER mode` once both joined: (launcher,
+    its stderr file, the pids of processes 0 and 1)."""
+    script, out, err = tmp_path / "peer.py", tmp_path / "out.txt", tmp_path / "err.txt"
+    script.write_text(PEER)
+    cmd = [f"{BIN}/spmdkit", "launch", "--processes", "2", "--devices-per-process", "2", *flags, "--"]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([*cmd, sys.executable, str(script), mode], stdout=o, stderr=e, env=_env())
+    try:
+        _wait_for(out, "[0] ready 0 4", proc, 120)
+        _wait_for(out, "[1] ready 1 4", proc, 30)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, err, [int(p) for p in err.read_text().split("pids ")[1].split("\n")[0].split(", ")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _clean_up(procs: list[subprocess.Popen], pids: list[int]) -> None:
+    """Leave nothing running whatever the test's outcome."""
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------- real processes
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """2 processes x 4 devices give the losses of 1 process x 8 devices; output lines carry [i]."""
+    one = subprocess.run(
+        [f"{BIN}/spmdkit", "train", "--cpu-devices", "8", *TRAIN.split()[1:], "--run-dir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(), "XLA_FLAGS": ""},
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]
+    two = subprocess.run(
+        [f"{BIN}/spmdkit", *launch, "spmdkit", *TRAIN.split(), "--run-dir", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "[0] mesh         fsdp=4,tensor=2 on 8 CPU device(s), 2 process(es)" in two.stdout
+    assert "[0] done: 6 steps" in two.stdout and "[1] " in two.stderr
+    assert all(line.startswith(("[0] ", "[1] ")) for line in two.stdout.splitlines())
+    assert all(line.startswith(("[0] ", "[1] ", "spmdkit launch: ")) for line in two.stderr.splitlines())
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+def test_killed_process_stops_the_launcher_and_the_others(tmp_path):
+    proc, err, pids = _launch_peers(tmp_path, "busy")
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert time.monotonic() - started < 60
+    finally:
+        _clean_up([proc], pids)
+    message = err.read_text()
+    assert code == 128 + signal.SIGKILL, message[-2000:]
+    assert "spmdkit launch: failed: process 1 was killed by SIGKILL; then process 0 " in message, message[-2000:]
+    assert "process 0 exited with status 0" not in message
+
+
+def test_lost_peer_ends_the_survivor_by_heartbeat(tmp_path):
+    """No launcher: process 1 dies while process 0 idles; JAX's heartbeat timeout (default 30 s) ends process 0."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    port = _free_port()
+    peers, logs = [], []
+    for i in range(2):
+        logs.append(open(tmp_path / f"peer{i}.txt", "w+"))
+        env = _env(SPMDKIT_COORDINATOR=f"127.0.0.1:{port}", SPMDKIT_NUM_PROCESSES="2", SPMDKIT_PROCESS_ID=str(i))
+        env.update(SPMDKIT_CPU_DEVICES="2", XLA_FLAGS="")
+        peers.append(
+            subprocess.Popen([sys.executable, str(script), "idle"], stdout=logs[i], stderr=subprocess.STDOUT, env=env)
+        )
+    try:
+        for i in range(2):
+            _wait_for(tmp_path / f"peer{i}.txt", f"ready {i} 4", peers[i], 120)
+        peers[1].kill()
+        started = time.monotonic()
+        code = peers[0].wait(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        _clean_up(peers, [])
+        for log in logs:
+            log.close()
+    text = (tmp_path / "peer0.txt").read_text()
+    assert code != 0 and elapsed < 60, (code, elapsed, text[-2000:])
+    assert "Task 1 heartbeat timeout" in text or "stopped sending heartbeats" in text, text[-2000:]
+
+
+def test_ctrl_c_stops_all(tmp_path):
+    """SIGINT to the launcher: SIGTERM to all (JAX's preemption notifier ignores it here), SIGKILL after --grace."""
+    proc, err, pids = _launch_peers(tmp_path, "idle", "--grace", "3")
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        _clean_up([proc], pids)
+    assert "spmdkit launch: interrupted: process 0 was killed by SIGKILL; process 1 " in err.read_text()
+    assert all(_gone(pid) for pid in pids)
+
+
+# ----------------------------------------------------------------------------------------------- environment
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+        ("a,b", ["a", "b"]),
+        ("gpu[001,007-008],login", ["gpu001", "gpu007", "gpu008", "login"]),
+        ("r[1-2]-n[8-9]", ["r1-n8", "r1-n9", "r2-n8", "r2-n9"]),
+        ("single", ["single"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_detect_nothing_is_one_process():
+    assert detect_environment({}) is None
+    assert initialize_distributed({}) is None
+
+
+def test_detect_spmdkit_variables():
+    env = {"SPMDKIT_COORDINATOR": "10.0.0.1:1234", "SPMDKIT_NUM_PROCESSES": "4", "SPMDKIT_PROCESS_ID": "3"}
+    found = detect_environment(env)
+    assert (found.coordinator, found.num_processes, found.process_id, found.source) == (
+        "10.0.0.1:1234",
+        4,
+        3,
+        "spmdkit",
+    )
+
+
+def test_detect_slurm_first_node_and_one_gpu_per_task():
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "11",
+        "SLURM_NTASKS": "16",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_LOCALID": "3",
+        "SLURM_STEP_NODELIST": "h100-[07-08]",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+    }
+    found = detect_environment(env)
+    assert found.coordinator == f"h100-07:{20000 + 4242 % 20000}"
+    assert (found.num_processes, found.process_id, found.local_device_ids, found.source) == (16, 11, (3,), "slurm")
+    found = detect_environment({**env, "SPMDKIT_COORDINATOR": "head:999", "CUDA_VISIBLE_DEVICES": "5"})
+    assert found.coordinator == "head:999" and found.local_device_ids is None  # srun bound one GPU per task
+
+
+def test_detect_openmpi_needs_a_coordinator():
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    with pytest.raises(SpmdkitError, match="openmpi run of 2 processes without a coordinator.*SPMDKIT_COORDINATOR"):
+        detect_environment(env)
+    found = detect_environment({**env, "SPMDKIT_COORDINATOR": "n0:5000"})
+    assert (found.coordinator, found.num_processes, found.process_id, found.source) == ("n0:5000", 2, 1, "openmpi")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SPMDKIT_NUM_PROCESSES": "2", "SPMDKIT_PROCESS_ID": "2", "SPMDKIT_COORDINATOR": "a:1"}, "process id 2 of 2"),
+        ({"SPMDKIT_NUM_PROCESSES": "2", "SPMDKIT_COORDINATOR": "a:1"}, "SPMDKIT_PROCESS_ID is not set"),
+        ({"SPMDKIT_NUM_PROCESSES": "two", "SPMDKIT_PROCESS_ID": "0"}, "SPMDKIT_NUM_PROCESSES='two' is not an integer"),
+        ({"SPMDKIT_NUM_PROCESSES": "2", "SPMDKIT_PROCESS_ID": "0"}, "without a coordinator"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[x-y]"}, "cannot read the SLURM node"),
+    ],
+)
+def test_detect_bad_variables(env, message):
+    with pytest.raises(SpmdkitError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        detect_environment(env)
+
+
+def test_cpu_device_count_must_agree_with_cpu_devices_flag():
+    env = {"SPMDKIT_CPU_DEVICES": "4", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    with pytest.raises(SpmdkitError, match="mismatched device counts: SPMDKIT_CPU_DEVICES=4 .* asks for 8"):
+        initialize_distributed(env)
+
+
+def test_process_environments_cpu_and_gpu():
+    base = {"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8", "PATH": "/bin"}
+    cpu = process_environments(2, 4, 1234, "cpu", base)
+    assert [e["SPMDKIT_PROCESS_ID"] for e in cpu] == ["0", "1"]
+    assert cpu[1]["SPMDKIT_COORDINATOR"] == "127.0.0.1:1234" and cpu[1]["SPMDKIT_NUM_PROCESSES"] == "2"
+    assert cpu[1]["SPMDKIT_CPU_DEVICES"] == "4" and cpu[1]["XLA_FLAGS"] == "--foo"
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in process_environments(4, None, 1, "gpu", gpus)] == ["0", "1", "2", "3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in process_environments(1, None, 1, "gpu", gpus)] == ["0,1,2,3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in process_environments(2, 2, 1, "gpu", gpus)] == ["0,1", "2,3"]
+    with pytest.raises(SpmdkitError, match="mismatched device counts: 3 processes .* the 4 GPU"):
+        process_environments(3, None, 1, "gpu", gpus)
+    with pytest.raises(SpmdkitError, match="mismatched device counts: 2 processes x 4 GPU"):
+        process_environments(2, 4, 1, "gpu", gpus)
+
+
+# ----------------------------------------------------------------------------------------------- SLURM
+
+
+def test_slurm_dry_run_prints_the_script(capsys):
+    argv = ["launch", "--slurm", "--nodes", "8", "--gpus-per-node", "8", "--partition", "h100", "--time", "2:00:00"]
+    argv += ["--account", "lm", "--dry-run", "--", "spmdkit", "train", "--model", "70b", "--mesh", "fsdp=8,tensor=8"]
+    assert main(argv) == 0
+    script = capsys.readouterr().out
+    for line in (
+        "#SBATCH --nodes=8",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=h100",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --account=lm",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export SPMDKIT_COORDINATOR="$head_node:',
+        "# export NCCL_IB_HCA=",
+        "srun --kill-on-bad-exit=1 --cpu-bind=none spmdkit train --model 70b --mesh fsdp=8,tensor=8",
+    ):
+        assert line in script, line
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_slurm_without_sbatch_writes_the_script_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    path = tmp_path / "job.sbatch"
+    assert main(["launch", "--slurm", "--nodes", "2", "--script", str(path), "--", "spmdkit", "train"]) == 2
+    assert "sbatch not found" in capsys.readouterr().err
+    assert "#SBATCH --nodes=2" in path.read_text()
+
+
+def test_example_script_matches_the_generator():
+    """scripts/slurm_70b_example.sh is the generator's script (long srun line wrapped) under a comment header."""
+    example = (Path(__file__).parents[1] / "scripts" / "slurm_70b_example.sh").read_text()
+    assert subprocess.run(["bash", "-n"], input=example, text=True).returncode == 0
+    body = re.sub(r" \\\n\s+", " ", example[example.index("#SBATCH --nodes") :])
+    command = shlex.split(body.split("--cpu-bind=none ")[1])
+    assert command[:5] == ["spmdkit", "train", "--model", "70b", "--mesh"] and "fsdp=8,tensor=8" in command
+    options = dict(job_name="llama70b", partition="h100", time="48:00:00", account="YOUR_ACCOUNT")
+    generated = sbatch_script(command, 8, 8, **options)
+    assert body == generated[generated.index("#SBATCH --nodes") :]
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--processes", "0", "--", "spmdkit", "train"], "--processes 0 and --devices-per-process None must be >= 1"),
+        (["--processes", "2", "--devices-per-process", "0", "--", "spmdkit"], "--devices-per-process 0 must be >= 1"),
+        (["--processes", "2", "--", "no-such-command-xyz"], "command 'no-such-command-xyz' not found"),
+        (["--processes", "2"], "no command to run"),
+        (["--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], "mismatched device counts"),
+        (["--slurm", "--processes", "2", "--", "spmdkit"], "--slurm takes --nodes K"),
+        (["--slurm", "--nodes", "0", "--dry-run", "--", "spmdkit"], "--nodes 0 and --gpus-per-node 8 must be"),
+        (["--nodes", "2", "--", "spmdkit"], "--nodes and --dry-run go with --slurm"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("spmdkit: error: ") and message in err and "\n" not in err, err
+
+
+def test_port_in_use_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["launch", "--processes", "2", "--port", str(port), "--", "spmdkit", "train"]) == 2
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
