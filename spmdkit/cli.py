@@ -183,7 +183,7 @@ def run_ckpt_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from spmdkit.launch import add_launch_parser
-    from spmdkit.plan import add_plan_parser
+    from spmdkit.plan_report import add_plan_parser
 
     parser = argparse.ArgumentParser(
         prog="spmdkit", description="SPMD sharding toolkit for training transformers with JAX."

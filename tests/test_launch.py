@@ -119,7 +119,7 @@ def test_two_processes_train_like_one(tmp_path):
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "[0] mesh         fsdp=4,tensor=2 on 8 CPU device(s), 2 process(es)" in two.stdout
-    assert "[0] done: 6 steps" in two.stdout and "[1] " in two.stderr
+    assert "[0] done: 6 steps" in two.stdout
     assert all(line.startswith(("[0] ", "[1] ")) for line in two.stdout.splitlines())
     assert all(line.startswith(("[0] ", "[1] ", "spmdkit launch: ")) for line in two.stderr.splitlines())
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)

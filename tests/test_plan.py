@@ -18,17 +18,9 @@ import pytest
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import PRESETS, TransformerConfig
-from spmdkit.plan import (
-    SCHEDULES,
-    add_plan_parser,
-    bubble_fraction,
-    estimate,
-    parameters,
-    run_plan,
-    stash_slots,
-    table,
-)
+from spmdkit.plan import SCHEDULES, bubble_fraction, estimate, parameters, stash_slots, table
 from spmdkit.plan_devices import AXES, DEVICES, make_device, parse_mesh
+from spmdkit.plan_report import add_plan_parser, run_plan
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 BATCH, SEQ = 8, 32
@@ -144,12 +136,10 @@ def test_peak_flops_agree_with_the_metrics_table():
 
 
 def test_planner_imports_neither_jax_nor_matplotlib():
-    # A stub `spmdkit.models` package lets `spmdkit.models.config` load without the package __init__ (which
-    # imports the Flax model): what remains is exactly what the planner itself needs.
+    # The whole `spmdkit plan` path: the CLI parser (train's defaults included) and the planner modules.
     code = (
-        "import sys, types, spmdkit; pkg = types.ModuleType('spmdkit.models'); "
-        "pkg.__path__ = [spmdkit.__path__[0] + '/models']; sys.modules['spmdkit.models'] = pkg; "
-        "import spmdkit.plan; heavy = {m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'matplotlib', 'numpy'}; "
+        "import sys, spmdkit.cli, spmdkit.plan, spmdkit.plan_report; spmdkit.cli.build_parser(); "
+        "heavy = {m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'optax', 'matplotlib', 'numpy'}; "
         "print(sorted(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
