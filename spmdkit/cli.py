@@ -141,7 +141,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("ckpt", help="inspect or verify a checkpoint directory")
+    parser = subparsers.add_parser("ckpt", help="inspect, verify, reshard or convert (Hugging Face) checkpoints")
     commands = parser.add_subparsers(dest="ckpt_command", required=True)
     inspect = commands.add_parser("inspect", help="steps, saved config, and every array's shape, dtype and size")
     inspect.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
@@ -151,6 +151,25 @@ def add_ckpt_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     verify = commands.add_parser("verify", help="read every step in full; exit 1 if any is damaged")
     verify.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
     verify.set_defaults(handler=run_ckpt_verify)
+    reshard = commands.add_parser("reshard", help="restore a step onto another mesh and save it to a new directory")
+    reshard.add_argument("directory", metavar="DIR", help="checkpoint directory to read")
+    reshard.add_argument("--mesh", required=True, help="the new mesh, e.g. 'data=8' or 'fsdp=4,tensor=2'")
+    reshard.add_argument("--out", required=True, metavar="DIR2", help="new (empty) checkpoint directory")
+    reshard.add_argument("--cpu-devices", type=int, metavar="N", help="simulate N devices on the CPU")
+    reshard.add_argument("--step", type=int, metavar="N", help="the step to reshard (default: the newest)")
+    reshard.set_defaults(handler=run_ckpt_reshard)
+    export = commands.add_parser("export", help="parameters as Hugging Face Llama safetensors + config.json")
+    export.add_argument("directory", metavar="DIR", help="checkpoint directory to read")
+    export.add_argument("--out", required=True, metavar="FILE.safetensors", help="config.json is written beside it")
+    export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="stored dtype")
+    export.add_argument("--step", type=int, metavar="N", help="the step to export (default: the newest)")
+    export.set_defaults(handler=run_ckpt_export)
+    import_hf = commands.add_parser("import-hf", help="an spmdkit checkpoint from Hugging Face Llama safetensors")
+    import_hf.add_argument("file", metavar="FILE.safetensors", help="with its config.json beside it")
+    import_hf.add_argument("--out", required=True, metavar="DIR", help="new (empty) checkpoint directory")
+    import_hf.add_argument("--mesh", default="", help="mesh to lay the parameters out on (default: all on fsdp)")
+    import_hf.add_argument("--cpu-devices", type=int, metavar="N", help="simulate N devices on the CPU")
+    import_hf.set_defaults(handler=run_ckpt_import_hf)
     return parser
 
 
@@ -181,7 +200,35 @@ def run_ckpt_verify(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] for r in report) else 1
 
 
+def run_ckpt_reshard(args: argparse.Namespace) -> int:
+    from spmdkit.checkpoint.convert import reshard_checkpoint
+
+    _quiet_absl()
+    step = reshard_checkpoint(args.directory, args.out, args.mesh, args.step)
+    print(f"resharded step {step} of {args.directory} onto mesh {args.mesh} in {args.out}")
+    return 0
+
+
+def run_ckpt_export(args: argparse.Namespace) -> int:
+    from spmdkit.checkpoint.convert import export_hf
+
+    _quiet_absl()
+    out = export_hf(args.directory, args.out, args.dtype, args.step)
+    print(f"wrote {out} and {out.parent / 'config.json'}")
+    return 0
+
+
+def run_ckpt_import_hf(args: argparse.Namespace) -> int:
+    from spmdkit.checkpoint.convert import import_hf
+
+    _quiet_absl()
+    out = import_hf(args.file, args.out, args.mesh)
+    print(f"wrote checkpoint step 0 (fresh optimizer state) in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from spmdkit.bench import add_bench_parser
     from spmdkit.launch import add_launch_parser
     from spmdkit.plan_report import add_plan_parser
 
@@ -193,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ckpt_parser(subparsers)
     add_plan_parser(subparsers)
     add_launch_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

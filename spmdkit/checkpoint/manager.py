@@ -123,6 +123,8 @@ class Checkpointer:
         self.directory = Path(directory).expanduser().absolute()
         if read_only and not self.directory.is_dir():
             raise SpmdkitError(f"checkpoint directory {self.directory} does not exist: check the path")
+        if read_only and (self.directory / "checkpoints").is_dir():  # a run directory: read its checkpoints
+            self.directory = self.directory / "checkpoints"
         self.every, self.keep = every, keep
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(every) if every else policies.SpecificStepsPolicy(()),

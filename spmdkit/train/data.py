@@ -284,7 +284,9 @@ def make_data(
             f"than one global batch of {global_batch}: use more data, a smaller seq_len or a smaller global_batch"
         )
     # Every process gets the same number of records, so all of them take the same number of steps.
-    num_records = len(source) - len(source) % nproc
+    # Whole global batches only: the record count, the shuffle and the epoch boundaries then do not depend on the
+    # process count, so 1 process x 8 devices and 2 x 4 read the same global batches.
+    num_records = len(source) - len(source) % global_batch
     local_batch = global_batch // nproc
     ds = grain.MapDataset.source(source)[:num_records]
     if split == "train":

@@ -1,0 +1,405 @@
+"""Benchmark every parallelism strategy: speed, per-device memory, and collective traffic against the planner.
+
+For each strategy whose mesh fits the devices present: build the sharded train state, compile the train step once
+(timed, ahead of time), warm up, time N steps (`jax.block_until_ready` on each), and read the compiled program:
+`memory_analysis()` (argument and temp bytes per device) and the HLO collectives (`collective_report`), which are
+set next to `spmdkit.plan.estimate`'s predicted bytes for the same layout. Results go to a Markdown table and JSON.
+
+JAX must not be imported before `configure_platform()` runs: it sets XLA_FLAGS (8 simulated CPU devices when no
+GPU is present; latency-hiding scheduler and collective-combine thresholds on GPU). `scripts/benchmark.py` and
+`spmdkit bench` both call it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# name: (mesh, ZeRO stage, sequence parallel). "one_device" runs on the first device alone.
+STRATEGIES: dict[str, tuple[str, int, bool]] = {
+    "one_device": ("fsdp=1", 3, False),
+    "dp": ("data=8", 0, False),
+    "fsdp": ("fsdp=8", 3, False),
+    "zero1": ("fsdp=8", 1, False),
+    "tp": ("tensor=8", 3, False),
+    "tp_sp": ("tensor=8", 3, True),
+    "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
+    "cp": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
+    "pp": ("pipeline=4,data=2", 3, False),  # 1F1B, --microbatches
+    "fsdp_tp": ("fsdp=4,tensor=2", 3, False),  # the peer configuration's second mesh
+}
+DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "fsdp_tp"]
+PEER_STRATEGIES = ["fsdp", "fsdp_tp"]
+CPU_DEVICES = 8
+
+# XLA GPU flags (MaxText's GPU scripts, NVIDIA JAX-Toolbox "GPU performance", JAX "GPU performance tips"):
+# overlap collectives with compute, and combine small collectives into few large ones.
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+)
+
+
+def _add_flags(flags: tuple[str, ...]) -> None:
+    """Append each flag to XLA_FLAGS unless the user already set that flag (theirs wins)."""
+    current = os.environ.get("XLA_FLAGS", "")
+    names = {f.split("=")[0] for f in current.split()}
+    extra = [f for f in flags if f.split("=")[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+def gpu_present() -> bool:
+    """A CUDA device and driver are visible (checked without importing JAX)."""
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        return False
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+def configure_platform() -> str:
+    """Set XLA_FLAGS for the platform before JAX is imported; returns "gpu" or "cpu"."""
+    import sys
+
+    if "jax" in sys.modules:  # too late to change flags: report what JAX already has
+        import jax
+
+        return jax.default_backend()
+    if gpu_present():
+        _add_flags(GPU_XLA_FLAGS)
+        return "gpu"
+    _add_flags((f"--xla_force_host_platform_device_count={CPU_DEVICES}",))
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return "cpu"
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[float]]:
+    """Collect the duration of every XLA backend compilation that happens inside the block."""
+    import jax
+
+    durations: list[float] = []
+
+    def listener(event: str, duration: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            durations.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield durations
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every strategy of one run shares."""
+
+    model: Any  # TransformerConfig
+    batch_size: int  # global, in sequences
+    seq_len: int
+    steps: int = 10
+    warmup: int = 2
+    microbatches: int = 8  # pipeline microbatches (PP only)
+    device: str = "cpu"  # planner device name, for the predicted traffic and memory
+
+
+def _batches(setup: Setup, context: int, count: int) -> list[dict]:
+    """`count` synthetic batches (uniform tokens, `spmdkit.train.data.SyntheticSource`), zigzagged for CP."""
+    import numpy as np
+
+    from spmdkit.sharding.context import zigzag_batch
+    from spmdkit.train.data import SyntheticSource
+
+    out = []
+    for k in range(count):
+        src = SyntheticSource(setup.batch_size, setup.seq_len, setup.model.vocab_size, seed=0, stream=k)
+        tokens = np.stack([src[i] for i in range(setup.batch_size)])
+        positions = np.broadcast_to(np.arange(setup.seq_len, dtype=np.int32), (setup.batch_size, setup.seq_len))
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.ascontiguousarray(positions)}
+        out.append(zigzag_batch(batch, context) if context > 1 else batch)
+    return out
+
+
+def build(name: str, setup: Setup) -> dict[str, Any]:
+    """Mesh, rules, train state, jitted step and device batches of strategy `name` (nothing compiled yet)."""
+    import jax
+
+    from spmdkit.sharding.mesh import make_mesh
+    from spmdkit.sharding.rules import make_rules
+    from spmdkit.train.config import OptimizerConfig
+    from spmdkit.train.optimizer import make_optimizer
+    from spmdkit.train.pipeline_step import pipeline_schedule
+    from spmdkit.train.state import create_train_state
+    from spmdkit.train.step import batch_shardings, make_train_step
+
+    mesh_text, zero, sp = STRATEGIES[name]
+    mesh = make_mesh(mesh_text, jax.devices()[:1]) if name == "one_device" else make_mesh(mesh_text)
+    rules = make_rules(zero, sp)
+    context = mesh.shape["context"]
+    model = setup.model.replace(attention="ring" if context > 1 else "dot")
+    schedule = None
+    if mesh.shape["pipeline"] > 1:
+        schedule = pipeline_schedule("1f1b", mesh, setup.microbatches, 1, model.layers)
+    tx = make_optimizer(OptimizerConfig(warmup_steps=1), setup.warmup + setup.steps)
+    state = create_train_state(model, tx, mesh, rules)
+    step = make_train_step(state, mesh, rules, pipeline=schedule)
+    shardings = batch_shardings(mesh, rules)
+    batches = [
+        {k: jax.device_put(v, shardings[k]) for k, v in b.items()}
+        for b in _batches(setup, context, min(2, setup.steps + setup.warmup))
+    ]
+    return {"mesh": mesh, "rules": rules, "state": state, "step": step, "batches": batches, "model": model}
+
+
+def predicted(name: str, setup: Setup, mesh: Any) -> Any:
+    """The planner's estimate of the same layout (bytes per device per step)."""
+    from spmdkit.plan import estimate
+
+    _, zero, sp = STRATEGIES[name]
+    sizes = {axis: size for axis, size in mesh.shape.items()}
+    pipeline = sizes["pipeline"] > 1
+    return estimate(
+        setup.model, sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len, zero=zero,
+        sequence_parallel=sp, microbatches=setup.microbatches if pipeline else 1, schedule="1f1b",
+    )  # fmt: skip
+
+
+def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
+    """Compile, warm up and time one strategy; read memory and collectives from the compiled step."""
+    import jax
+
+    from spmdkit.sharding.hlo import collective_report
+    from spmdkit.sharding.mesh import format_sizes
+    from spmdkit.train.metrics import peak_flops, throughput
+
+    built = build(name, setup)
+    mesh, batches, state = built["mesh"], built["batches"], built["state"].state
+    times = []
+    with count_compiles() as compiles:
+        start = time.perf_counter()
+        compiled = built["step"].lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - start
+        for i in range(setup.warmup + setup.steps):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batches[i % len(batches)])
+            jax.block_until_ready((state, metrics))
+            if i >= setup.warmup:
+                times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    devices = mesh.devices.size
+    tokens = setup.batch_size * setup.seq_len
+    rates = throughput(tokens, step_s, setup.model.flops_per_token(setup.seq_len), devices, peak_flops())
+    memory = compiled.memory_analysis()
+    report = collective_report(compiled)
+    plan = predicted(name, setup, mesh)
+    hlo_bytes, plan_bytes = report.bytes(), sum(plan.collective_bytes.values())
+    return {
+        "strategy": name,
+        "mesh": format_sizes(dict(mesh.shape)),
+        "devices": devices,
+        "compile_s": compile_s,
+        "compiles": len(compiles),  # XLA compilations from lowering to the last step: 1 (no retracing)
+        "step_ms": 1e3 * step_s,
+        "step_ms_min": 1e3 * min(times),
+        "step_ms_max": 1e3 * max(times),
+        "tokens_per_s": rates["tokens_per_sec"],
+        "tflops_per_device": rates["tflops_per_device"],
+        "mfu": rates["mfu"],
+        "argument_bytes": memory.argument_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "plan_state_bytes": plan.state_bytes,
+        "hlo_collective_bytes": hlo_bytes,
+        "plan_collective_bytes": plan_bytes,
+        "traffic_ratio": hlo_bytes / plan_bytes if plan_bytes else None,
+        "hlo_by_opcode": {op: t["operand_bytes"] for op, t in report.by_opcode().items()},
+        "plan_by_opcode": dict(plan.collective_bytes),
+        "final_loss": float(metrics["loss"]),
+    }
+
+
+def fits(name: str, num_devices: int) -> bool:
+    """Does the strategy's mesh use exactly the devices present (the 1-device baseline always fits)?"""
+    import math
+
+    if name == "one_device":
+        return True
+    sizes = [int(part.split("=")[1]) for part in STRATEGIES[name][0].split(",")]
+    return math.prod(sizes) == num_devices
+
+
+def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str, Any]]:
+    """Rows of `run_strategy` for the strategies that fit; skipped ones are logged."""
+    import jax
+
+    rows = []
+    for name in names:
+        if not fits(name, jax.device_count()):
+            log(f"skip {name}: mesh {STRATEGIES[name][0]} needs a different device count than {jax.device_count()}")
+            continue
+        log(f"{name} ({STRATEGIES[name][0]}) ...")
+        rows.append(run_strategy(name, setup))
+        log(f"  compile {rows[-1]['compile_s']:.1f} s, step {rows[-1]['step_ms']:.1f} ms")
+    return rows
+
+
+COLUMNS = (
+    ("strategy", "strategy"), ("mesh", "mesh"), ("compile s", "compile_s"), ("step ms (min-max)", "step_ms"),
+    ("tokens/s", "tokens_per_s"), ("TFLOP/s/dev", "tflops_per_device"), ("MFU", "mfu"), ("arg MiB", "argument_bytes"),
+    ("temp MiB", "temp_bytes"), ("plan state MiB", "plan_state_bytes"), ("HLO coll. MiB", "hlo_collective_bytes"),
+    ("plan coll. MiB", "plan_collective_bytes"), ("HLO/plan", "traffic_ratio"),
+)  # fmt: skip
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    value = row[key]
+    if key == "step_ms":
+        return f"{value:.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f})"
+    if value is None:
+        return "n/a"
+    if key.endswith("bytes"):
+        return f"{value / 2**20:.3f}"
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if key == "traffic_ratio":
+        return f"{value:.3f}"
+    if key == "tflops_per_device":
+        return f"{value:.4f}"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if key != "compile_s" else f"{value:.1f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row, key) for _, key in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str) -> tuple[Path, Path]:
+    """`out/stem.md` (a header and the table) and `out/stem.json` (meta + rows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    header = ", ".join(f"{k} {v}" for k, v in meta.items() if k != "model")
+    md, js = out / f"{stem}.md", out / f"{stem}.json"
+    md.write_text(f"# {stem}\n\n{header}\n\nmodel: {meta['model']}\n\n{markdown_table(rows)}\n")
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    return md, js
+
+
+def gpu_setup(steps: int) -> Setup:
+    """~1B parameters (the `1b` preset), bf16, the largest batch the planner says fits each GPU's HBM."""
+    import jax
+
+    from spmdkit.models.config import model_preset
+    from spmdkit.plan_devices import DEVICES
+
+    kind = jax.devices()[0].device_kind.lower()
+    device = next((d for d in ("h200", "h100", "a100", "b200") if d in kind), "h100")
+    n, seq = jax.device_count(), 2048
+    for remat in ("none", "full"):
+        model = model_preset("1b").replace(dtype="bfloat16", remat=remat)
+        best = 0
+        for per_device in (1, 2, 4, 8, 16, 32, 64):
+            est = Setup(model, per_device * n, seq, device=device)
+            plan = predicted("one_device" if n == 1 else "fsdp", est, _FakeMesh(n))
+            if plan.total_memory <= 0.9 * DEVICES[device].hbm_bytes:
+                best = per_device
+        if best >= 4 or remat == "full":
+            return Setup(model, max(best, 1) * n, seq, steps=steps, warmup=2, device=device)
+    raise AssertionError("unreachable")
+
+
+class _FakeMesh:
+    """Just enough of a Mesh for `predicted`: all devices on fsdp."""
+
+    def __init__(self, n: int):
+        self.shape = {"data": 1, "pipeline": 1, "fsdp": n, "context": 1, "expert": 1, "tensor": 1}
+
+
+def peer_model() -> Any:
+    """The fixed configuration other toolkits can run too (Llama-style, ~16.6M parameters)."""
+    from spmdkit.models.config import TransformerConfig
+
+    return TransformerConfig(
+        vocab_size=32_000, embed=256, layers=4, heads=4, kv_heads=4, head_dim=64, mlp=1024, dtype="bfloat16"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (minutes on a laptop CPU)")
+    parser.add_argument("--peer", action="store_true", help="the fixed peer configuration (fsdp=8, fsdp=4,tensor=2)")
+    parser.add_argument("--out", default="results", metavar="DIR", help="results directory (default: results/)")
+    parser.add_argument("--steps", type=int, metavar="N", help="timed steps per strategy")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps after compiling")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), metavar="NAME", help="subset to run")
+    parser.add_argument("--model", default="tiny", help="model preset on CPU (default: tiny)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype on CPU (default: float32)")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (CPU; default 16)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (CPU; default 256)")
+    parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches (default 8)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark as a command: set up, run, print and write the table."""
+    platform = configure_platform()
+    import jax
+
+    from spmdkit.models.config import model_preset
+
+    if args.peer:
+        setup, names, stem = (
+            Setup(peer_model(), 8, 256, steps=args.steps or 20, warmup=args.warmup),
+            PEER_STRATEGIES,
+            "peer",
+        )
+    elif platform == "gpu" and not args.quick:
+        setup, names, stem = gpu_setup(args.steps or 20), DEFAULT_STRATEGIES, "gpu"
+    else:
+        model = model_preset(args.model).replace(dtype=args.dtype)
+        seq = 64 if args.quick else args.seq_len
+        steps = args.steps or (5 if args.quick else 10)
+        setup = Setup(model, args.batch_size, seq, steps=steps, warmup=1 if args.quick else args.warmup)
+        names, stem = DEFAULT_STRATEGIES, "quick" if args.quick else "benchmark"
+    setup = dataclasses.replace(setup, microbatches=args.microbatches)
+    names = args.strategies or names
+    start = time.perf_counter()
+    rows = benchmark(names, setup, log=lambda text: print(text, flush=True))
+    meta = {
+        "platform": platform, "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+        "jax": jax.__version__, "model": dataclasses.asdict(setup.model), "params": setup.model.num_params(),
+        "batch": setup.batch_size, "seq": setup.seq_len, "steps": setup.steps, "warmup": setup.warmup,
+        "microbatches": setup.microbatches, "wall_s": round(time.perf_counter() - start, 1),
+    }  # fmt: skip
+    md, js = write_results(rows, meta, Path(args.out), stem)
+    print(markdown_table(rows))
+    print(f"wrote {md} and {js} ({meta['wall_s']} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="benchmark", description=__doc__.split("\n\n")[0]))
+    return run(parser.parse_args(argv))
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`spmdkit bench`: the same flags as scripts/benchmark.py."""
+    parser = subparsers.add_parser("bench", help="benchmark every strategy: speed, memory, traffic vs the planner")
+    add_arguments(parser).set_defaults(handler=run)
+    return parser
