@@ -36,7 +36,9 @@ STRATEGIES = {
     "tp_sp": ("tensor=8", 3, True),
     "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
     "context_ring": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
+    "zero1_accumulated": ("data=2,fsdp=2,tensor=2", 1, False),  # 2 microbatches, reduced once over data x fsdp
 }
+GRAD_ACCUM = {"zero1_accumulated": 2}
 
 
 def _batch(batch=8, seq=32, seed=0):
@@ -56,7 +58,7 @@ def run(name):
     context = mesh.shape["context"]
     config = CONFIG.replace(attention="ring") if context > 1 else CONFIG
     state = create_train_state(config, make_optimizer(OptimizerConfig(warmup_steps=1), STEPS), mesh, rules)
-    step = make_train_step(state, mesh, rules)
+    step = make_train_step(state, mesh, rules, GRAD_ACCUM.get(name, 1))
     batch = zigzag_batch(_batch(), context)
     compiled = step.lower(state.state, batch).compile()
     current, losses = state.state, []
@@ -168,3 +170,12 @@ def test_context_parallel_step_moves_kv_by_collective_permute_only():
     # K/V never gathered whole: the only all-gathers are FSDP's parameter gathers (no [batch, seq, ...] K/V)
     gathered = [c for c in report.collectives if c.opcode == "all-gather"]
     assert all(c.group_size == 2 for c in gathered)  # fsdp=2 groups, never the context ring
+
+
+def test_accumulation_reduces_gradients_once_per_step():
+    """DP with 4 microbatches: one all-reduce of the gradient bytes per optimizer step, not one per microbatch."""
+    mesh, rules = make_mesh("data=8"), make_rules(0)
+    state = create_train_state(CONFIG, make_optimizer(OptimizerConfig(), STEPS), mesh, rules)
+    compiled = make_train_step(state, mesh, rules, grad_accum=4).lower(state.state, _batch(batch=32)).compile()
+    report = collective_report(compiled)
+    assert _grad_bytes() <= report.bytes("all-reduce") <= _grad_bytes() + 64

@@ -8,6 +8,7 @@ the gradients to the optimizer's sharded layout, so XLA reduce-scatters them ins
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -53,8 +54,39 @@ def _microbatches(batch: Batch, grad_accum: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def loss_and_grads(model: nnx.Module, batch: Batch, grad_accum: int = 1) -> tuple[jax.Array, nnx.State]:
-    """Mean loss over the batch and its float32 gradients w.r.t. the model's `nnx.Param`s."""
+def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that split the batch while the parameters are whole on each of them: `data`, and
+    `fsdp` below ZeRO-3. Gradients are summed over these once per optimizer step."""
+    axes = ("data",) if rules.zero_stage == 3 else ("data", "fsdp")
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
+def _accumulate(
+    grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int, varying: tuple[str, ...] = ()
+) -> tuple[jax.Array, nnx.State]:
+    """Mean of `grad_fn` over the microbatches of `batch` (a `lax.scan`); inside a shard_map the loss
+    accumulator is made varying over the manual axes `varying`, like the per-device losses added to it."""
+
+    def step(carry: tuple[jax.Array, nnx.State], mb: Batch) -> tuple[tuple[jax.Array, nnx.State], None]:
+        loss, grads = grad_fn(params, mb)
+        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    zeros = (jax.lax.pcast(zero, varying, to="varying") if varying else zero, jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(step, zeros, _microbatches(batch, grad_accum))
+    return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+
+
+def loss_and_grads(
+    model: nnx.Module, batch: Batch, grad_accum: int = 1, mesh: Mesh | None = None, rules: Rules | None = None
+) -> tuple[jax.Array, nnx.State]:
+    """Mean loss over the batch and its float32 gradients w.r.t. the model's `nnx.Param`s.
+
+    With `grad_accum` > 1 on a mesh with replica axes, the microbatch loop runs inside a `shard_map` that is
+    manual over those axes: each device sums its own microbatch gradients (the parameters are made varying
+    there, so autodiff inserts no per-microbatch all-reduce) and one `psum` after the loop reduces them. The
+    other axes (tensor, context, fsdp under ZeRO-3) stay automatic.
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_of(params: nnx.State, mb: Batch) -> jax.Array:
@@ -63,14 +95,25 @@ def loss_and_grads(model: nnx.Module, batch: Batch, grad_accum: int = 1) -> tupl
     grad_fn = jax.value_and_grad(loss_of)
     if grad_accum == 1:
         return grad_fn(params, batch)
+    axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
+    if not axes:
+        return _accumulate(grad_fn, params, batch, grad_accum)
+    replicas = math.prod(mesh.shape[a] for a in axes)
 
-    def accumulate(carry: tuple[jax.Array, nnx.State], mb: Batch) -> tuple[tuple[jax.Array, nnx.State], None]:
-        loss, grads = grad_fn(params, mb)
-        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+    def local(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
+        loss, grads = _accumulate(grad_fn, params, batch, grad_accum, axes)
+        mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
+        return mean(loss), jax.tree.map(mean, grads)
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(accumulate, zeros, _microbatches(batch, grad_accum))
-    return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+    rows = PartitionSpec(axes)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), {k: rows for k in batch}),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        axis_names=set(axes),
+    )(params, batch)
 
 
 def make_train_step(
@@ -95,7 +138,7 @@ def make_train_step(
         with use_rules(rules, mesh):
             model, optimizer = nnx.merge(graphdef, state)
             if pipeline is None:
-                loss, grads = loss_and_grads(model, batch, grad_accum)
+                loss, grads = loss_and_grads(model, batch, grad_accum, mesh, rules)
             else:
                 from spmdkit.train.pipeline_step import pipeline_loss_and_grads
 
