@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -78,9 +79,7 @@ def configure_platform() -> str:
     import sys
 
     if "jax" in sys.modules:  # too late to change flags: report what JAX already has
-        import jax
-
-        return jax.default_backend()
+        return sys.modules["jax"].default_backend()
     if gpu_present():
         _add_flags(GPU_XLA_FLAGS)
         return "gpu"
@@ -154,9 +153,8 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     rules = make_rules(zero, sp)
     context = mesh.shape["context"]
     model = setup.model.replace(attention="ring" if context > 1 else "dot")
-    schedule = None
-    if mesh.shape["pipeline"] > 1:
-        schedule = pipeline_schedule("1f1b", mesh, setup.microbatches, 1, model.layers)
+    pipelined = mesh.shape["pipeline"] > 1
+    schedule = pipeline_schedule("1f1b", mesh, setup.microbatches, 1, model.layers) if pipelined else None
     tx = make_optimizer(OptimizerConfig(warmup_steps=1), setup.warmup + setup.steps)
     state = create_train_state(model, tx, mesh, rules)
     step = make_train_step(state, mesh, rules, pipeline=schedule)
@@ -168,16 +166,14 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     return {"mesh": mesh, "rules": rules, "state": state, "step": step, "batches": batches, "model": model}
 
 
-def predicted(name: str, setup: Setup, mesh: Any) -> Any:
-    """The planner's estimate of the same layout (bytes per device per step)."""
+def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
+    """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
     from spmdkit.plan import estimate
 
     _, zero, sp = STRATEGIES[name]
-    sizes = {axis: size for axis, size in mesh.shape.items()}
-    pipeline = sizes["pipeline"] > 1
     return estimate(
         setup.model, sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len, zero=zero,
-        sequence_parallel=sp, microbatches=setup.microbatches if pipeline else 1, schedule="1f1b",
+        sequence_parallel=sp, microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
     )  # fmt: skip
 
 
@@ -208,7 +204,7 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     rates = throughput(tokens, step_s, setup.model.flops_per_token(setup.seq_len), devices, peak_flops())
     memory = compiled.memory_analysis()
     report = collective_report(compiled)
-    plan = predicted(name, setup, mesh)
+    plan = predicted(name, setup, dict(mesh.shape))
     hlo_bytes, plan_bytes = report.bytes(), sum(plan.collective_bytes.values())
     return {
         "strategy": name,
@@ -236,12 +232,8 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
 
 def fits(name: str, num_devices: int) -> bool:
     """Does the strategy's mesh use exactly the devices present (the 1-device baseline always fits)?"""
-    import math
-
-    if name == "one_device":
-        return True
     sizes = [int(part.split("=")[1]) for part in STRATEGIES[name][0].split(",")]
-    return math.prod(sizes) == num_devices
+    return name == "one_device" or math.prod(sizes) == num_devices
 
 
 def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str, Any]]:
@@ -271,19 +263,12 @@ def _cell(row: dict[str, Any], key: str) -> str:
     value = row[key]
     if key == "step_ms":
         return f"{value:.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f})"
-    if value is None:
-        return "n/a"
+    if value is None or isinstance(value, str):
+        return "n/a" if value is None else value
     if key.endswith("bytes"):
         return f"{value / 2**20:.3f}"
-    if key == "mfu":
-        return f"{100 * value:.1f}%"
-    if key == "traffic_ratio":
-        return f"{value:.3f}"
-    if key == "tflops_per_device":
-        return f"{value:.4f}"
-    if isinstance(value, float):
-        return f"{value:,.1f}" if key != "compile_s" else f"{value:.1f}"
-    return str(value)
+    formats = {"mfu": "{:.1%}", "traffic_ratio": "{:.3f}", "tflops_per_device": "{:.4f}", "compile_s": "{:.1f}"}
+    return formats.get(key, "{:,.1f}").format(value)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -316,24 +301,15 @@ def gpu_setup(steps: int) -> Setup:
         model = model_preset("1b").replace(dtype="bfloat16", remat=remat)
         best = 0
         for per_device in (1, 2, 4, 8, 16, 32, 64):
-            est = Setup(model, per_device * n, seq, device=device)
-            plan = predicted("one_device" if n == 1 else "fsdp", est, _FakeMesh(n))
-            if plan.total_memory <= 0.9 * DEVICES[device].hbm_bytes:
-                best = per_device
+            plan = predicted("fsdp", Setup(model, per_device * n, seq, device=device), {"fsdp": n})
+            best = per_device if plan.total_memory <= 0.9 * DEVICES[device].hbm_bytes else best
         if best >= 4 or remat == "full":
             return Setup(model, max(best, 1) * n, seq, steps=steps, warmup=2, device=device)
     raise AssertionError("unreachable")
 
 
-class _FakeMesh:
-    """Just enough of a Mesh for `predicted`: all devices on fsdp."""
-
-    def __init__(self, n: int):
-        self.shape = {"data": 1, "pipeline": 1, "fsdp": n, "context": 1, "expert": 1, "tensor": 1}
-
-
 def peer_model() -> Any:
-    """The fixed configuration other toolkits can run too (Llama-style, ~16.6M parameters)."""
+    """The fixed configuration other toolkits can run too (Llama-style, 20.6M parameters)."""
     from spmdkit.models.config import TransformerConfig
 
     return TransformerConfig(
@@ -364,11 +340,8 @@ def run(args: argparse.Namespace) -> int:
     from spmdkit.models.config import model_preset
 
     if args.peer:
-        setup, names, stem = (
-            Setup(peer_model(), 8, 256, steps=args.steps or 20, warmup=args.warmup),
-            PEER_STRATEGIES,
-            "peer",
-        )
+        setup = Setup(peer_model(), 8, 256, steps=args.steps or 20, warmup=args.warmup)
+        names, stem = PEER_STRATEGIES, "peer"
     elif platform == "gpu" and not args.quick:
         setup, names, stem = gpu_setup(args.steps or 20), DEFAULT_STRATEGIES, "gpu"
     else:

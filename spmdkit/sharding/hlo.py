@@ -187,18 +187,28 @@ class _Module:
             if user.opcode == "dynamic-slice" and user.operands[0] == name:
                 if _elements(user.type) * group != elements:
                     return False
+            elif user.opcode == "fusion" and self._is_cast(user) and _elements(user.type) == elements:
+                # CPU all-reduces bf16 in float32 and converts back in a fusion of its own: follow it
+                if not self.only_sliced(user.name, elements, group, depth + 1):
+                    return False
             elif user.opcode == "fusion" and (m := re.search(r"calls=%?([\w.\-]+)", user.attrs)):
                 for index, operand in enumerate(user.operands):
                     if operand == name and not self.only_sliced(
                         self.params.get((m.group(1), index), ""), elements, group, depth + 1
                     ):
                         return False
-            elif user.opcode in ("bitcast", "copy") and _elements(user.type) == elements:
+            elif user.opcode in ("bitcast", "copy", "convert") and _elements(user.type) == elements:
                 if not self.only_sliced(user.name, elements, group, depth + 1):
                     return False
             else:
                 return False
         return True
+
+    def _is_cast(self, fusion: _Instr) -> bool:
+        """A fusion that only converts / copies / bitcasts its one input (an elementwise dtype change)."""
+        m = re.search(r"calls=%?([\w.\-]+)", fusion.attrs)
+        body = self.by_comp.get(m.group(1), []) if m else []
+        return bool(body) and all(i.opcode in ("parameter", "convert", "bitcast", "copy") for i in body)
 
     def scattered_parts(self, ins: _Instr, group: int) -> list[bool]:
         """Per tuple element of an all-reduce: is it a reduce-scatter in all-reduce form?"""
