@@ -19,16 +19,9 @@ import numpy as np
 
 from spmdkit.checkpoint.manager import Checkpointer, describe_error, drop_orphaned_reads
 from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.summary import human_bytes
 
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _open(directory: str | Path) -> Checkpointer:
@@ -108,8 +101,8 @@ def format_inspection(info: dict[str, Any]) -> str:
             f"{run.get('batch_size')} x {run.get('seq_len')}"
         )
     lines += [
-        f"parameters  {info['parameters']:,} ({_human_bytes(info['parameter_bytes'])}); all arrays "
-        f"{_human_bytes(info['total_bytes'])}",
+        f"parameters  {info['parameters']:,} ({human_bytes(info['parameter_bytes'])}); all arrays "
+        f"{human_bytes(info['total_bytes'])}",
         f"data        {', '.join(info['data_files']) or 'no data-iterator state'}",
     ]
     if info["unfinished"]:
@@ -120,7 +113,7 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines.append("")
     for a in info["arrays"]:
         shape = str(tuple(a["shape"]))
-        lines.append(f"  {a['path']:<{width}}  {shape:<18} {a['dtype']:<8} {_human_bytes(a['bytes']):>10}")
+        lines.append(f"  {a['path']:<{width}}  {shape:<18} {a['dtype']:<8} {human_bytes(a['bytes']):>10}")
     return "\n".join(lines)
 
 

@@ -46,12 +46,13 @@ def parameter_rows(state: Any, shardings: Any) -> list[ParamRow]:
     return rows
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, one decimal; whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
+    return f"{n:.1f} TiB"
 
 
 def parameter_table(state: Any, shardings: Any) -> str:
@@ -64,12 +65,12 @@ def parameter_table(state: Any, shardings: Any) -> str:
             "x".join(map(str, r.shape)) or "scalar",
             ",".join(str(n) for n in r.logical),
             r.spec,
-            _human(r.bytes_per_device),
+            human_bytes(r.bytes_per_device),
         )
         for r in rows
     ]
     count = sum(math.prod(r.shape) for r in rows)
-    body.append(("total", f"{count:,} values", "", "", _human(sum(r.bytes_per_device for r in rows))))
+    body.append(("total", f"{count:,} values", "", "", human_bytes(sum(r.bytes_per_device for r in rows))))
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))

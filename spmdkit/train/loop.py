@@ -25,7 +25,7 @@ from spmdkit.sharding.context import zigzag_batch
 from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
 from spmdkit.sharding.pipeline_schedule import Schedule
 from spmdkit.sharding.rules import make_rules
-from spmdkit.sharding.summary import parameter_rows
+from spmdkit.sharding.summary import human_bytes, parameter_rows
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.data import global_batch_arrays, make_data
 from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput
@@ -44,14 +44,6 @@ class TrainResult:
     run_dir: Path
     skipped_steps: int
     stopped_at: int | None = None  # the step a SIGTERM / SIGINT stopped the run after (checkpoint saved)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Trainer:
@@ -126,7 +118,7 @@ class Trainer:
                 + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
                 f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
                 f"compute {cfg.dtype}, remat {cfg.remat}",
-                f"memory       per device: parameters {_human_bytes(params)} + optimizer {_human_bytes(opt)}",
+                f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
                 f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
                 *([self._describe_pipeline()] if self.pipeline else []),
             ]
