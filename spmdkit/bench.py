@@ -36,6 +36,7 @@ STRATEGIES: dict[str, tuple[str, int, bool]] = {
     "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
     "cp": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
     "pp": ("pipeline=4,data=2", 3, False),  # 1F1B, --microbatches
+    "ep": ("expert=4,data=2", 3, False),  # the model with every MLP an 8-expert top-2 MoE
     "fsdp_tp": ("fsdp=4,tensor=2", 3, False),  # the peer configuration's second mesh
 }
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "fsdp_tp"]
@@ -152,7 +153,7 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     mesh = make_mesh(mesh_text, jax.devices()[:1]) if name == "one_device" else make_mesh(mesh_text)
     rules = make_rules(zero, sp)
     context = mesh.shape["context"]
-    model = setup.model.replace(attention="ring" if context > 1 else "dot")
+    model = model_for(setup, mesh.shape)
     pipelined = mesh.shape["pipeline"] > 1
     schedule = pipeline_schedule("1f1b", mesh, setup.microbatches, 1, model.layers) if pipelined else None
     tx = make_optimizer(OptimizerConfig(warmup_steps=1), setup.warmup + setup.steps)
@@ -166,14 +167,21 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     return {"mesh": mesh, "rules": rules, "state": state, "step": step, "batches": batches, "model": model}
 
 
+def model_for(setup: Setup, sizes: Any) -> Any:
+    """The benchmark model on a mesh: ring attention under context > 1; under expert > 1 every MLP becomes 8
+    experts of the same width, top-2 (so a token's FLOPs double, and the MFU counts only those)."""
+    model = setup.model.replace(attention="ring" if sizes.get("context", 1) > 1 else "dot")
+    return model.replace(experts=8, top_k=2, moe_every=1) if sizes.get("expert", 1) > 1 else model
+
+
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
     """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
     from spmdkit.plan import estimate
 
     _, zero, sp = STRATEGIES[name]
     return estimate(
-        setup.model, sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len, zero=zero,
-        sequence_parallel=sp, microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
+        model_for(setup, sizes), sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len,
+        zero=zero, sequence_parallel=sp, microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
     )  # fmt: skip
 
 
@@ -201,7 +209,7 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     step_s = statistics.median(times)
     devices = mesh.devices.size
     tokens = setup.batch_size * setup.seq_len
-    rates = throughput(tokens, step_s, setup.model.flops_per_token(setup.seq_len), devices, peak_flops())
+    rates = throughput(tokens, step_s, built["model"].flops_per_token(setup.seq_len), devices, peak_flops())
     memory = compiled.memory_analysis()
     report = collective_report(compiled)
     plan = predicted(name, setup, dict(mesh.shape))

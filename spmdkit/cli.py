@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 # flag, section, key, type, help. The default shown in --help is read from TrainConfig.
 TRAIN_FLAGS: list[tuple[str, str, str, type, str]] = [
-    ("--model", "model", "name", str, "model preset: tiny, 125m, 1b, 7b, 70b, 405b"),
+    ("--model", "model", "name", str, "model preset: tiny, tiny-moe, 125m, 1b, 7b, 70b, 405b, mixtral-8x7b"),
     ("--dtype", "model", "dtype", str, "compute dtype (parameters stay float32): bfloat16, float32, float16"),
     (
         "--remat",
@@ -24,6 +24,8 @@ TRAIN_FLAGS: list[tuple[str, str, str, type, str]] = [
         "recompute in backward: none, full, dots_saveable, dots_with_no_batch_dims_saveable",
     ),
     ("--attention", "model", "attention", str, "auto (ring when context > 1), dot, ring"),
+    ("--moe-dispatch", "model", "dispatch", str, "mixture of experts: capacity, dropless or dense (empty: preset's)"),
+    ("--capacity-factor", "model", "capacity_factor", float, "MoE expert slots per sequence x top_k / experts"),
     ("--mesh", "mesh", "mesh", str, "mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2'; empty = all devices on fsdp"),
     ("--dcn", "mesh", "dcn", str, "across-node factor of axes, e.g. 'data=2' (default: processes fill outer axes)"),
     (

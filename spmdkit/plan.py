@@ -2,8 +2,10 @@
 and a recommended layout when none is given. Pure arithmetic (no JAX): `spmdkit plan` answers without a GPU.
 
 Notation: N parameters, L layers, E embed, H/K query/kv heads of width d, F mlp width, V vocab; a = bytes of the
-compute dtype, p = 4 (float32 parameters); mesh sizes D data, P pipeline, Fs fsdp, C context, T tensor;
-B global batch (sequences) of S tokens, M microbatches; t = B S / (D Fs C) tokens per device per step.
+compute dtype, p = 4 (float32 parameters); mesh sizes D data, P pipeline, Fs fsdp, C context, X expert, T tensor;
+B global batch (sequences) of S tokens, M microbatches; t = B S / (D Fs X C) tokens per device per step (the
+batch is split over data, fsdp and expert). Mixture of experts: L_moe MoE layers of n experts, top_k, Q expert
+slots per sequence (n x capacity, `spmdkit.plan_layout`), the parameter inventory in `spmdkit.plan_layout`.
 
 Memory per device (each parameter tensor divided by the mesh axes its logical names map to, as
 `spmdkit.sharding.rules.make_rules` maps them: heads/kv_heads/mlp/vocab -> tensor, layers -> pipeline,
@@ -16,13 +18,17 @@ Activation bytes per token per layer (r = a E, divided by T under SP; heads and 
           its compute-dtype copy, [H, S] per query; ring attention (C > 1) keeps out + lse instead]
   dots_with_no_batch_dims_saveable: 3r + a(H+2K)d + 2aF    dots_saveable: that + aHd + 4 H S (the f32 scores)
   full:   r (the block input), plus one layer's "none" set while it is recomputed.
+  An MoE layer (roughly): its routed MLP's per-token terms (3aF, 2aF) give way to Q/S slots per token of
+  4aE + 3aF/T (none: dispatch and returned buffers on both sides of the all-to-alls, gate, up, hidden) or
+  aE + 2aF/T (dots_saveable: the expert matmuls' outputs); the others keep nothing per slot (the expert
+  einsums have a batch dim); a shared expert keeps its dense MLP terms.
   Pipeline (spmdkit's 1F1B/interleaved recompute each chunk from its stashed input): stash slots (1F1B: P,
   GPipe: M, interleaved: 2(P-1)+(v-1)P) x [t/M, E] + one chunk's activations; GPipe keeps all M microbatches.
 Collective operand bytes per device per step, by opcode (what `collective_report` reads from the HLO):
   DP: all-reduce of the gradients. ZeRO-1: same, then all-gather of the updated parameter shards.
   ZeRO-2/3 over fsdp: reduce-scatter of the gradients (operand = full local gradient), all-reduce of the shard
-  over data (and context); ZeRO-3 all-gathers each layer's shard twice per microbatch (forward, backward), the
-  head's and the embedding's (in the compute dtype) once.
+  over data and expert (and context); ZeRO-3 all-gathers each layer's shard twice per microbatch (forward,
+  backward), the head's and the embedding's (in the compute dtype) once.
   TP per layer: 2 all-reduces of [t, E] forward (again under full remat), 2 backward on GPU/TPU; XLA:CPU has no
   AllReduceReassociate and reduces each column-parallel projection's input gradient separately: 5 (q, k, v, gate,
   up; 3 when kv heads are replicated). + [t, E] each for the vocab-parallel embedding and LM head, + 3 [t] float32
@@ -30,11 +36,20 @@ Collective operand bytes per device per step, by opcode (what `collective_report
   all-gathers per layer backward (the backward sums stay all-reduces on CPU, reduce-scatters on GPU/TPU).
   CP ring: (C-1) K/V hops forward, (C-1) K/V + C f32 dK/dV hops backward per layer. PP: 2 ppermutes of [t/M, E]
   per tick, 2(vM+P-1) ticks (GPipe: 2(M+P-1) sends), + all-reduce over pipeline of embedding and head gradients.
+  EP (X > 1): per MoE layer 2 all-to-alls over expert forward and 2 backward (+2 when remat recomputes the
+  forward) of the dispatch buffer [B/(D Fs X), n, Q/n, E] in the compute dtype. Gradients of non-expert weights
+  reduce over every batch axis (data, fsdp, expert) and context. Expert weights (in `expert_ffn`'s shard_map,
+  their gradient summed by the transpose of a pcast over the non-expert batch axes) reduce as above but never
+  over expert, and with data (or context) > 1 by one all-reduce of the full gradient over data, fsdp and
+  context; under ZeRO-3 they are gathered once per microbatch (the backward keeps the shard_map's input) unless
+  remat recomputes it. The dispatch buffer is not divided by context (the shard_map leaves context automatic),
+  and TP collectives of the expert MLPs are counted as for a dense MLP (neither checked against XLA).
 Wire bytes (ring): all-reduce 2(n-1)/n x operand, reduce-scatter and all-to-all (n-1)/n x operand, all-gather
 (n-1) x operand (the operand is the shard), ppermute 1 x; on NVLink when the axes stay in a node, else InfiniBand.
 Time: compute = FLOPs / (devices x peak x efficiency); FLOPs = model FLOPs (6N + attention) + recomputation (full
 remat, and spmdkit's 1F1B/interleaved chunk recompute: a forward each, +1/3; dots_with_no_batch_dims_saveable: the
-attention forward); float32 runs at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
+attention forward; MoE: expert FLOPs on Q slots per sequence instead of top_k S tokens, the capacity padding);
+float32 runs at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
 (exposed: the excess over compute, at least one layer's share); activation traffic (TP/SP, PP) is exposed. Bubble
 b = (P-1)/(M+P-1), interleaved (P-1)/(vM+P-1), adds (compute + exposed) b/(1-b). Step = compute + exposed +
 bubble; tokens/s = B S / step; MFU = model FLOPs / (step x devices x peak bf16).
@@ -49,131 +64,16 @@ from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
-from spmdkit.plan_devices import (
-    Device,
-    make_device,
-    node_local_axes,
-    parse_mesh,
-    wire_bytes,
-)
+from spmdkit.plan_devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
+from spmdkit.plan_layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded, capacity, parameters, sharded, table
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+__all__ = [
+    "DTYPE_BYTES", "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "Layout", "Sharded", "activation_bytes",
+    "bubble_fraction", "capacity", "check_layout", "collectives", "estimate", "evaluate", "memory", "parameters",
+    "sharded", "stash_slots", "table",
+]  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # = spmdkit.sharding.pipeline_schedule.KINDS
 REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
-
-
-def parameters(m: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
-    """(name, shape, logical names) of every parameter as `spmdkit.models.transformer` builds it."""
-    E, H, K, d, F, V, L = m.embed, m.heads, m.kv_heads, m.head_dim, m.mlp, m.vocab_size, m.layers
-    block = [
-        ("attention_norm", (E,), ("norm",)),
-        ("q", (E, H, d), ("embed", "heads", "head_dim")),
-        ("k", (E, K, d), ("embed", "kv_heads", "head_dim")),
-        ("v", (E, K, d), ("embed", "kv_heads", "head_dim")),
-        ("o", (H, d, E), ("heads", "head_dim", "embed")),
-        ("mlp_norm", (E,), ("norm",)),
-        ("gate", (E, F), ("embed", "mlp")),
-        ("up", (E, F), ("embed", "mlp")),
-        ("down", (F, E), ("mlp", "embed")),
-    ]
-    stack = [(name, (L, *shape), ("layers", *names)) for name, shape, names in block]
-    return [("embedding", (V, E), ("vocab", "embed")), *stack, ("final_norm", (E,), ("norm",)),
-            ("lm_head", (E, V), ("embed", "vocab"))]  # fmt: skip
-
-
-def table(zero: int, kind: str) -> dict[str, str]:
-    """Logical name -> mesh axis for `kind` in params / optimizer / grads, as `make_rules(zero)` maps them."""
-    embed = {"params": zero == 3, "optimizer": zero >= 1, "grads": zero >= 2}[kind]
-    names = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "experts": "expert"}
-    return {**names, "layers": "pipeline", **({"embed": "fsdp"} if embed else {})}
-
-
-@dataclasses.dataclass(frozen=True)
-class Sharded:
-    """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
-    `divisor[kind]`: (the product of those axes, the same without fsdp)."""
-
-    name: str
-    nbytes: int
-    params: tuple[str, ...]
-    optimizer: tuple[str, ...]
-    grads: tuple[str, ...]
-    divisor: dict[str, tuple[int, int]]
-
-    @property
-    def stacked(self) -> bool:
-        return self.name not in ("embedding", "final_norm", "lm_head")
-
-
-@functools.cache
-def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) -> tuple[Sharded, ...]:
-    """Every parameter under the rules; kv_heads replicate when the axis does not divide them (as rules.py)."""
-    sizes, out = dict(mesh), []
-    for name, shape, names in parameters(m):
-        axes = {}
-        for kind in ("params", "optimizer", "grads"):
-            rules, axes[kind] = table(zero, kind), []
-            for size, logical in zip(shape, names, strict=True):
-                axis = rules.get(logical)
-                if axis is None or sizes[axis] == 1 or (logical == "kv_heads" and size % sizes[axis]):
-                    continue
-                if size % sizes[axis]:
-                    raise SpmdkitError(
-                        f"parameter {name} {shape}: {logical}={size} is not divisible by mesh axis {axis}="
-                        f"{sizes[axis]}; change the model size or the mesh"
-                    )
-                axes[kind].append(axis)
-        divisor = {
-            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x != "fsdp")) for k, v in axes.items()
-        }
-        out.append(
-            Sharded(name, 4 * math.prod(shape), *(tuple(axes[k]) for k in ("params", "optimizer", "grads")), divisor)
-        )
-    return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A step's layout: the model (with its compute dtype and remat policy), mesh sizes, batch, ZeRO stage, SP,
-    microbatches (gradient accumulation, or pipeline microbatches when pipeline > 1) and pipeline schedule."""
-
-    model: TransformerConfig
-    mesh: tuple[tuple[str, int], ...]
-    batch_size: int
-    seq_len: int
-    zero: int = 3
-    sequence_parallel: bool = False
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-
-    @functools.cached_property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
-
-    def __getitem__(self, axis: str) -> int:
-        return self.sizes[axis]
-
-    def local(self, p: Sharded, kind: str, gathered: bool = False) -> float:
-        """Bytes of `p` (value, optimizer moment or gradient) on a device; `gathered`: as if not split over fsdp."""
-        return p.nbytes / p.divisor[kind][gathered]
-
-    @functools.cached_property
-    def params(self) -> tuple[Sharded, ...]:
-        return sharded(self.model, self.mesh, self.zero)
-
-    @property
-    def a(self) -> int:
-        return DTYPE_BYTES[self.model.dtype]
-
-    @property
-    def tokens(self) -> float:
-        """t: this device's tokens per step (batch over data x fsdp, sequence over context)."""
-        return self.batch_size * self.seq_len / (self["data"] * self["fsdp"] * self["context"])
-
-    @property
-    def stage_layers(self) -> float:
-        return self.model.layers / self["pipeline"]
 
 
 @dataclasses.dataclass
@@ -253,6 +153,18 @@ def activation_bytes(m: TransformerConfig, T: int, sp: bool, C: int, seq: int) -
     return kept, (0.0 if m.remat == "none" else none)
 
 
+def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:
+    """What an MoE layer adds to `activation_bytes` per token (kept, recompute): Q/S slots x per-slot bytes, less
+    the routed dense MLP's terms; see the module doc. Rough: the router's float32 logits and one-hots are left out."""
+    a, E, F = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T
+    mlp = {"none": 3 * a * F, "dots_saveable": 2 * a * F, "dots_with_no_batch_dims_saveable": 2 * a * F}
+    routed = 0.0 if m.shared_expert else 1.0  # a shared expert keeps the dense MLP's terms
+    none = slots_per_token * (4 * a * E + 3 * a * F) - routed * mlp["none"]
+    per_slot = {"none": 4 * a * E + 3 * a * F, "dots_saveable": a * E + 2 * a * F}.get(m.remat, 0.0)
+    kept = slots_per_token * per_slot - routed * mlp.get(m.remat, 0.0)
+    return kept, (0.0 if m.remat == "none" else none)
+
+
 @dataclasses.dataclass
 class Collective:
     """One kind of collective of a step: opcode, the mesh axes of its groups, operand bytes per device per step."""
@@ -275,20 +187,28 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
 
     for p in s.params:
         full = s.local(p, "grads", gathered=True)  # the gradient before any fsdp reduction
-        if "fsdp" in p.grads:
+        # Expert weights hold their own experts' gradients: summed over the other batch axes only, not `expert`,
+        # by one psum over them all (the transpose of the shard_map's pcast), sliced to the fsdp shard after.
+        routed = p.routed and s.expert_shard_map
+        expert = () if routed else ("expert",)
+        if routed and "fsdp" in p.grads and s["data"] * s["context"] > 1:
+            add("all-reduce", ("data", "fsdp", "context"), full)
+        elif "fsdp" in p.grads:
             add("reduce-scatter", ("fsdp",), full)
-            add("all-reduce", ("data", "context"), full / s["fsdp"])
+            add("all-reduce", ("data", *expert, "context"), full / s["fsdp"])
         else:  # replicated gradients; norm scales under SP also sum over the sequence shards on `tensor`
             norm_sp = ("tensor",) if s.sequence_parallel and p.name.endswith("norm") else ()
-            add("all-reduce", ("data", "fsdp", "context", *norm_sp), full)
+            add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
         if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
             add("all-reduce", ("pipeline",), s.local(p, "grads"))
         if "fsdp" in p.optimizer and s.zero < 3:
             add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
         elif "fsdp" in p.params:
             # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
-            # outside the scan, once; the embedding table once, cast to the compute dtype before the gather.
+            # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
+            # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
             gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
+            gathers = 1 if p.routed and s.expert_shard_map and m.remat == "none" else gathers
             add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
     if T > 1:
         layers, ends = s.stage_layers, 1 if P > 1 else 2  # ends: embedding forward, LM-head input grad backward
@@ -312,6 +232,9 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
     if P > 1:
         sends = 2 * (M + P - 1) if s.schedule == "gpipe" else 4 * (s.virtual_stages * M + P - 1)
         add("collective-permute", ("pipeline",), sends * act / M / (T if s.sequence_parallel else 1), False)
+    if s["expert"] > 1:  # dispatch and return, forward and backward; remat recomputes the forward's pair
+        passes = 4 + (2 if m.remat != "none" else 0)
+        add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
     return out
 
 
@@ -320,9 +243,15 @@ def memory(s: Layout) -> dict[str, float]:
     m, a, E, T, P, M = s.model, s.a, s.model.embed, s["tensor"], s["pipeline"], s.microbatches
     gathers = s.zero == 3 and s["fsdp"] > 1
     used = {p.name: s.local(p, "params", gathered=gathers) for p in s.params}  # as the math sees it
-    layer = sum(used[p.name] for p in s.params if p.stacked) / s.stage_layers
+    counts = {"blocks": m.layers - m.moe_layers, "moe_blocks": m.moe_layers}
+    layer = max(  # the largest layer (dense or MoE), the one whose gathered copy sizes the buffers
+        sum(used[p.name] for p in s.params if p.stack == stack) * P / count for stack, count in counts.items() if count
+    )
     mb, seq_split = s.tokens / M, T if s.sequence_parallel else 1
     kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len)
+    if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
+        moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
+        kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
     acts = mb * recompute + mb * (m.vocab_size / T * 4 * 2 + E * a)  # + f32 logits and their gradient, embeddings
     if P == 1:
         acts += s.stage_layers * mb * kept
@@ -372,7 +301,7 @@ def estimate(
         sizes = parse_mesh(mesh, devices)
     else:
         sizes = parse_mesh(",".join(f"{axis}={size}" for axis, size in mesh.items()), devices)
-    replicas = sizes["data"] * sizes["fsdp"]
+    replicas = math.prod(sizes[x] for x in BATCH_AXES)
     batch_size = batch_size or replicas * max(1, round(2**20 / seq_len / replicas))
     if microbatches is None:
         microbatches = batch_size // replicas if sizes["pipeline"] > 1 else 1
@@ -384,7 +313,7 @@ def estimate(
 
 def check_layout(s: Layout) -> None:
     """SpmdkitError with a one-line fix for layouts spmdkit cannot run."""
-    P, M, v, replicas = s["pipeline"], s.microbatches, s.virtual_stages, s["data"] * s["fsdp"]
+    P, M, v, replicas, m = s["pipeline"], s.microbatches, s.virtual_stages, s.replicas, s.model
     if s.zero not in (0, 1, 2, 3):
         raise SpmdkitError(f"ZeRO stage {s.zero} is not one of 0, 1, 2, 3")
     if s.schedule not in SCHEDULES:
@@ -393,8 +322,8 @@ def check_layout(s: Layout) -> None:
         raise SpmdkitError("batch size, sequence length, microbatches and virtual stages must be positive")
     if s.batch_size % (replicas * M):
         raise SpmdkitError(
-            f"batch {s.batch_size} does not split into {M} microbatches over data x fsdp = {replicas} devices: "
-            f"use a multiple of {replicas * M}"
+            f"batch {s.batch_size} does not split into {M} microbatches over data x fsdp x expert = {replicas} "
+            f"devices: use a multiple of {replicas * M}"
         )
     if s.model.layers % (P * v):
         raise SpmdkitError(f"{s.model.layers} layers do not split into {P} stages x {v} virtual stages")
@@ -404,8 +333,14 @@ def check_layout(s: Layout) -> None:
         raise SpmdkitError(f"{s.schedule} needs microbatches >= stages (a multiple for interleaved), got {M}, {P}")
     if s["context"] > 1 and s.seq_len % (2 * s["context"]):
         raise SpmdkitError(f"sequence {s.seq_len} does not split into 2 x context = {2 * s['context']} chunks")
-    if s["expert"] > 1:
-        raise SpmdkitError("expert parallelism needs a mixture-of-experts model; TransformerConfig is dense")
+    if s["expert"] > 1 and not m.moe_layers:
+        raise SpmdkitError("expert parallelism needs a mixture-of-experts model (experts > 0); this one is dense")
+    if s["expert"] > 1 and m.experts % s["expert"]:
+        raise SpmdkitError(f"experts={m.experts} is not divisible by mesh axis expert={s['expert']}")
+    if s["expert"] > 1 and m.dispatch == "dense":
+        raise SpmdkitError("dense MoE dispatch (the reference) is not expert-parallel: use capacity or dropless")
+    if P > 1 and m.moe_layers:  # the pipeline step runs `model.blocks` only
+        raise SpmdkitError("pipeline parallelism of a mixture-of-experts model is not supported: use pipeline=1")
     s.params  # noqa: B018  (raises if an axis does not divide a parameter)
 
 
@@ -425,10 +360,14 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         row["wire_bytes"], row["seconds"] = float(row["wire_bytes"]) + wire, float(row["seconds"]) + seconds
         hidden, blocking = hidden + seconds * c.overlapped, blocking + seconds * (not c.overlapped)
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
+    # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens;
+    # 6 FLOPs per weight and slot (forward and backward), 3 E F weights per expert.
+    padding = 18 * m.embed * m.mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
-    extra = {"full": model_flops / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
+    run = model_flops + padding
+    extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
-        extra += model_flops / 3
+        extra += run / 3
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
     compute = (model_flops + extra) / devices / (peak * efficiency)
     exposed = blocking + max(hidden - compute, hidden / s.stage_layers)

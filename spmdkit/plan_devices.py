@@ -147,14 +147,17 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_meshes(m: Any, devices: int, gpus_per_node: int, batch: int, seq: int) -> Iterator[dict[str, int]]:
     """Meshes worth trying: TP a power of two within a node dividing heads, mlp and vocab; PP dividing the layers;
-    CP (a power of two) only for sequences of LONG_CONTEXT tokens or more; no EP (dense model); data x fsdp take
-    the rest and must divide the batch."""
+    CP (a power of two) only for sequences of LONG_CONTEXT tokens or more; EP (mixture of experts only) dividing
+    the experts, and then no PP (spmdkit's pipeline runs dense blocks only); data x fsdp take the rest, and
+    data x fsdp x expert (the batch axes) must divide the batch."""
     powers = [2**k for k in range(devices.bit_length()) if devices % 2**k == 0]
+    moe = m.moe_layers > 0
     for T in (t for t in powers if t <= gpus_per_node and not (m.heads % t or m.mlp % t or m.vocab_size % t)):
         for C in [c for c in powers if c * T <= devices and seq % (2 * c) == 0] if seq >= LONG_CONTEXT else [1]:
-            rest = devices // (T * C)
-            for P in (p for p in _divisors(rest) if m.layers % p == 0):
-                for F in (f for f in _divisors(rest // P) if m.embed % f == 0):
-                    D = rest // P // F
-                    if batch % (D * F) == 0:
-                        yield {"data": D, "pipeline": P, "fsdp": F, "context": C, "expert": 1, "tensor": T}
+            for X in (x for x in _divisors(m.experts) if devices % (T * C * x) == 0) if moe else [1]:
+                rest = devices // (T * C * X)
+                for P in (p for p in _divisors(rest) if m.layers % p == 0 and not (moe and p > 1)):
+                    for F in (f for f in _divisors(rest // P) if m.embed % f == 0):
+                        D = rest // P // F
+                        if batch % (D * F * X) == 0:
+                            yield {"data": D, "pipeline": P, "fsdp": F, "context": C, "expert": X, "tensor": T}

@@ -42,7 +42,10 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
     and interleaved (v=2) pipelines; accumulation steps (powers of two) or pipeline microbatches P, 2P, 4P, 8P and
     one sequence per data-parallel rank."""
     T, P, F = mesh["tensor"], mesh["pipeline"], mesh["fsdp"]
-    local_batch, sp = batch_size // (mesh["data"] * F), bool(T > 1 if sequence_parallel is None else sequence_parallel)
+    local_batch, sp = (
+        batch_size // (mesh["data"] * F * mesh["expert"]),
+        bool(T > 1 if sequence_parallel is None else sequence_parallel),
+    )
     pipes = (
         [(schedule or "1f1b", virtual_stages or (2 if schedule == "interleaved" else 1))] if P > 1 else [("1f1b", 1)]
     )
@@ -107,10 +110,13 @@ def search(
 
 
 def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> str:
-    """One paragraph: why this layout (TP inside a node, PP across nodes, DP/FSDP outermost, CP for long context)."""
+    """One paragraph: why this layout (TP and EP inside a node, PP across nodes, DP/FSDP outermost, CP for long
+    context)."""
     mesh, local = best.mesh, node_local_axes(best.mesh, gpus_per_node)
     gb = lambda b: f"{b / 1e9:,.0f} GB" if b >= 1e11 else f"{b / 1e9:.3g} GB"  # noqa: E731
     wire = {x: sum(float(r["wire_bytes"]) for g, r in best.traffic.items() if x in g.split("+")) for x in AXES}
+    # Gradient and parameter traffic: every group over data or fsdp, each counted once.
+    replicated = sum(float(r["wire_bytes"]) for g, r in best.traffic.items() if {"data", "fsdp"} & set(g.split("+")))
     where = {x: "inside a node (NVLink)" if x in local else "across nodes (InfiniBand)" for x in AXES}
     text = [
         f"{format_mesh(mesh)} is the fastest layout that fits: {best.step_s:.3g} s per step, {best.tokens_per_s:,.0f} "
@@ -121,6 +127,16 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
             f"Tensor parallelism over {mesh['tensor']} runs {where['tensor']}: its {gb(wire['tensor'])} of activation "
             f"collectives per step{' (sequence-parallel)' if best.sequence_parallel else ''} cannot hide behind "
             "compute, so they need the fastest links."
+        )
+    if mesh["expert"] > 1:
+        # The "expert" row is the all-to-alls alone (gradients reduce over groups that include other axes).
+        a2a = float(best.traffic.get("expert", {}).get("wire_bytes", 0.0))
+        crowded = "" if "expert" in local else f" (expert x tensor = {mesh['expert'] * mesh['tensor']} exceeds a node)"
+        text.append(
+            f"Expert parallelism over {mesh['expert']} runs {where['expert']}{crowded}: each device holds "
+            f"1/{mesh['expert']} of the experts, and the batch is split over expert too. Every MoE layer sends its "
+            f"routed tokens to their experts and back in all-to-alls ({gb(a2a)} per step) that wait on the router "
+            "and block the layer: latency- and bandwidth-hungry, they belong on the fastest links."
         )
     if mesh["pipeline"] > 1:
         virtual = f" x {best.virtual_stages} virtual stages" if best.virtual_stages > 1 else ""
@@ -134,7 +150,7 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
         parts = [f"FSDP over {mesh['fsdp']} (ZeRO-{best.zero}) shards {state}"] if mesh["fsdp"] > 1 else []
         parts += [f"{mesh['data']} data-parallel replicas"] if mesh["data"] > 1 else []
         text.append(
-            f"Outermost, {' across '.join(parts)}: their {gb(wire['data'] + wire['fsdp'])} of gradient and parameter "
+            f"Outermost, {' across '.join(parts)}: their {gb(replicated)} of gradient and parameter "
             "traffic per step overlaps the backward pass."
         )
     if mesh["context"] > 1:
@@ -274,7 +290,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _check_args(args)
     if args.mesh:
         meshes = [parse_mesh(args.mesh, args.devices)]
-        replicas = meshes[0]["data"] * meshes[0]["fsdp"]
+        replicas = meshes[0]["data"] * meshes[0]["fsdp"] * meshes[0]["expert"]
         batch = args.batch_size or replicas * max(1, round(2**20 / args.seq_len / replicas))
     else:
         batch = args.batch_size or max(1, 2**20 // args.seq_len)

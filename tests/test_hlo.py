@@ -52,3 +52,15 @@ def test_gspmd_reduce_scatter_is_recognised():
     report = collective_report(f.lower(x, w).compile())
     assert report.count("all-reduce") == 0
     assert report.count("reduce-scatter") == 1 and report.bytes("reduce-scatter") == 64 * 32 * 4
+
+
+def test_replica_groups_with_a_device_order():
+    """On data=2 x fsdp=4, summing a dim sharded over `fsdp` reduces over the inner axis across a transposed
+    device order; XLA writes those groups as `mesh[...], device_ids=([2,4]T(1,0)) {...}`: 4 devices each."""
+    mesh = make_mesh("data=2,fsdp=4")
+    x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("fsdp", "data")))
+    f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
+    compiled = f.lower(x).compile()
+    assert "device_ids=" in compiled.as_text()
+    report = collective_report(compiled)
+    assert [(c.opcode, c.group_size) for c in report.collectives] == [("all-reduce", 4), ("all-gather", 2)]

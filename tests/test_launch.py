@@ -36,7 +36,8 @@ initialize_distributed()
 import jax
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("ready")
-print("ready", jax.process_index(), jax.device_count(), flush=True)
+# One write: the launcher runs children unbuffered, and gloo logs to stdout from its own threads.
+sys.stdout.write(f"ready {jax.process_index()} {jax.device_count()}\n")
 while True:
     if sys.argv[1] == "busy":
         multihost_utils.process_allgather(np.int32(1))

@@ -30,6 +30,7 @@ from spmdkit.sharding.pipeline import (
 from spmdkit.sharding.pipeline_schedule import check_layers, make_schedule
 
 DIM, LAYERS, VOCAB, ROWS, SEQ = 16, 8, 8, 4, 2  # ROWS = global rows per microbatch
+TOKENS = 12  # vocabulary of the embedding stage (embed_fn)
 MESHES = ("pipeline=4,data=2", "pipeline=2,fsdp=2,tensor=2")
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
@@ -63,6 +64,17 @@ def make_batch(m: int):
     return jax.random.normal(k[0], (m, ROWS, SEQ, DIM)), jax.random.randint(k[1], (m, ROWS, SEQ), 0, VOCAB)
 
 
+def make_tokens(m: int):
+    """Token ids [M, rows, seq] and an embedding table [TOKENS, DIM] for the embed_fn tests."""
+    k = jax.random.split(jax.random.key(100 + m), 2)
+    return jax.random.randint(k[0], (m, ROWS, SEQ), 0, TOKENS), jax.random.normal(k[1], (TOKENS, DIM)) / 2
+
+
+def embed_fn(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """tokens [rows, seq] -> [rows, seq, dim]."""
+    return jnp.take(table, tokens, axis=0)
+
+
 def reference_loss(params, head, inputs, targets):
     """The plain sequential model on one device: mean over microbatches of the per-microbatch loss."""
     ys = jax.vmap(lambda x: stage_fn(params, x))(inputs)
@@ -70,10 +82,18 @@ def reference_loss(params, head, inputs, targets):
 
 
 @functools.cache
-def reference(m: int):
+def reference(m: int, embed: bool = False):
+    """Loss and grads of the plain program: w.r.t. (params, head, inputs), or (params, head, table) if embed."""
     params, head = make_model()
     inputs, targets = make_batch(m)
-    return jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(params, head, inputs, targets)
+    if not embed:
+        return jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(params, head, inputs, targets)
+    tokens, table = make_tokens(m)
+
+    def loss(params, head, table):
+        return reference_loss(params, head, embed_fn(table, tokens), targets)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, head, table)
 
 
 def place_params(mesh, params, v):
@@ -84,17 +104,20 @@ def place_params(mesh, params, v):
 
 
 @functools.cache
-def compiled_step(mesh_text: str, kind: str, m: int, remat: bool = False):
-    """(compiled pipeline step, placed args, schedule) for one config."""
+def compiled_step(mesh_text: str, kind: str, m: int, remat: bool = False, embed: bool = False):
+    """(compiled pipeline step, placed args, schedule) for one config; `embed`: token ids in, embed_fn on stage 0."""
     mesh = make_mesh(mesh_text)
     sched = make_schedule(kind, mesh.shape["pipeline"], m, VIRTUAL[kind])
     params, head = make_model()
     inputs, targets = make_batch(m)
+    tokens, table = make_tokens(m)
+    inputs, extra = (tokens, (table,)) if embed else (inputs, ())
     batch = NamedSharding(mesh, P(None, ("data", "fsdp")))
-    args = (place_params(mesh, params, VIRTUAL[kind]), head, jax.device_put(inputs, batch), targets)
+    args = (place_params(mesh, params, VIRTUAL[kind]), head, jax.device_put(inputs, batch), targets, *extra)
 
-    def step(p, h, x, t):
-        return pipeline_value_and_grad(stage_fn, loss_fn, p, h, x, t, mesh=mesh, schedule=sched, remat=remat)
+    def step(p, h, x, t, *table):
+        kw = dict(embed_fn=embed_fn, embed_params=table[0]) if table else {}
+        return pipeline_value_and_grad(stage_fn, loss_fn, p, h, x, t, mesh=mesh, schedule=sched, remat=remat, **kw)
 
     return jax.jit(step).lower(*args).compile(), args, sched
 
@@ -234,6 +257,18 @@ def test_gpipe_remat_matches_one_device():
     assert_close(grads, ref_grads)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_embed_fn_matches_one_device(kind):
+    """Token ids in, embedding on stage 0: loss and grads of stages, head and embedding table as one device."""
+    compiled, args, sched = compiled_step(MESHES[0], kind, 4, embed=True)
+    loss, (g_stage, g_head, g_table) = compiled(*args)
+    ref_loss, ref_grads = reference(4, embed=True)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    g_stage = deinterleave_layers(g_stage, sched.num_stages, sched.virtual_stages)
+    assert g_table.shape == (TOKENS, DIM)
+    assert_close((g_stage, g_head, g_table), ref_grads)
+
+
 @pytest.mark.parametrize("kind,mesh_text", [("gpipe", MESHES[0]), ("1f1b", MESHES[1]), ("interleaved", MESHES[0])])
 def test_three_adam_steps_match(kind, mesh_text):
     compiled, (params, head, inputs, targets), sched = compiled_step(mesh_text, kind, 4)
@@ -303,6 +338,20 @@ def test_memory_1f1b_flat_gpipe_grows():
     assert temp["gpipe", 8] > temp["1f1b", 8]
 
 
+def test_embed_fn_1f1b_flat_gpipe_grows():
+    """With the embedding on stage 0 (token ids in) no 1F1B buffer scales with M; GPipe's activations do."""
+    temp = {}
+    for kind in ("gpipe", "1f1b"):
+        for m in (4, 16):
+            compiled, *_ = compiled_step(MESHES[0], kind, m, embed=True)
+            temp[kind, m] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp["1f1b", 16] <= 1.05 * temp["1f1b", 4], temp
+    assert temp["gpipe", 16] > 2 * temp["gpipe", 4], temp
+    # Still one reduction after the loop (loss, head, stages over data, embedding table), none per tick.
+    ops = collectives(compiled_step(MESHES[0], "1f1b", 16, embed=True)[0].as_text())
+    assert len([op for op, _ in ops if op == "all-reduce"]) <= 4
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -347,3 +396,8 @@ def test_pipeline_argument_errors():
         run(fn=lambda p, x: x[..., :8])
     with pytest.raises(SpmdkitError, match="no axis 'stages'"):
         run(axis_name="stages")
+    with pytest.raises(SpmdkitError, match="embed_params given without embed_fn"):
+        run(embed_params=jnp.zeros((TOKENS, DIM)))
+    tokens, table = make_tokens(4)
+    with pytest.raises(SpmdkitError, match=r"embed_fn must map raw inputs int32\[2, 2\] to one array"):
+        run(inputs=tokens, embed_fn=lambda e, t: (embed_fn(e, t),), embed_params=table)

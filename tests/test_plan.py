@@ -18,11 +18,12 @@ import pytest
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import PRESETS, TransformerConfig
-from spmdkit.plan import SCHEDULES, bubble_fraction, estimate, parameters, stash_slots, table
+from spmdkit.plan import SCHEDULES, bubble_fraction, capacity, estimate, parameters, sharded, stash_slots, table
 from spmdkit.plan_devices import AXES, DEVICES, make_device, parse_mesh
 from spmdkit.plan_report import add_plan_parser, run_plan
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
+MOE_CONFIG = PRESETS["tiny-moe"].replace(dtype="float32")  # 4 layers: 2 dense, 2 MoE of 8 experts (top 2)
 BATCH, SEQ = 8, 32
 STRATEGIES = {  # name: (mesh, ZeRO stage, sequence parallel)
     "dp": ("data=8", 0, False),
@@ -32,6 +33,7 @@ STRATEGIES = {  # name: (mesh, ZeRO stage, sequence parallel)
     "sp": ("tensor=8", 3, True),
     "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
     "context": ("context=4,fsdp=2", 3, False),  # ring attention: the K/V ring's collective-permutes
+    "expert": ("expert=4,data=2", 3, False),  # MoE (MOE_CONFIG): all-to-alls of the dispatch buffers
 }
 
 
@@ -105,7 +107,8 @@ def test_mesh_axes_and_parsing_agree_with_the_mesh_module():
 def test_rule_tables_agree_with_make_rules():
     from spmdkit.sharding.rules import make_rules
 
-    names = {n for _, _, logical in parameters(CONFIG) for n in logical}
+    names = {n for _, _, logical in parameters(MOE_CONFIG.replace(shared_expert=True)) for n in logical if n}
+    assert "experts" in names
     for zero in range(4):
         rules = make_rules(zero)
         for kind, want in [("params", rules.params), ("optimizer", rules.optimizer)]:
@@ -114,18 +117,27 @@ def test_rule_tables_agree_with_make_rules():
         assert {n: table(zero, "grads").get(n) for n in names} == {n: (grads[n] or (None,))[0] for n in names}
 
 
-def test_parameter_inventory_matches_the_model():
+@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG.replace(shared_expert=True)], ids=["dense", "moe"])
+def test_parameter_inventory_matches_the_model(config):
     from flax import nnx
 
     from spmdkit.models import Transformer
     from spmdkit.sharding.partition import abstract_state
 
-    _, state = abstract_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    _, state = abstract_state(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     real = {}
     for path, variable in nnx.to_flat_state(state):
-        name = str(path[-2] if path[-1] == "scale" else path[-1])  # norms hold a `scale`
+        name = ".".join(str(p) for p in (path[:-1] if path[-1] == "scale" else path))  # norms hold a `scale`
         real[name] = (tuple(variable.get_value().shape), tuple(variable.out_sharding))
-    assert {name: (shape, names) for name, shape, names in parameters(CONFIG)} == real
+    assert {name: (shape, names) for name, shape, names in parameters(config)} == real
+    assert 4 * config.num_params() == sum(s.nbytes for s in sharded(config, tuple(parse_mesh("").items()), 3))
+
+
+def test_capacity_agrees_with_the_expert_dispatch():
+    from spmdkit.sharding.experts import capacity as dispatch_capacity
+
+    for seq, top_k, experts, factor in [(32, 2, 8, 1.25), (4096, 2, 8, 1.25), (16, 1, 4, 0.5), (8, 2, 2, 8.0)]:
+        assert capacity(seq, top_k, experts, factor) == dispatch_capacity(seq, top_k, experts, factor)
 
 
 def test_peak_flops_agree_with_the_metrics_table():
@@ -152,12 +164,16 @@ def test_user_errors_are_one_line_spmdkit_errors():
         {"mesh": "pipeline=3"},  # 4 layers do not split into 3 stages
         {"mesh": "data=8", "batch_size": 4},
         {"mesh": "data=8", "zero": 5},
-        {"mesh": "expert=2"},
+        {"mesh": "expert=2"},  # expert parallelism of a dense model
         {"mesh": "pipeline=2", "schedule": "zigzag"},
+        {"mesh": "expert=2,pipeline=2", "model": MOE_CONFIG},  # spmdkit's pipeline runs dense blocks only
+        {"mesh": "expert=3", "model": MOE_CONFIG},  # 8 experts
+        {"mesh": "expert=2", "model": MOE_CONFIG.replace(dispatch="dense")},
+        {"mesh": "expert=4,data=2", "model": MOE_CONFIG, "batch_size": 4},  # the batch splits over expert too
     ]:
-        mesh = kwargs.pop("mesh")
+        mesh, model = kwargs.pop("mesh"), kwargs.pop("model", CONFIG)
         with pytest.raises(SpmdkitError) as info:
-            estimate(CONFIG, mesh, **kwargs)
+            estimate(model, mesh, **kwargs)
         assert "\n" not in str(info.value)
     with pytest.raises(SpmdkitError):
         make_device("tpu-v9")
@@ -170,6 +186,8 @@ def test_user_errors_are_one_line_spmdkit_errors():
 
 
 def _config(mesh_text: str) -> TransformerConfig:
+    if "expert" in mesh_text:
+        return MOE_CONFIG
     return CONFIG.replace(attention="ring") if "context" in mesh_text else CONFIG
 
 
@@ -215,6 +233,26 @@ def compiled_step(name):
     return step.lower(specs, batch).compile(compiler_options=options), mesh
 
 
+def test_mixtral_is_46_7b_parameters_12_9b_active():
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert mixtral.moe_layers == 32
+    assert mixtral.num_params() == pytest.approx(46.7e9, rel=0.002)
+    assert mixtral.num_params(active=True) == pytest.approx(12.9e9, rel=0.002)
+    # 16 bytes per parameter (float32 weights, gradients, two AdamW moments): 747 GB of training state
+    assert _state_per_param(mixtral) == pytest.approx(4 + 4 + 2 * 4)
+
+
+def test_moe_padding_costs_flops_and_dispatch_buffers_cost_memory():
+    # Dropless under EP pads every expert to the whole sequence (E x S slots instead of top_k x S tokens).
+    capacity_, dropless = (
+        estimate(PRESETS["mixtral-8x7b"].replace(dispatch=d), "fsdp=8,expert=8", batch_size=64, seq_len=4096)
+        for d in ("capacity", "dropless")
+    )
+    assert dropless.compute_s > 1.5 * capacity_.compute_s and dropless.mfu < capacity_.mfu
+    assert dropless.collective_bytes["all-to-all"] == pytest.approx(8 / 2.5 * capacity_.collective_bytes["all-to-all"])
+    assert dropless.memory["activations"] > capacity_.memory["activations"]
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_planner_matches_the_compiled_step(name):
     from spmdkit.sharding.hlo import collective_report
@@ -230,6 +268,25 @@ def test_planner_matches_the_compiled_step(name):
     assert planned.state_bytes == pytest.approx(state, rel=0.10), f"{name}: state {planned.state_bytes} vs {state}"
     predicted = sum(planned.collective_bytes.values())
     assert predicted == pytest.approx(traffic, rel=0.10), f"{name}: collectives {predicted} vs {traffic}"
+
+
+def test_planner_predicts_the_all_to_alls_of_expert_parallelism():
+    """tiny-moe on expert=4,data=2: per MoE layer 4 all-to-alls (dispatch and return, forward and backward) of the
+    dispatch buffer [B/(D X), E, C, embed] = [1, 8, ceil(1.25 x 32 x 2 / 8) = 10, 64] float32 = 20,480 bytes."""
+    from spmdkit.sharding.hlo import collective_report
+
+    compiled, _ = compiled_step("expert")
+    report = collective_report(compiled)
+    planned = estimate(MOE_CONFIG, "expert=4,data=2", device="cpu", batch_size=BATCH, seq_len=SEQ, zero=3)
+    assert report.count("all-to-all", executed=True) == 4 * MOE_CONFIG.moe_layers
+    assert planned.collective_bytes["all-to-all"] == 4 * MOE_CONFIG.moe_layers * 1 * 8 * 10 * 64 * 4
+    assert planned.collective_bytes["all-to-all"] == pytest.approx(report.bytes("all-to-all"), rel=0.02)
+    # The expert weights' gradients are reduced over data (2) only, not over expert: the rest over all 8.
+    expert_grads = 3 * 4 * MOE_CONFIG.moe_layers * 2 * MOE_CONFIG.embed * MOE_CONFIG.mlp  # 2 of 8 experts here
+    by_group = {c.group_size: 0 for c in report.collectives}
+    for c in report.collectives:
+        by_group[c.group_size] += c.operand_bytes * c.executions if c.opcode == "all-reduce" else 0
+    assert by_group[2] == expert_grads
 
 
 # --- the command ---------------------------------------------------------------------------------------------
@@ -262,6 +319,17 @@ def test_plan_with_a_mesh_prints_details_and_plots(tmp_path, capsys):
         _plan("--model", "7b", "--devices", "8", "--mesh", "fsdp=4")
     with pytest.raises(SpmdkitError):
         _plan("--model", "405b", "--devices", "8")  # nothing fits
+
+
+def test_plan_recommends_expert_parallelism_for_mixtral_on_64_h100(capsys):
+    assert _plan("--model", "mixtral-8x7b", "--devices", "64", "--device-type", "h100", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["recommended"]
+    assert best["fits"] and math.prod(best["mesh"].values()) == 64
+    assert best["mesh"]["expert"] > 1 and 8 % best["mesh"]["expert"] == 0 and best["mesh"]["pipeline"] == 1
+    assert best["mesh"]["expert"] * best["mesh"]["tensor"] <= 8  # EP inside a node: the all-to-alls on NVLink
+    assert best["traffic"]["expert"]["link"] == "nvlink" and best["collective_bytes"]["all-to-all"] > 0
+    assert "Expert parallelism over" in out["explanation"] and "all-to-all" in out["explanation"]
 
 
 def test_spmdkit_plan_command_answers():

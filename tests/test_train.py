@@ -111,7 +111,7 @@ def test_too_many_bad_steps_stop_the_run(tmp_path):
     ("args", "message"),
     [
         (["--mesh", "data=3"], "has 3 devices but 2 are present"),
-        (["--mesh", "fsdp=2", "--batch-size", "3"], "does not divide over data x fsdp = 2"),
+        (["--mesh", "fsdp=2", "--batch-size", "3"], "does not divide over data x fsdp x expert = 2"),
         (["--data", "/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),
         (["--model", "huge"], "unknown model preset 'huge'"),
         (["--steps", "0"], "--steps must be at least 1"),

@@ -185,6 +185,11 @@ def export_hf(directory: str | Path, out: str | Path, dtype: str = "float32", st
         raise SpmdkitError(f"--out {out} must name a .safetensors file")
     step, config, params = read_params(directory, step)
     model = config.model.build()
+    if model.experts:
+        raise SpmdkitError(
+            f"{config.model.name} is a mixture-of-experts model; export writes the dense Llama format: export a "
+            f"dense model, or read the experts with `spmdkit ckpt inspect`"
+        )
     tensors = to_hf_tensors(params, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: jax.numpy.asarray(v, dtype) for k, v in tensors.items()}, str(out), metadata={"format": "pt"})

@@ -11,6 +11,7 @@ from spmdkit.errors import SpmdkitError
 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_KINDS = ("dot", "ring")
+DISPATCH_KINDS = ("capacity", "dropless", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -23,6 +24,13 @@ class TransformerConfig:
     head_dim: per-head width; mlp: SwiGLU hidden width; dtype: compute dtype (parameters are param_dtype,
     float32 by default, and cast at use); remat: what the backward pass recomputes; attention: "dot" (the
     reference) or "ring" (context parallelism over the `context` mesh axis).
+
+    Mixture of experts (`experts` > 0): every `moe_every`-th block (1: all) replaces its MLP by `experts`
+    SwiGLU experts of hidden width `mlp`, each token routed to `top_k` of them (plus a dense `shared_expert`
+    when set). `dispatch`: "capacity" (each sequence sends at most ceil(capacity_factor x seq x top_k /
+    experts) tokens to an expert; the rest pass through the residual), "dropless" (grouped matmul, nothing
+    dropped) or "dense" (every expert on every token: the reference). The loss adds `load_balance_weight` x
+    the Switch load-balancing loss and `router_z_weight` x the router z-loss.
     """
 
     vocab_size: int = 264
@@ -38,6 +46,14 @@ class TransformerConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "dot"
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    shared_expert: bool = False
+    dispatch: str = "capacity"
+    capacity_factor: float = 1.25
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
@@ -49,19 +65,43 @@ class TransformerConfig:
             raise SpmdkitError(f"unknown remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_KINDS:
             raise SpmdkitError(f"unknown attention {self.attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+        if self.experts:
+            self._check_experts()
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise SpmdkitError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
 
+    def _check_experts(self) -> None:
+        if self.experts < 0 or not 1 <= self.top_k <= self.experts:
+            raise SpmdkitError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if self.moe_every < 1 or self.layers % self.moe_every:
+            raise SpmdkitError(f"layers={self.layers} is not a multiple of moe_every={self.moe_every}")
+        if self.dispatch not in DISPATCH_KINDS:
+            raise SpmdkitError(f"unknown dispatch {self.dispatch!r}: choose one of {', '.join(DISPATCH_KINDS)}")
+        if self.capacity_factor <= 0:
+            raise SpmdkitError(f"capacity_factor={self.capacity_factor} must be positive")
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks are mixture-of-experts blocks (every `moe_every`-th one)."""
+        return self.layers // self.moe_every if self.experts else 0
+
     def replace(self, **changes: object) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head.
+
+        A mixture-of-experts block has `experts` MLPs (+ the shared one) and a router [embed, experts];
+        `active=True` counts only the `top_k` experts a token runs through (what its FLOPs see).
+        """
         attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.embed * self.mlp
-        per_layer = attention + mlp + 2 * self.embed
-        return 2 * self.vocab_size * self.embed + self.layers * per_layer + self.embed
+        dense = attention + mlp + 2 * self.embed
+        routed = self.top_k if active else self.experts
+        moe = attention + (routed + self.shared_expert) * mlp + self.embed * self.experts + 2 * self.embed
+        layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
+        return 2 * self.vocab_size * self.embed + layers + self.embed
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
@@ -70,7 +110,7 @@ class TransformerConfig:
         gather, not a matmul, so its table is left out). Attention adds QK^T and PV: 2 x 2 x seq x heads x
         head_dim per layer forward, times 3 with backward, halved for causal masking.
         """
-        matmul_params = self.num_params() - self.vocab_size * self.embed - (2 * self.layers + 1) * self.embed
+        matmul_params = self.num_params(active=True) - self.vocab_size * self.embed - (2 * self.layers + 1) * self.embed
         attention = 12 * self.layers * self.heads * self.head_dim * seq_len
         return 6 * matmul_params + (attention / 2 if causal else attention)
 
@@ -94,6 +134,20 @@ PRESETS: dict[str, TransformerConfig] = {
         rope_theta=500_000.0,
     ),
 }
+
+PRESETS["tiny-moe"] = TransformerConfig(experts=8, top_k=2, mlp=128, moe_every=2)
+PRESETS["mixtral-8x7b"] = TransformerConfig(
+    vocab_size=32_000,
+    embed=4096,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    mlp=14336,
+    rope_theta=1_000_000.0,
+    experts=8,
+    top_k=2,
+)
 
 
 def model_preset(name: str) -> TransformerConfig:

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.moe import MoE
 from spmdkit.sharding import context
 from spmdkit.sharding.rules import constrain
 
@@ -131,17 +132,20 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is a `MoE` when `moe`."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attention_norm = RMSNorm(config)
         self.attention = Attention(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config)
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [batch, seq, embed] -> (x, aux); aux holds the MoE layer's losses and loads ({} for a dense MLP)."""
         x = constrain(x + self.attention(self.attention_norm(x), positions), RESIDUAL)
-        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        out = self.mlp(self.mlp_norm(x))
+        out, aux = out if isinstance(out, tuple) else (out, {})
+        return constrain(x + out, RESIDUAL), aux
 
 
 def _remat_policy(name: str):
@@ -166,12 +170,10 @@ class Transformer(nnx.Module):
             jax.random.normal(rngs.params(), (c.vocab_size, c.embed), c.param_dtype), out_sharding=("vocab", "embed")
         )
 
-        @nnx.split_rngs(splits=c.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(config, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        if c.layers > c.moe_layers:
+            self.blocks = _stacked_blocks(config, c.layers - c.moe_layers, False, rngs)
+        if c.moe_layers:
+            self.moe_blocks = _stacked_blocks(config, c.moe_layers, True, rngs)
         self.final_norm = RMSNorm(config)
         self.lm_head = _param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.embed, c.param_dtype)
 
@@ -181,16 +183,40 @@ class Transformer(nnx.Module):
 
     def run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Apply every block in order with a scan; remat per block as the config says."""
-        return apply_blocks(self.blocks, x, positions, self.config.remat)
+        return self.run_layers(x, positions)[0]
+
+    def run_layers(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Every block in order: (x, aux of the MoE layers, each stacked on a leading [moe_layers] dim).
+
+        Dense: one scan. Mixture of experts every k-th block: per group, a scan over its k-1 dense blocks
+        then its MoE block (MoE blocks at 0-based layers k-1, 2k-1, ...).
+        """
+        c = self.config
+        if not c.moe_layers:
+            return scan_blocks(self.blocks, x, positions, c.remat)
+        if c.moe_every == 1:
+            return scan_blocks(self.moe_blocks, x, positions, c.remat)
+        auxes = []
+        for group in range(c.moe_layers):
+            dense = _layer_slice(self.blocks, group * (c.moe_every - 1), (group + 1) * (c.moe_every - 1))
+            x = scan_blocks(dense, x, positions, c.remat)[0]
+            x, aux = scan_blocks(_layer_slice(self.moe_blocks, group, group + 1), x, positions, c.remat)
+            auxes.append(aux)
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits [batch, seq, vocab], aux of the MoE layers) for tokens [batch, seq]."""
+        if positions is None:
+            positions = default_positions(tokens.shape)
+        x, aux = self.run_layers(self.embed(tokens), positions)
+        return self.head(x), aux
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
         return head_logits(x, self.final_norm.scale[...], self.lm_head[...], self.config)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        if positions is None:
-            positions = default_positions(tokens.shape)
-        return self.head(self.run_blocks(self.embed(tokens), positions))
+        return self.forward(tokens, positions)[0]
 
 
 # The three stages of the forward pass as functions of arrays, so that the pipeline can run them apart.
@@ -209,16 +235,41 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
     return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
 
+def _stacked_blocks(config: TransformerConfig, count: int, moe: bool, rngs: nnx.Rngs) -> Block:
+    """`count` blocks with their parameters stacked on a leading `layers` dim."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs=rngs, moe=moe)
+
+    return make(rngs)
+
+
+def _layer_slice(blocks: Block, start: int, stop: int) -> Block:
+    """Blocks [start, stop) of a stack, as a stack."""
+    graphdef, state = nnx.split(blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+
+
 def apply_blocks(blocks: Block, x: jax.Array, positions: jax.Array, remat: str) -> jax.Array:
     """Run a stack of blocks (parameters with a leading layer dim) over x [batch, seq, embed] with a scan."""
+    return scan_blocks(blocks, x, positions, remat)[0]
 
-    def body(x: jax.Array, block: Block, positions: jax.Array) -> jax.Array:
+
+def scan_blocks(blocks: Block, x: jax.Array, positions: jax.Array, remat: str) -> tuple[jax.Array, dict]:
+    """`apply_blocks`, also returning each block's aux stacked on a leading layer dim."""
+
+    def body(x: jax.Array, block: Block, positions: jax.Array) -> tuple[jax.Array, dict]:
         return block(x, positions)
 
     if remat != "none":
         body = nnx.remat(body, policy=_remat_policy(remat))
     scan = nnx.scan(
-        body, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
+        body,
+        in_axes=(nnx.Carry, 0, None),
+        out_axes=(nnx.Carry, 0),
+        transform_metadata={nnx.PARTITION_NAME: "layers"},
     )
     return scan(x, blocks, positions)
 

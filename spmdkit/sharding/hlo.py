@@ -47,7 +47,8 @@ _CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_c
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# e.g. replica_groups=mesh['a'=2,'b'=4] {'b'}, or with a device order: mesh[...], device_ids=([2,4]T(1,0)) {'b'}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 
 

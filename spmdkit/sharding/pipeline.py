@@ -6,11 +6,25 @@ runs `lax.switch` over idle / forward / backward (/ backward of the last chunk, 
 sends its activation to the next stage and its cotangent to the previous one with two `ppermute`s that are
 outside the branches (every stage sends every tick; idle ticks send zeros).
 
+Where the ends of the model live, and why:
+- The embedding (`embed_fn`, optional) runs on stage 0 inside global chunk 0: its forward tick embeds the raw
+  microbatch (e.g. int token ids), and its backward recomputes the lookup and accumulates d `embed_params`.
+  So the only M-sized values are the raw `inputs` (small, and arguments rather than temporaries), and the
+  embedding's gradient is a table-sized accumulator instead of an `[M, microbatch/D, ...]` d loss / d inputs
+  buffer that would grow with M. Without `embed_fn`, `inputs` are chunk 0's activations and their gradient
+  is returned, which needs that M-sized accumulator.
+- The head (`loss_fn`) runs on the last stage, fused into the last chunk: its backward tick evaluates chunk,
+  head and loss under one `jax.vjp`, so the loss cotangent starts there and nothing else is kept for it.
+- `embed_params` and `head_params` are replicated over `pipeline` (only stage 0 / the last stage use them);
+  their gradients are psum-ed over all manual axes after the loop, so every stage sees the same values.
+
+Schedules:
 - "1f1b" / "interleaved": the backward is run by hand. A backward recomputes its chunk's forward from the
   stashed stage input with `jax.vjp` and applies the cotangent that arrived (or, for the last chunk, the loss
   cotangent; the last chunk's forward tick is then skipped at run time, as nothing consumes its output).
-  Memory: `num_stash_slots` stage inputs (<= P for 1f1b) plus one chunk's activations, plus the
-  `[M, microbatch/D, ...]` accumulator of d loss / d inputs (as large as `inputs`, the only M-sized buffer).
+  Memory: `num_stash_slots` stage inputs (<= P for 1f1b), `num_grad_slots` cotangents and one chunk's
+  activations, plus constant-size gradient accumulators: flat in M with `embed_fn`. Without it add the
+  d loss / d inputs accumulator (as large as `inputs`, the one M-sized buffer).
 - "gpipe": `jax.value_and_grad` through a forward loop over the forward ticks of the table; autodiff keeps
   every tick's activations (all M microbatches), or only the stage inputs with `remat=True`.
 
@@ -20,13 +34,15 @@ Layouts (P = pipeline size, v = virtual stages, L layers, C = P*v chunks of Lc =
   With v=1 this is the model's layer order; with v>1 put the model-order stack through `interleave_layers`
   first (stage s then holds model chunks s, s+P, ..., s+(v-1)P) and bring gradients back with
   `deinterleave_layers`.
-- `inputs` `[M, microbatch, ...]` (activations entering chunk 0, e.g. embeddings), replicated over `pipeline`,
-  the microbatch dim sharded over `batch_axes` (manual inside the shard_map, so data parallelism is real);
-  `targets` `[M, microbatch, ...]` likewise. Other mesh axes (e.g. `tensor`) stay automatic inside the
-  shard_map (`axis_names=`): arrays sharded over them keep that sharding and GSPMD partitions `stage_fn`
-  (e.g. MLP weights sharded over `tensor` give Megatron-style all-reduces inside the stages).
-- Outputs: loss replicated; stage grads sharded like `stage_params`; head grads replicated (psum over
-  pipeline: only the last stage has them); input grads like `inputs` (psum over pipeline: only stage 0).
+- `inputs` `[M, microbatch, ...]` (raw inputs of `embed_fn`, e.g. token ids; without it the activations
+  entering chunk 0), replicated over `pipeline`, the microbatch dim sharded over `batch_axes` (manual inside
+  the shard_map, so data parallelism is real); `targets` `[M, microbatch, ...]` likewise. Other mesh axes
+  (e.g. `tensor`) stay automatic inside the shard_map (`axis_names=`): arrays sharded over them keep that
+  sharding and GSPMD partitions `stage_fn` (e.g. MLP weights sharded over `tensor` give Megatron-style
+  all-reduces inside the stages).
+- Outputs: loss replicated; stage grads sharded like `stage_params`; head grads and embed grads replicated
+  (psum over pipeline and batch axes); without `embed_fn` input grads like `inputs` (psum over pipeline:
+  only stage 0 has them).
 - Loss = mean over microbatches and batch shards of `loss_fn` = the full-batch mean when all microbatches and
   shards are equal-sized. Gradients are reduced once after the loop: a psum over `batch_axes` (parameters
   are made varying over them before the loop, so `jax.vjp` inserts no per-tick all-reduce).
@@ -52,6 +68,7 @@ from spmdkit.sharding.pipeline_schedule import Schedule, check_layers
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]
 LossFn = Callable[[PyTree, jax.Array, PyTree], jax.Array]
+EmbedFn = Callable[[PyTree, jax.Array], jax.Array]
 
 
 def layer_permutation(num_layers: int, num_stages: int, virtual_stages: int) -> np.ndarray:
@@ -111,38 +128,49 @@ def pipeline_value_and_grad(
     axis_name: str = "pipeline",
     batch_axes: Sequence[str] = ("data", "fsdp"),
     remat: bool = False,
-) -> tuple[jax.Array, tuple[PyTree, PyTree, jax.Array]]:
-    """Mean loss and `(stage_grads, head_grads, input_grads)` of a pipelined layer stack.
+    embed_fn: EmbedFn | None = None,
+    embed_params: PyTree = None,
+) -> tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]:
+    """Mean loss and `(stage_grads, head_grads, embed_grads or input_grads)` of a pipelined layer stack.
 
     stage_fn(chunk_params, x) -> y: applies one chunk (leaves `[Lc, ...]`) to x `[microbatch/D, ...]`;
       y must have x's shape and dtype (D = product of the `batch_axes` sizes).
     loss_fn(head_params, y, targets_mb) -> scalar mean loss of one microbatch (runs on the last stage).
+    embed_fn(embed_params, raw) -> x (optional): embeds one microbatch of `inputs` `[microbatch/D, ...]` into
+      chunk 0's input x; runs on stage 0 (see the module docstring for why).
     stage_params: leaves `[L, ...]`, layer dim sharded over `axis_name` (layout in the module docstring).
     inputs: `[M, microbatch, ...]`, microbatch dim sharded over `batch_axes`. targets: `[M, microbatch, ...]`.
-    Returns loss (scalar), stage_grads (as stage_params), head_grads, input_grads (d loss / d inputs, as
-    inputs). `remat` applies `jax.checkpoint` to `stage_fn` (gpipe only; 1f1b/interleaved always recompute).
-    Call it inside `jax.jit`.
+    Returns loss (scalar), stage_grads (as stage_params), head_grads and, with `embed_fn`, embed_grads (as
+    embed_params, replicated), else input_grads (d loss / d inputs, as inputs). `remat` applies
+    `jax.checkpoint` to `stage_fn` (gpipe only; 1f1b/interleaved always recompute). Call it inside `jax.jit`.
     """
     batch_axes = tuple(a for a in batch_axes if a in mesh.shape)
-    ctx = _context(stage_fn, stage_params, inputs, targets, mesh, schedule, axis_name, batch_axes)
+    if embed_fn is None and embed_params is not None:
+        raise SpmdkitError("embed_params given without embed_fn: pass the embedding function as embed_fn=")
+    embed_params = () if embed_params is None else embed_params  # an empty tree for shard_map
+    ctx = _context(
+        stage_fn, embed_fn, stage_params, embed_params, inputs, targets, mesh, schedule, axis_name, batch_axes
+    )
     batch_spec = P(None, batch_axes or None)
     body = _gpipe_body if schedule.kind == "gpipe" else _manual_body
     fn = jax.shard_map(
-        lambda *args: body(stage_fn, loss_fn, ctx, remat, *args),
+        lambda *args: body(stage_fn, loss_fn, embed_fn, ctx, remat, *args),
         mesh=mesh,
-        in_specs=(P(axis_name), P(), batch_spec, batch_spec),
-        out_specs=(P(), (P(axis_name), P(), batch_spec)),
+        in_specs=(P(axis_name), P(), P(), batch_spec, batch_spec),
+        out_specs=(P(), (P(axis_name), P(), batch_spec if embed_fn is None else P())),
         axis_names={axis_name, *batch_axes},
         check_vma=True,
     )
-    return fn(stage_params, head_params, inputs, targets)
+    return fn(stage_params, head_params, embed_params, inputs, targets)
 
 
 class _Ctx:
-    """Static facts of one call: schedule, axes, chunking, loss scale."""
+    """Static facts of one call: schedule, axes, chunking, loss scale, chunk 0's input `x` (per device)."""
 
-    def __init__(self, schedule: Schedule, axis: str, batch_axes: tuple[str, ...], shards: int) -> None:
-        self.schedule, self.axis, self.batch_axes = schedule, axis, batch_axes
+    def __init__(
+        self, schedule: Schedule, axis: str, batch_axes: tuple[str, ...], shards: int, x: jax.ShapeDtypeStruct
+    ) -> None:
+        self.schedule, self.axis, self.batch_axes, self.x = schedule, axis, batch_axes, x
         self.all_axes = (axis, *batch_axes)
         self.v = schedule.virtual_stages
         self.scale = 1.0 / (schedule.num_microbatches * shards)  # loss = sum over shards and microbatches
@@ -152,7 +180,7 @@ class _Ctx:
         self.bwd_perm = [((i + 1) % n, i) for i in range(n if ring else n - 1)]
 
 
-def _context(stage_fn, stage_params, inputs, targets, mesh, schedule, axis, batch_axes) -> _Ctx:
+def _context(stage_fn, embed_fn, stage_params, embed_params, inputs, targets, mesh, schedule, axis, batch_axes) -> _Ctx:
     """Check shapes against the mesh and schedule; raise SpmdkitError on mismatch."""
     if axis not in mesh.shape:
         raise SpmdkitError(f"mesh has no axis {axis!r}: pass axis_name= one of {', '.join(mesh.axis_names)}")
@@ -178,6 +206,10 @@ def _context(stage_fn, stage_params, inputs, targets, mesh, schedule, axis, batc
             f"devices: make the microbatch a multiple of {shards}"
         )
     x = jax.ShapeDtypeStruct((inputs.shape[1] // shards, *inputs.shape[2:]), inputs.dtype)
+    if embed_fn is not None:
+        raw, x = x, jax.eval_shape(embed_fn, embed_params, x)
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            raise SpmdkitError(f"embed_fn must map raw inputs {raw.dtype}{list(raw.shape)} to one array, got {x}")
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((lc, *a.shape[1:]), a.dtype), stage_params)
     y = jax.eval_shape(stage_fn, chunk, x)
     if not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype):
@@ -185,7 +217,7 @@ def _context(stage_fn, stage_params, inputs, targets, mesh, schedule, axis, batc
             f"stage_fn must map an activation {x.dtype}{list(x.shape)} to the same shape and dtype, got {y}: "
             f"keep the residual stream shape between stages"
         )
-    return _Ctx(schedule, axis, batch_axes, shards)
+    return _Ctx(schedule, axis, batch_axes, shards, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
 
 def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
@@ -198,10 +230,10 @@ def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def _prepare(ctx: _Ctx, stage_params, head, inputs, targets):
+def _prepare(ctx: _Ctx, stage_params, head, embed, inputs, targets):
     """Local `[L/P, ...]` -> `[v, Lc, ...]`; make everything varying over all manual axes."""
     chunks = jax.tree.map(lambda a: a.reshape(ctx.v, a.shape[0] // ctx.v, *a.shape[1:]), stage_params)
-    return _vary((chunks, head, inputs, targets), ctx.all_axes)
+    return _vary((chunks, head, embed, inputs, targets), ctx.all_axes)
 
 
 def _take(tree: PyTree, index: jax.Array) -> PyTree:
@@ -215,11 +247,31 @@ def _put(buffer: jax.Array, index: jax.Array, value: jax.Array, when: jax.Array)
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(when, value, old), index, 0)
 
 
-def _stage_input(row: jax.Array, inputs: jax.Array, stash: jax.Array) -> jax.Array:
-    """The op's stage input `[microbatch/D, ...]`: pipeline input for chunk 0, else its stash slot."""
-    first = lax.dynamic_index_in_dim(inputs, row[ps.MB], keepdims=False)
-    stashed = lax.dynamic_index_in_dim(stash, jnp.maximum(row[ps.SLOT], 0), keepdims=False)
-    return jnp.where(row[ps.FIRST] == 1, first, stashed)
+def _stage_input(embed_fn, embed, inputs, row: jax.Array, other: jax.Array) -> jax.Array:
+    """The op's stage input `[microbatch/D, ...]`.
+
+    Chunk 0 reads microbatch `row[MB]` of `inputs` (through `embed_fn` if given), other chunks `other` (their
+    stash slot, or what arrived this tick).
+    """
+    raw = lax.dynamic_index_in_dim(inputs, row[ps.MB], keepdims=False)
+    if embed_fn is None:
+        return jnp.where(row[ps.FIRST] == 1, raw, other)
+    # A cond, not a where: only stage 0's chunk-0 ticks pay for the lookup (and, under autodiff, its transpose).
+    return lax.cond(row[ps.FIRST] == 1, lambda: embed_fn(embed, raw), lambda: other)
+
+
+def _first_grad(embed_fn, embed, inputs, row: jax.Array, dx: jax.Array, acc: PyTree) -> PyTree:
+    """Chunk 0's backward: fold d loss / d x into `acc`, d embed (recomputing the lookup) or d inputs[mb]."""
+    first = row[ps.FIRST] == 1
+    if embed_fn is None:
+        return _put(acc, row[ps.MB], dx, first)
+    raw = lax.dynamic_index_in_dim(inputs, row[ps.MB], keepdims=False)
+
+    def add() -> PyTree:
+        _, vjp = jax.vjp(lambda e: embed_fn(e, raw), embed)
+        return jax.tree.map(jnp.add, acc, vjp(dx)[0])
+
+    return lax.cond(first, add, lambda: acc)
 
 
 def _zeros(like: PyTree, ctx: _Ctx, lead: tuple[int, ...] = ()) -> PyTree:
@@ -227,28 +279,31 @@ def _zeros(like: PyTree, ctx: _Ctx, lead: tuple[int, ...] = ()) -> PyTree:
     return _vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), like), ctx.all_axes)
 
 
-def _manual_body(stage_fn, loss_fn, ctx: _Ctx, remat, stage_params, head, inputs, targets):
+def _manual_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, head, embed, inputs, targets):
     """1F1B / interleaved inside the shard_map: hand-run backward, stash of stage inputs."""
     del remat  # the backward recomputes each chunk anyway
     sched = ctx.schedule
-    chunks, head, inputs, targets = _prepare(ctx, stage_params, head, inputs, targets)
+    chunks, head, embed, inputs, targets = _prepare(ctx, stage_params, head, embed, inputs, targets)
     table = jnp.asarray(sched.table)
     stage = lax.axis_index(ctx.axis)
-    x0 = inputs[0]
+    zero_x = _zeros(ctx.x, ctx)
 
     def last_objective(p, h, x, tgt):
         return loss_fn(h, stage_fn(p, x), tgt) * ctx.scale
 
+    def stage_input(row, stash):
+        stashed = lax.dynamic_index_in_dim(stash, jnp.maximum(row[ps.SLOT], 0), keepdims=False)
+        return _stage_input(embed_fn, embed, inputs, row, stashed)
+
     def idle(row, stash, gbuf, acc):
-        return jnp.zeros_like(x0), jnp.zeros_like(x0), acc
+        return zero_x, zero_x, acc
 
     def forward(row, stash, gbuf, acc):
-        y = stage_fn(_take(chunks, row[ps.CHUNK]), _stage_input(row, inputs, stash))
-        return y, jnp.zeros_like(x0), acc
+        return stage_fn(_take(chunks, row[ps.CHUNK]), stage_input(row, stash)), zero_x, acc
 
     def backward(row, stash, gbuf, acc, *, last):
-        p, x = _take(chunks, row[ps.CHUNK]), _stage_input(row, inputs, stash)
-        dstage, dhead, dinputs, loss = acc
+        p, x = _take(chunks, row[ps.CHUNK]), stage_input(row, stash)
+        dstage, dhead, dfirst, loss = acc
         if last:
             tgt = _take(targets, row[ps.MB])
             value, vjp = jax.vjp(lambda p, h, x: last_objective(p, h, x, tgt), p, head, x)
@@ -260,9 +315,10 @@ def _manual_body(stage_fn, loss_fn, ctx: _Ctx, remat, stage_params, head, inputs
             dp, dx = vjp(lax.dynamic_index_in_dim(gbuf, jnp.maximum(row[ps.GRAD_SLOT], 0), keepdims=False))
         j = row[ps.CHUNK]
         dstage = jax.tree.map(lambda a, d: _put(a, j, _take(a, j) + d, True), dstage, dp)
-        first = row[ps.FIRST] == 1
-        dinputs = _put(dinputs, row[ps.MB], dx, first)
-        return jnp.zeros_like(x0), jnp.where(first, jnp.zeros_like(dx), dx), (dstage, dhead, dinputs, loss)
+        dfirst = _first_grad(embed_fn, embed, inputs, row, dx, dfirst)
+        # Chunk 0 has no previous chunk: its cotangent went into dfirst, send zeros.
+        send_g = jnp.where(row[ps.FIRST] == 1, zero_x, dx)
+        return zero_x, send_g, (dstage, dhead, dfirst, loss)
 
     branches = [idle, forward, lambda *a: backward(*a, last=False), lambda *a: backward(*a, last=True)]
 
@@ -279,23 +335,28 @@ def _manual_body(stage_fn, loss_fn, ctx: _Ctx, remat, stage_params, head, inputs
         g_in = lax.ppermute(send_g, ctx.axis, ctx.bwd_perm)
         return x_in, g_in, stash, gbuf, acc
 
-    acc = (_zeros(chunks, ctx), _zeros(head, ctx), _zeros(inputs, ctx), _zeros(jnp.float32(0), ctx))
-    stash = _zeros(x0, ctx, (sched.num_stash_slots,))
-    carry = (_zeros(x0, ctx), _zeros(x0, ctx), stash, _zeros(x0, ctx, (sched.num_grad_slots,)), acc)
-    *_, (dstage, dhead, dinputs, loss) = lax.fori_loop(0, sched.num_ticks, tick, carry)
-    return _reduce(ctx, stage_params, loss, dstage, dhead, dinputs)
+    # d embed (table-sized) with embed_fn; else d inputs, `[M, microbatch/D, ...]`, the one M-sized buffer.
+    dfirst = _zeros(inputs if embed_fn is None else embed, ctx)
+    acc = (_zeros(chunks, ctx), _zeros(head, ctx), dfirst, _zeros(jnp.float32(0), ctx))
+    stash = _zeros(ctx.x, ctx, (sched.num_stash_slots,))
+    carry = (zero_x, zero_x, stash, _zeros(ctx.x, ctx, (sched.num_grad_slots,)), acc)
+    *_, (dstage, dhead, dfirst, loss) = lax.fori_loop(0, sched.num_ticks, tick, carry)
+    return _reduce(ctx, embed_fn is not None, stage_params, loss, dstage, dhead, dfirst)
 
 
-def _gpipe_body(stage_fn, loss_fn, ctx: _Ctx, remat, stage_params, head, inputs, targets):
+def _gpipe_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, head, embed, inputs, targets):
     """GPipe inside the shard_map: autodiff through the forward ticks (all M microbatches' activations live)."""
     sched = ctx.schedule
-    chunks, head, inputs, targets = _prepare(ctx, stage_params, head, inputs, targets)
+    chunks, head, embed, inputs, targets = _prepare(ctx, stage_params, head, embed, inputs, targets)
     table = jnp.asarray(sched.table)
     stage = lax.axis_index(ctx.axis)
     fn = jax.checkpoint(stage_fn) if remat else stage_fn
     zero_loss = _zeros(jnp.float32(0), ctx)
 
-    def objective(chunks, head, inputs):
+    def objective(chunks, head, first):
+        # `first` is what chunk 0's gradient is taken for: embed_params with embed_fn, else the inputs.
+        embed_, inputs_ = (first, inputs) if embed_fn is not None else (embed, first)
+
         def idle(row, x):
             return jnp.zeros_like(x), zero_loss
 
@@ -309,24 +370,25 @@ def _gpipe_body(stage_fn, loss_fn, ctx: _Ctx, remat, stage_params, head, inputs,
         def tick(t, carry):
             x_in, loss = carry
             row = table[t, stage]
-            x = jnp.where(row[ps.FIRST] == 1, _take(inputs, row[ps.MB]), x_in)
+            x = _stage_input(embed_fn, embed_, inputs_, row, x_in)
             op = row[ps.OP]
             branch = jnp.where((op == ps.FORWARD) & (row[ps.LAST] == 1), 2, op)
             y, value = lax.switch(branch, [idle, forward, forward_last], row, x)
             return lax.ppermute(y, ctx.axis, ctx.fwd_perm), loss + value
 
-        _, loss = lax.fori_loop(0, sched.forward_ticks(), tick, (_zeros(inputs[0], ctx), zero_loss))
+        _, loss = lax.fori_loop(0, sched.forward_ticks(), tick, (_zeros(ctx.x, ctx), zero_loss))
         return loss
 
-    loss, grads = jax.value_and_grad(objective, argnums=(0, 1, 2))(chunks, head, inputs)
-    return _reduce(ctx, stage_params, loss, *grads)
+    first = embed if embed_fn is not None else inputs
+    loss, grads = jax.value_and_grad(objective, argnums=(0, 1, 2))(chunks, head, first)
+    return _reduce(ctx, embed_fn is not None, stage_params, loss, *grads)
 
 
-def _reduce(ctx: _Ctx, stage_params, loss, dstage, dhead, dinputs):
-    """The one reduction after the loop: loss and head over all axes, stages over batch, inputs over stages."""
+def _reduce(ctx: _Ctx, embedded: bool, stage_params, loss, dstage, dhead, dfirst):
+    """The one reduction after the loop: loss, head, embed over all axes, stages over batch, inputs over stages."""
     dstage = jax.tree.map(lambda d, a: d.reshape(a.shape), dstage, stage_params)
     loss = lax.psum(loss, ctx.all_axes)
     dstage = lax.psum(dstage, ctx.batch_axes) if ctx.batch_axes else dstage
     dhead = lax.psum(dhead, ctx.all_axes)
-    dinputs = lax.psum(dinputs, ctx.axis)
-    return loss, (dstage, dhead, dinputs)
+    dfirst = lax.psum(dfirst, ctx.all_axes if embedded else ctx.axis)
+    return loss, (dstage, dhead, dfirst)

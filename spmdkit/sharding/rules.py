@@ -9,12 +9,13 @@ and `heads, kv_heads, mlp, vocab` as for the weights.
 
 | strategy | what the rules say |
 |---|---|
-| DP, HSDP, FSDP | `batch -> (data, fsdp)`; ZeRO-3 also `embed -> fsdp` for parameters |
+| DP, HSDP, FSDP | `batch -> (data, fsdp, expert)`; ZeRO-3 also `embed -> fsdp` for parameters |
 | ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> fsdp` |
 | TP | `heads, kv_heads, mlp, vocab -> tensor` |
 | SP | as TP, plus `act_seq -> tensor` |
 | CP | `seq, act_seq -> context` |
-| EP / PP | `experts -> expert`, `layers -> pipeline` |
+| EP | `experts -> expert` (expert weights); tokens are split over `expert` like any batch axis |
+| PP | `layers -> pipeline` |
 
 Mesh axes of size 1 are dropped from the specs they would appear in: they cost nothing and clutter tables.
 """
@@ -62,7 +63,8 @@ def make_rules(zero_stage: int = 3, sequence_parallel: bool = False) -> Rules:
         raise SpmdkitError(f"ZeRO stage {zero_stage} is not one of 0, 1, 2, 3")
     act_seq = ("context", "tensor") if sequence_parallel else ("context",)
     common = {
-        "batch": ("data", "fsdp"),
+        # The batch is split over `expert` too: outside the MoE layers it is one more data-parallel axis.
+        "batch": ("data", "fsdp", "expert"),
         "seq": ("context",),
         "act_seq": act_seq,
         "act_embed": (),

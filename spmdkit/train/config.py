@@ -60,16 +60,22 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-    """A model preset (`tiny`, `125m`, `1b`, `7b`, `70b`, `405b`) and the numerics to run it with."""
+    """A model preset (`tiny`, `tiny-moe`, `125m`, `1b`, `7b`, `70b`, `405b`, `mixtral-8x7b`) and the numerics
+    to run it with."""
 
     name: str = "tiny"
     dtype: str = "bfloat16"
     remat: str = "none"
     attention: str = "auto"  # "auto": ring attention when the mesh has context > 1, else dot
+    dispatch: str = ""  # mixture of experts: capacity, dropless or dense ("" = the preset's)
+    capacity_factor: float = 0.0  # mixture of experts, capacity dispatch (0 = the preset's)
 
     def build(self, context: int = 1) -> TransformerConfig:
         attention = ("ring" if context > 1 else "dot") if self.attention == "auto" else self.attention
-        return model_preset(self.name).replace(dtype=self.dtype, remat=self.remat, attention=attention)
+        config = model_preset(self.name).replace(dtype=self.dtype, remat=self.remat, attention=attention)
+        if self.dispatch:
+            config = config.replace(dispatch=self.dispatch)
+        return config.replace(capacity_factor=self.capacity_factor) if self.capacity_factor else config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,8 @@ class Trainer:
         mesh_settings, run = self.config.mesh, self.config.run
         if run.grad_accum != 1:
             raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
+        if self.model_config.experts:
+            raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
         schedule = pipeline_schedule(
             mesh_settings.pipeline_schedule,
             self.mesh,
@@ -97,10 +99,10 @@ class Trainer:
             mesh_settings.virtual_stages,
             self.model_config.layers,
         )
-        replicas = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        replicas = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * self.mesh.shape["expert"]
         if run.batch_size % (schedule.num_microbatches * replicas):
             raise SpmdkitError(
-                f"--batch-size {run.batch_size} must be a multiple of microbatches x data x fsdp = "
+                f"--batch-size {run.batch_size} must be a multiple of microbatches x data x fsdp x expert = "
                 f"{schedule.num_microbatches} x {replicas}"
             )
         return schedule
@@ -118,10 +120,19 @@ class Trainer:
                 + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
                 f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
                 f"compute {cfg.dtype}, remat {cfg.remat}",
+                *([self._describe_experts()] if cfg.experts else []),
                 f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
                 f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
                 *([self._describe_pipeline()] if self.pipeline else []),
             ]
+        )
+
+    def _describe_experts(self) -> str:
+        c = self.model_config
+        return (
+            f"experts      {c.moe_layers} MoE layers of {c.experts} experts, top-{c.top_k}, {c.dispatch} dispatch"
+            + (f" (capacity factor {c.capacity_factor})" if c.dispatch == "capacity" else "")
+            + f", over expert={self.mesh.shape['expert']}; {c.num_params(active=True):,} parameters active per token"
         )
 
     def _describe_pipeline(self) -> str:
@@ -198,7 +209,7 @@ class Trainer:
                     speed = throughput(
                         tokens_per_step, elapsed / window_steps, flops_per_token, jax.device_count(), peak
                     )
-                    record = {"step": step, **{k: float(v) for k, v in fetched.items()}}
+                    record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
                     record.update(step_time_s=elapsed / window_steps, **speed)
                     if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
                         record["eval_loss"] = result.eval_losses[step] = self.evaluate(eval_step)
@@ -283,3 +294,8 @@ class Trainer:
 def train(config: TrainConfig) -> TrainResult:
     """Run training as configured and return its losses and final state."""
     return Trainer(config).run()
+
+
+def _plain(value: np.ndarray) -> float | list[float]:
+    """A fetched metric as JSON: a float, or a list (e.g. `expert_load`, one share per expert)."""
+    return float(value) if np.ndim(value) == 0 else [round(float(v), 6) for v in np.ravel(value)]

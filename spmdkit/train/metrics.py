@@ -75,6 +75,9 @@ class MetricsWriter:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
                 self.tensorboard.add_scalar(key, value, record["step"])
+            elif isinstance(value, list):  # per-expert load: one curve per expert, under one tag group
+                for i, v in enumerate(value):
+                    self.tensorboard.add_scalar(f"{key}/{i}", v, record["step"])
 
     def close(self) -> None:
         if self.tensorboard is not None:

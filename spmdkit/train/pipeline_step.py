@@ -1,8 +1,10 @@
 """Loss and gradients of the transformer through the pipeline program (`spmdkit.sharding.pipeline`).
 
-The forward pass is cut in three: the embedding runs before the pipeline (on every stage, batch-sharded),
-the scanned block stack is split into stages over the `pipeline` axis, and the final norm + LM head + loss run
-on the last stage. The embedding's gradient comes from a `jax.vjp` applied to the pipeline's d loss / d inputs.
+The forward pass is cut in three: the embedding runs on stage 0 as the pipeline's `embed_fn` (the pipeline is
+fed the int token ids, microbatch by microbatch), the scanned block stack is split into stages over the
+`pipeline` axis, and the final norm + LM head + loss run on the last stage. Embedding inside the pipeline keeps
+1F1B's memory flat in the number of microbatches: the table's gradient is accumulated on stage 0 tick by tick,
+where embedding outside would need d loss / d embeddings for the whole batch (`[M, microbatch, seq, embed]`).
 Gradients are reassembled into the parameters' tree, so the optimizer update is the same as without PP.
 
 Interleaved schedules (v > 1) want stage s to hold model chunks s, s+P, ...: the stack is permuted into that
@@ -12,6 +14,7 @@ model's layer order. That permutation moves the block parameters between stages 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,6 +52,22 @@ def pipeline_schedule(kind: str, mesh: Mesh, microbatches: int, virtual_stages: 
     return make_schedule(kind, stages, microbatches or 2 * stages, virtual_stages)
 
 
+def _per_device(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`fn` with the sharding rules suspended when traced outside the pipeline's shard_map.
+
+    The pipeline traces `stage_fn` / `embed_fn` on per-device shapes before its shard_map (its shape check);
+    the rules' hints (e.g. the attention kernel's shape check) would then compare local shapes with the mesh.
+    """
+
+    def wrapped(*args: Any) -> jax.Array:
+        if "pipeline" in jax.sharding.get_abstract_mesh().manual_axes:
+            return fn(*args)
+        with suspend_rules():
+            return fn(*args)
+
+    return wrapped
+
+
 def _assemble(params: nnx.State, pieces: dict[str, Any]) -> nnx.State:
     """A gradient tree shaped like `params` from the pipeline's pieces (blocks, head, embedding)."""
     blocks = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(pieces["blocks"])}
@@ -71,47 +90,44 @@ def pipeline_loss_and_grads(
     (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
     """
     config = model.config
+    if config.experts:
+        raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
     if config.attention == "ring" and mesh.shape.get("context", 1) > 1:
         raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)
 
-    def embed(table: jax.Array) -> jax.Array:
-        x = embed_tokens(table, batch["inputs"], config.dtype).astype(BOUNDARY_DTYPE)
-        return to_microbatches(x, schedule.num_microbatches)
+    @_per_device
+    def embed_fn(table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return embed_tokens(table, tokens, config.dtype).astype(BOUNDARY_DTYPE)
 
+    @_per_device
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
-        def run() -> jax.Array:
-            blocks = nnx.merge(blocks_def, chunk)
-            y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
-            return y.astype(BOUNDARY_DTYPE)
-
-        if "pipeline" in jax.sharding.get_abstract_mesh().manual_axes:
-            return run()
-        with suspend_rules():  # the kernel's shape check: per-device shapes, outside the shard_map
-            return run()
+        blocks = nnx.merge(blocks_def, chunk)
+        y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
+        return y.astype(BOUNDARY_DTYPE)
 
     def loss_fn(head: dict[str, jax.Array], y: jax.Array, targets: jax.Array) -> jax.Array:
         return cross_entropy(head_logits(y, head["norm"], head["lm_head"], config), targets)
 
-    inputs, embed_vjp = jax.vjp(embed, model.embedding[...])
     stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
     head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head[...]}
-    loss, (d_stages, d_head, d_inputs) = pipeline_value_and_grad(
+    loss, (d_stages, d_head, d_table) = pipeline_value_and_grad(
         stage_fn,
         loss_fn,
         stage_params,
         head,
-        inputs,
+        to_microbatches(batch["inputs"], schedule.num_microbatches),
         to_microbatches(batch["targets"], schedule.num_microbatches),
         mesh=mesh,
         schedule=schedule,
         batch_axes=rules.params["batch"],
         remat=config.remat != "none",
+        embed_fn=embed_fn,
+        embed_params=model.embedding[...],
     )
     if virtual > 1:
         d_stages = deinterleave_layers(d_stages, stages, virtual)
-    (d_table,) = embed_vjp(d_inputs)
     pieces = {"blocks": d_stages, "final_norm": d_head["norm"], "lm_head": d_head["lm_head"], "embedding": d_table}
     return loss, _assemble(params, pieces)

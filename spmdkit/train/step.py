@@ -28,20 +28,20 @@ StepFn = Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]
 
 
 def batch_shardings(mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
-    """[batch, seq] arrays: batch over (data, fsdp), seq over context."""
+    """[batch, seq] arrays: batch over (data, fsdp, expert), seq over context."""
     spec = logical_to_spec(("batch", "seq"), None, mesh, rules.params)
     return {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "positions")}
 
 
 def check_batch(global_batch: int, mesh: Mesh, grad_accum: int) -> None:
     """The global batch must split into `grad_accum` microbatches that each divide over the batch axes."""
-    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1) * mesh.shape.get("expert", 1)
     if grad_accum < 1 or global_batch % grad_accum:
         raise SpmdkitError(f"batch size {global_batch} is not divisible by --grad-accum {grad_accum}")
     if (global_batch // grad_accum) % replicas:
         raise SpmdkitError(
-            f"microbatch of {global_batch // grad_accum} sequences does not divide over data x fsdp = {replicas} "
-            f"devices: make --batch-size a multiple of {replicas * grad_accum}"
+            f"microbatch of {global_batch // grad_accum} sequences does not divide over data x fsdp x expert = "
+            f"{replicas} devices: make --batch-size a multiple of {replicas * grad_accum}"
         )
 
 
@@ -61,26 +61,50 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
+def objective(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training objective of one batch and its metrics.
+
+    objective = cross-entropy + load_balance_weight x load-balancing loss + router_z_weight x z-loss (the aux
+    terms are means over the MoE layers; a dense model has none). metrics: `loss` (the cross-entropy alone,
+    comparable with eval loss) and, for MoE, the aux losses, `dropped` (share of token->expert assignments
+    over capacity) and `expert_load` [experts] (share of assignments per expert), averaged over MoE layers.
+    """
+    logits, aux = model.forward(batch["inputs"], batch["positions"])
+    loss = cross_entropy(logits, batch["targets"])
+    if not aux:
+        return loss, {"loss": loss}
+    metrics = {"loss": loss, **{name: jnp.mean(value, axis=0) for name, value in aux.items()}}
+    c = model.config
+    total = loss + c.load_balance_weight * metrics["load_balance_loss"] + c.router_z_weight * metrics["router_z_loss"]
+    return total, metrics
+
+
 def _accumulate(
     grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int, varying: tuple[str, ...] = ()
-) -> tuple[jax.Array, nnx.State]:
-    """Mean of `grad_fn` over the microbatches of `batch` (a `lax.scan`); inside a shard_map the loss
-    accumulator is made varying over the manual axes `varying`, like the per-device losses added to it."""
+) -> tuple[dict[str, jax.Array], nnx.State]:
+    """Mean of `grad_fn` (-> ((objective, metrics), grads)) over the microbatches of `batch` (a `lax.scan`);
+    inside a shard_map the metric accumulators are made varying over the manual axes `varying`, like the
+    per-device values added to them."""
 
-    def step(carry: tuple[jax.Array, nnx.State], mb: Batch) -> tuple[tuple[jax.Array, nnx.State], None]:
-        loss, grads = grad_fn(params, mb)
-        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+    def step(carry: tuple[dict, nnx.State], mb: Batch) -> tuple[tuple[dict, nnx.State], None]:
+        (_, metrics), grads = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, carry[0], metrics), jax.tree.map(jnp.add, carry[1], grads)), None
 
-    zero = jnp.zeros((), jnp.float32)
-    zeros = (jax.lax.pcast(zero, varying, to="varying") if varying else zero, jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(step, zeros, _microbatches(batch, grad_accum))
-    return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+    shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[: x.shape[0] // grad_accum], batch)))
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1])
+    if varying:
+        zero = jax.tree.map(lambda z: jax.lax.pcast(z, varying, to="varying"), zero)
+    (metrics, grads), _ = jax.lax.scan(
+        step, (zero, jax.tree.map(jnp.zeros_like, params)), _microbatches(batch, grad_accum)
+    )
+    return jax.tree.map(lambda m: m / grad_accum, metrics), jax.tree.map(lambda g: g / grad_accum, grads)
 
 
 def loss_and_grads(
     model: nnx.Module, batch: Batch, grad_accum: int = 1, mesh: Mesh | None = None, rules: Rules | None = None
-) -> tuple[jax.Array, nnx.State]:
-    """Mean loss over the batch and its float32 gradients w.r.t. the model's `nnx.Param`s.
+) -> tuple[dict[str, jax.Array], nnx.State]:
+    """Metrics of the batch (`loss`: mean cross-entropy; see `objective`) and the float32 gradients of the
+    objective w.r.t. the model's `nnx.Param`s.
 
     With `grad_accum` > 1 on a mesh with replica axes, the microbatch loop runs inside a `shard_map` that is
     manual over those axes: each device sums its own microbatch gradients (the parameters are made varying
@@ -89,22 +113,25 @@ def loss_and_grads(
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_of(params: nnx.State, mb: Batch) -> jax.Array:
-        return cross_entropy(nnx.merge(graphdef, params, rest)(mb["inputs"], mb["positions"]), mb["targets"])
+    def objective_of(params: nnx.State, mb: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return objective(nnx.merge(graphdef, params, rest), mb)
 
-    grad_fn = jax.value_and_grad(loss_of)
+    grad_fn = jax.value_and_grad(objective_of, has_aux=True)
     if grad_accum == 1:
-        return grad_fn(params, batch)
+        (_, metrics), grads = grad_fn(params, batch)
+        return metrics, grads
     axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
-    if not axes:
+    # A mixture-of-experts model runs its own shard_map over every batch axis (tokens travel to their experts),
+    # which cannot nest in this one: it accumulates under automatic sharding (a reduction per microbatch).
+    if not axes or getattr(model, "config", None) and model.config.experts:
         return _accumulate(grad_fn, params, batch, grad_accum)
     replicas = math.prod(mesh.shape[a] for a in axes)
 
-    def local(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
+    def local(params: nnx.State, batch: Batch) -> tuple[dict[str, jax.Array], nnx.State]:
         params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        loss, grads = _accumulate(grad_fn, params, batch, grad_accum, axes)
+        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum, axes)
         mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
-        return mean(loss), jax.tree.map(mean, grads)
+        return jax.tree.map(mean, metrics), jax.tree.map(mean, grads)
 
     rows = PartitionSpec(axes)
     return jax.shard_map(
@@ -127,10 +154,11 @@ def make_train_step(
 ) -> StepFn:
     """The jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
 
-    metrics: loss, grad_norm, lr, skipped (1.0 when the gradients were not finite and the update was skipped),
-    bad_steps (consecutive skipped steps so far). `fail_steps` (0-based optimizer steps) get NaN gradients:
-    the test hook for the skip path. With a `pipeline` schedule the loss and gradients come from the pipeline
-    program (`spmdkit.train.pipeline_step`) instead of autodiff of the whole model.
+    metrics: loss (cross-entropy), grad_norm, lr, skipped (1.0 when the gradients were not finite and the
+    update was skipped), bad_steps (consecutive skipped steps so far); MoE models add their router metrics
+    (see `objective`). `fail_steps` (0-based optimizer steps) get NaN gradients: the test hook for the skip
+    path. With a `pipeline` schedule the loss and gradients come from the pipeline program
+    (`spmdkit.train.pipeline_step`) instead of autodiff of the whole model.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
 
@@ -138,11 +166,12 @@ def make_train_step(
         with use_rules(rules, mesh):
             model, optimizer = nnx.merge(graphdef, state)
             if pipeline is None:
-                loss, grads = loss_and_grads(model, batch, grad_accum, mesh, rules)
+                model_metrics, grads = loss_and_grads(model, batch, grad_accum, mesh, rules)
             else:
                 from spmdkit.train.pipeline_step import pipeline_loss_and_grads
 
                 loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
+                model_metrics = {"loss": loss}
             opt_step = optimizer.step[...]
             if fail_steps:
                 poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, 1.0)
@@ -153,7 +182,7 @@ def make_train_step(
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
         metrics = {
-            "loss": loss,
+            **model_metrics,
             "grad_norm": grad_norm,
             "lr": lr_schedule(opt_step) if lr_schedule else jnp.zeros(()),
             "skipped": (~jnp.isfinite(grad_norm)).astype(jnp.float32),

@@ -1,0 +1,85 @@
+"""Mixture-of-experts feed-forward: a softmax top-k router, E SwiGLU experts, optional shared expert, aux losses.
+
+The module is plain: the experts' leading dim is the logical axis `experts` (the rules put it on the `expert`
+mesh axis) and the routed computation is `spmdkit.sharding.experts.expert_ffn`, which picks the dispatch.
+
+Router (float32): p = softmax(x W_r) over E experts; each token takes its top_k experts, weighted by their
+probabilities renormalised to sum to 1 (for top_k = 1 the raw probability, as in Switch: renormalised it
+would be 1 and the router would get no gradient from the loss).
+
+Aux losses, over all tokens of the batch (computed outside the shard_map, so they are global on any mesh):
+- load balance (Switch): E x sum_i f_i P_i, f_i = share of the token->expert assignments that chose expert i,
+  P_i = mean router probability of expert i. 1 when perfectly balanced; its gradient (through P) pushes
+  probability away from overloaded experts.
+- router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2, keeping the logits small.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmdkit.models.config import TransformerConfig
+from spmdkit.sharding.experts import ExpertWeights, expert_ffn
+from spmdkit.sharding.rules import constrain
+
+HIDDEN = ("batch", "seq", "act_embed")
+ROUTED = ("batch", "seq", None)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str) -> jax.Array:
+    return jax.random.normal(rngs.params(), shape, dtype) / jnp.sqrt(fan_in).astype(dtype)
+
+
+def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token and their weights: logits [B, S, E] float32 -> (index, weight) [B, S, k]."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    weight, index = jax.lax.top_k(probs, top_k)
+    if top_k > 1:
+        weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
+    return index, weight
+
+
+def aux_losses(logits: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
+    """load_balance_loss, router_z_loss and expert_load [E] (share of assignments per expert) of one layer."""
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    load = jnp.mean(jnp.sum(jax.nn.one_hot(index, e, dtype=jnp.float32), axis=-2), axis=(0, 1)) / index.shape[-1]
+    z = jax.nn.logsumexp(logits, axis=-1)
+    return {
+        "load_balance_loss": e * jnp.sum(load * jnp.mean(probs, axis=(0, 1))),
+        "router_z_loss": jnp.mean(z * z),
+        "expert_load": load,
+    }
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts. router [embed, experts]; gate/up [experts, embed, mlp]; down [experts, mlp, embed]."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.param_dtype
+        self.router = nnx.Param(_normal(rngs, (c.embed, c.experts), c.embed, pd), out_sharding=("embed", None))
+        shape_in, shape_out = (c.experts, c.embed, c.mlp), (c.experts, c.mlp, c.embed)
+        names_in, names_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+        self.gate = nnx.Param(_normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
+        self.up = nnx.Param(_normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
+        self.down = nnx.Param(_normal(rngs, shape_out, c.mlp, pd), out_sharding=names_out)
+        if c.shared_expert:
+            from spmdkit.models.transformer import MLP  # the dense block's MLP, run on every token
+
+            self.shared = MLP(config, rngs=rngs)
+        self.config = config
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [batch, seq, embed] -> (y [batch, seq, embed], this layer's aux: losses, expert_load, dropped)."""
+        c = self.config
+        x = constrain(x, HIDDEN)
+        logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        index, weight = route(logits, c.top_k)
+        index, weight = constrain(index, ROUTED), constrain(weight, ROUTED)
+        experts = ExpertWeights(self.gate[...], self.up[...], self.down[...])
+        y, dropped = expert_ffn(x, index, weight, experts, dispatch_kind=c.dispatch, factor=c.capacity_factor)
+        if c.shared_expert:
+            y = y + self.shared(x)
+        return constrain(y, ("batch", "act_seq", "act_embed")), {**aux_losses(logits, index), "dropped": dropped}

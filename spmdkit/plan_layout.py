@@ -1,0 +1,204 @@
+"""What the layout planner (`spmdkit.plan`) lays out: the parameter inventory, how the rules split each parameter
+over the mesh, a `Layout` (model, mesh, batch, ZeRO stage, SP, microbatches, schedule), and the
+mixture-of-experts dispatch sizes. Pure arithmetic (no JAX).
+
+Parameters as `spmdkit.models.transformer` builds them, named by their model path: `embedding`, `final_norm`,
+`lm_head`, the dense blocks stacked over layers - moe_layers (`blocks.*`) and the MoE blocks stacked over
+moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed, experts], expert gate/up
+[experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when `shared_expert`).
+
+MoE dispatch (`spmdkit.sharding.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
+S x top_k / E)) tokens to each of the E experts, so the experts compute E x C slots per sequence (padding
+included) instead of top_k x S tokens. Dropless runs the same program with C = S whenever the batch is split
+(any of data, fsdp, expert > 1); on one batch shard it is a grouped matmul without padding (top_k x S). The
+`dense` reference runs every expert on every token (E x S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import TransformerConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BATCH_AXES = ("data", "fsdp", "expert")  # = make_rules()'s `batch`: every axis the sequences are split over
+UNSTACKED = ("embedding", "final_norm", "lm_head")
+
+Param = tuple[str, tuple[int, ...], tuple[str | None, ...]]
+
+
+def _block(m: TransformerConfig, moe: bool) -> list[Param]:
+    """One block's parameters (name relative to the block, shape, logical names), as `Block` builds them."""
+    E, H, K, d, F, X = m.embed, m.heads, m.kv_heads, m.head_dim, m.mlp, m.experts
+    dense_mlp = [
+        ("gate", (E, F), ("embed", "mlp")),
+        ("up", (E, F), ("embed", "mlp")),
+        ("down", (F, E), ("mlp", "embed")),
+    ]
+    if moe:
+        mlp = [
+            ("router", (E, X), ("embed", None)),
+            ("gate", (X, E, F), ("experts", "embed", "mlp")),
+            ("up", (X, E, F), ("experts", "embed", "mlp")),
+            ("down", (X, F, E), ("experts", "mlp", "embed")),
+        ]
+        mlp += [(f"shared.{name}", shape, names) for name, shape, names in dense_mlp] if m.shared_expert else []
+    else:
+        mlp = dense_mlp
+    return [
+        ("attention_norm", (E,), ("norm",)),
+        ("attention.q", (E, H, d), ("embed", "heads", "head_dim")),
+        ("attention.k", (E, K, d), ("embed", "kv_heads", "head_dim")),
+        ("attention.v", (E, K, d), ("embed", "kv_heads", "head_dim")),
+        ("attention.o", (H, d, E), ("heads", "head_dim", "embed")),
+        ("mlp_norm", (E,), ("norm",)),
+        *[(f"mlp.{name}", shape, names) for name, shape, names in mlp],
+    ]
+
+
+def parameters(m: TransformerConfig) -> list[Param]:
+    """(model path, shape, logical names) of every parameter as `spmdkit.models.transformer` builds it; stacked
+    blocks carry a leading [count] `layers` dim (dense: layers - moe_layers, MoE: moe_layers; an empty stack is
+    not built)."""
+    E, V = m.embed, m.vocab_size
+    out: list[Param] = [("embedding", (V, E), ("vocab", "embed"))]
+    for stack, count, moe in [("blocks", m.layers - m.moe_layers, False), ("moe_blocks", m.moe_layers, True)]:
+        if count:
+            out += [(f"{stack}.{n}", (count, *shape), ("layers", *names)) for n, shape, names in _block(m, moe)]
+    return [*out, ("final_norm", (E,), ("norm",)), ("lm_head", (E, V), ("embed", "vocab"))]
+
+
+def table(zero: int, kind: str) -> dict[str, str]:
+    """Logical name -> mesh axis for `kind` in params / optimizer / grads, as `make_rules(zero)` maps them."""
+    embed = {"params": zero == 3, "optimizer": zero >= 1, "grads": zero >= 2}[kind]
+    names = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "experts": "expert"}
+    return {**names, "layers": "pipeline", **({"embed": "fsdp"} if embed else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
+    `divisor[kind]`: (the product of those axes, the same without fsdp). `routed`: an expert weight (it has the
+    `experts` dim and runs inside the expert shard_map)."""
+
+    name: str
+    nbytes: int
+    params: tuple[str, ...]
+    optimizer: tuple[str, ...]
+    grads: tuple[str, ...]
+    divisor: dict[str, tuple[int, int]]
+    routed: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        return self.name not in UNSTACKED
+
+    @property
+    def stack(self) -> str | None:
+        """The stack ("blocks" or "moe_blocks") of a block parameter, None for embedding, final norm and head."""
+        return self.name.split(".")[0] if self.stacked else None
+
+
+@functools.cache
+def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) -> tuple[Sharded, ...]:
+    """Every parameter under the rules; kv_heads replicate when the axis does not divide them (as rules.py)."""
+    sizes, out = dict(mesh), []
+    for name, shape, names in parameters(m):
+        axes = {}
+        for kind in ("params", "optimizer", "grads"):
+            rules, axes[kind] = table(zero, kind), []
+            for size, logical in zip(shape, names, strict=True):
+                axis = rules.get(logical) if logical else None
+                if axis is None or sizes[axis] == 1 or (logical == "kv_heads" and size % sizes[axis]):
+                    continue
+                if size % sizes[axis]:
+                    raise SpmdkitError(
+                        f"parameter {name} {shape}: {logical}={size} is not divisible by mesh axis {axis}="
+                        f"{sizes[axis]}; change the model size or the mesh"
+                    )
+                axes[kind].append(axis)
+        divisor = {
+            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x != "fsdp")) for k, v in axes.items()
+        }
+        kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
+        out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names))
+    return tuple(out)
+
+
+def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
+    """C: slots per expert per sequence, min(S, ceil(factor x S x top_k / E)), at least 1 (as `experts.capacity`)."""
+    return max(1, min(seq, math.ceil(factor * seq * top_k / experts)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A step's layout: the model (with its compute dtype and remat policy), mesh sizes, batch, ZeRO stage, SP,
+    microbatches (gradient accumulation, or pipeline microbatches when pipeline > 1) and pipeline schedule."""
+
+    model: TransformerConfig
+    mesh: tuple[tuple[str, int], ...]
+    batch_size: int
+    seq_len: int
+    zero: int = 3
+    sequence_parallel: bool = False
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @functools.cached_property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def __getitem__(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def local(self, p: Sharded, kind: str, gathered: bool = False) -> float:
+        """Bytes of `p` (value, optimizer moment or gradient) on a device; `gathered`: as if not split over fsdp."""
+        return p.nbytes / p.divisor[kind][gathered]
+
+    @functools.cached_property
+    def params(self) -> tuple[Sharded, ...]:
+        return sharded(self.model, self.mesh, self.zero)
+
+    @property
+    def a(self) -> int:
+        return DTYPE_BYTES[self.model.dtype]
+
+    @property
+    def replicas(self) -> int:
+        """D x Fs x X: the batch axes (the batch is split over data, fsdp and expert)."""
+        return math.prod(self[x] for x in BATCH_AXES)
+
+    @property
+    def tokens(self) -> float:
+        """t: this device's tokens per step (batch over data x fsdp x expert, sequence over context)."""
+        return self.batch_size * self.seq_len / (self.replicas * self["context"])
+
+    @property
+    def stage_layers(self) -> float:
+        return self.model.layers / self["pipeline"]
+
+    @property
+    def expert_shard_map(self) -> bool:
+        """Whether the routed experts run in `expert_ffn`'s shard_map (capacity or dropless, batch split)."""
+        return self.model.dispatch != "dense" and self.replicas > 1
+
+    @property
+    def slots(self) -> int:
+        """Expert slots computed per sequence: E x C (capacity), E x S (dense; dropless in the shard_map), or
+        top_k x S (dropless on one batch shard: a grouped matmul, no padding); 0 for a dense model."""
+        m, S = self.model, self.seq_len
+        if not m.moe_layers:
+            return 0
+        if m.dispatch == "capacity":
+            return m.experts * capacity(S, m.top_k, m.experts, m.capacity_factor)
+        return m.experts * S if m.dispatch == "dense" or self.expert_shard_map else m.top_k * S
+
+    @property
+    def dispatch_bytes(self) -> float:
+        """One all-to-all's operand per device per step and MoE layer: the dispatch buffer [B_local, E, C, embed]
+        in the compute dtype, B_local = B / (D Fs X) sequences (over all microbatches)."""
+        return self.batch_size / self.replicas * self.slots * self.model.embed * self.a

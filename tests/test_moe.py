@@ -1,0 +1,213 @@
+"""Mixture of experts: expert parallelism against the dense reference, the capacity rule against a sequential
+reference, a full EP training step against one device, all-to-alls in the HLO, and load balancing at work."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.models import TransformerConfig
+from spmdkit.models.moe import route
+from spmdkit.models.transformer import Transformer
+from spmdkit.sharding.experts import ExpertWeights, capacity, dense_moe, expert_ffn, sequential_drops, slots
+from spmdkit.sharding.hlo import collective_report
+from spmdkit.sharding.mesh import make_mesh
+from spmdkit.sharding.partition import init_sharded
+from spmdkit.sharding.rules import make_rules, use_rules
+from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.state import create_train_state
+from spmdkit.train.step import loss_and_grads, make_eval_step, make_train_step
+
+# Two MoE layers (one scan), 8 experts; a capacity factor of 8 = experts means no expert can overflow.
+CONFIG = TransformerConfig(
+    dtype="float32", layers=2, heads=4, kv_heads=4, head_dim=8, mlp=32, experts=8, moe_every=1, capacity_factor=8.0
+)
+EP_MESHES = {2: "expert=2,data=4", 4: "expert=4,data=2", 8: "expert=8"}
+
+
+def _batch(config, batch=8, seq=16, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@functools.cache
+def forward_and_grads(mesh_text, top_k, dispatch):
+    """(logits, aux, metrics, grads) of CONFIG with `dispatch` on `mesh_text` (1 device: 'one')."""
+    config = CONFIG.replace(top_k=top_k, dispatch=dispatch)
+    mesh = make_mesh("fsdp=1", jax.devices()[:1]) if mesh_text == "one" else make_mesh(mesh_text)
+    rules = make_rules(3)
+    graphdef, state = nnx.split(init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh, rules))
+
+    def run(state, batch):
+        with use_rules(rules, mesh):
+            model = nnx.merge(graphdef, state)
+            logits, aux = model.forward(batch["inputs"], batch["positions"])
+            metrics, grads = loss_and_grads(model, batch, 1, mesh, rules)
+        return logits, aux, metrics, grads
+
+    compiled = jax.jit(run).lower(state, _batch(config)).compile()
+    return (*jax.device_get(compiled(state, _batch(config))), collective_report(compiled))
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("experts", [2, 4, 8])
+def test_expert_parallel_equals_dense_reference(experts, top_k, dispatch):
+    logits, aux, metrics, grads, report = forward_and_grads(EP_MESHES[experts], top_k, dispatch)
+    ref_logits, ref_aux, ref_metrics, ref_grads, _ = forward_and_grads("one", top_k, "dense")
+    # forward (2 per layer) + forward and backward of the loss (4 per layer), in a scan over the 2 layers
+    assert report.count("all-to-all", executed=True) == 6 * CONFIG.moe_layers
+    assert rel(logits, ref_logits) < 1e-5
+    for name in ("load_balance_loss", "router_z_loss", "expert_load"):
+        assert rel(aux[name], ref_aux[name]) < 1e-5, name
+    assert np.all(aux["dropped"] == 0.0)
+    assert abs(metrics["loss"] - ref_metrics["loss"]) / ref_metrics["loss"] < 1e-5
+    leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    assert len(leaves) == len(ref_leaves) > 10
+    worst = max(rel(g, r) for g, r in zip(leaves, ref_leaves, strict=True))
+    assert worst < 1e-5, f"gradient relative error {worst:.2e}"
+    assert np.abs(np.asarray(grads["moe_blocks"]["mlp"]["router"])).max() > 0  # the router learns
+
+
+def test_dropless_grouped_matmul_on_one_device_equals_dense():
+    logits, _, _, grads, _ = forward_and_grads("one", 2, "dropless")
+    ref_logits, _, _, ref_grads, _ = forward_and_grads("one", 2, "dense")
+    assert rel(logits, ref_logits) < 1e-5
+    assert max(rel(g, r) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)) < 1e-5
+
+
+def _skewed_routing(batch, seq, experts, top_k, seed=0):
+    """Router output that overloads experts 0 and 1: index, weight [batch, seq, top_k]."""
+    logits = jax.random.normal(jax.random.key(seed), (batch, seq, experts)) + jnp.array(
+        [2.0, 1.0] + [0] * (experts - 2)
+    )
+    return route(logits, top_k)
+
+
+def test_capacity_drops_exactly_what_the_sequential_rule_drops():
+    b, s, d, e, k, factor = 8, 16, 16, 8, 2, 0.5
+    index, weight = _skewed_routing(b, s, e, k)
+    c = capacity(s, k, e, factor)
+    want = np.array(sequential_drops(np.asarray(index).tolist(), e, c))
+    assert 0 < (~want).sum() < want.size  # some but not all assignments dropped
+    _, kept = slots(index, e, c)
+    np.testing.assert_array_equal(np.asarray(kept), want)
+
+    # The expert-parallel program drops the same ones: its output is the dense reference with the dropped
+    # assignments' weights zeroed, and its drop fraction is the reference's.
+    keys = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(keys[0], (b, s, d))
+    w = ExpertWeights(
+        *(jax.random.normal(kk, shape) / 4 for kk, shape in zip(keys[1:], [(e, d, 32)] * 2 + [(e, 32, d)], strict=True))
+    )
+    mesh, rules = make_mesh("expert=4,data=2"), make_rules(3)
+
+    @jax.jit
+    def ep(x, index, weight, w):
+        with use_rules(rules, mesh):
+            return expert_ffn(x, index, weight, w, dispatch_kind="capacity", factor=factor)
+
+    y, dropped = ep(x, index, weight, w)
+    expected = dense_moe(x, index, weight * want, w)
+    assert rel(y, expected) < 1e-5
+    assert float(dropped) == pytest.approx((~want).mean(), abs=1e-7)
+
+
+@functools.cache
+def train_three_steps(mesh_text):
+    # A dense block, then an MoE block (moe_every=2).
+    config = TransformerConfig(dtype="float32", layers=2, heads=4, kv_heads=4, mlp=32, experts=8, top_k=2, moe_every=2)
+    mesh = make_mesh("fsdp=1", jax.devices()[:1]) if mesh_text == "one" else make_mesh(mesh_text)
+    rules = make_rules(3)
+    state = create_train_state(config, make_optimizer(OptimizerConfig(warmup_steps=1), 3), mesh, rules)
+    step = make_train_step(state, mesh, rules)
+    batch = _batch(config, seed=1)
+    compiled = step.lower(state.state, batch).compile()
+    forward = make_eval_step(state, mesh, rules).lower(state.state, batch).compile()
+    current, records = state.state, []
+    for _ in range(3):
+        current, metrics = step(current, batch)
+        records.append(jax.device_get(metrics))
+    return records, [np.asarray(x) for x in jax.tree.leaves(current[0])], compiled, forward, config
+
+
+def test_expert_data_training_step_equals_one_device():
+    """Default capacity (1.25): tokens are dropped, and identically, since a routing group is a sequence."""
+    records, params, _, _, _ = train_three_steps("expert=4,data=2")
+    base_records, base_params, _, _, _ = train_three_steps("one")
+    assert records[0]["dropped"] > 0
+    for got, want in zip(records, base_records, strict=True):
+        for name in ("loss", "grad_norm", "load_balance_loss", "router_z_loss", "dropped"):
+            assert abs(got[name] - want[name]) <= 1e-5 * abs(want[name]) + 1e-7, name
+        assert rel(got["expert_load"], want["expert_load"]) < 1e-5
+    # Parameters after two AdamW updates (the first step's learning rate is 0): Adam divides by sqrt(v), which
+    # turns the last-bit differences of different summation orders into ~1e-5 (an attention weight: 1.1e-5).
+    assert max(rel(p, q) for p, q in zip(params, base_params, strict=True)) < 3e-5
+
+
+def test_two_all_to_alls_per_moe_layer_forward_four_with_backward():
+    _, _, train, forward, config = train_three_steps("expert=4,data=2")
+    assert config.moe_layers == 1 and config.layers == 2
+    assert collective_report(forward).count("all-to-all", executed=True) == 2 * config.moe_layers
+    assert collective_report(train).count("all-to-all", executed=True) == 4 * config.moe_layers
+
+
+def _load_ratio_after_training(weight: float, steps: int = 150) -> tuple[float, float]:
+    """Train a one-layer top-1 MoE on skewed tokens; (max/mean expert load at the start, over the last 20)."""
+    config = TransformerConfig(
+        dtype="float32", layers=1, heads=2, kv_heads=2, head_dim=8, mlp=32, experts=4, top_k=1, moe_every=1,
+        dispatch="dropless", load_balance_weight=weight, router_z_weight=0.0,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    with nnx.use_eager_sharding(False):
+        model = Transformer(config, rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(model)
+    tx = optax.adam(1e-2)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, batch):
+        metrics, grads = loss_and_grads(nnx.merge(graphdef, params), batch)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, metrics["expert_load"]
+
+    ratios = []
+    for _ in range(steps):
+        tokens = np.minimum(rng.zipf(1.2, (8, 17)), 255).astype(np.int32)  # a few tokens dominate
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(16), (8, 1))}
+        params, opt, load = step(params, opt, batch)
+        ratios.append(float(np.max(load) * config.experts))
+    return ratios[0], float(np.mean(ratios[-20:]))
+
+
+def test_load_balancing_loss_balances_the_experts():
+    start_on, end_on = _load_ratio_after_training(1.0)
+    start_off, end_off = _load_ratio_after_training(0.0)
+    assert start_on == start_off > 1.5  # the same skewed start (1 = balanced, 4 = one expert takes all)
+    assert end_on < 0.75 * start_on  # the loss on: the load evens out
+    assert end_off > start_off  # the loss off: it does not (here the router collapses further)
+
+
+def test_moe_errors():
+    with pytest.raises(SpmdkitError, match="top_k=3 must be between 1 and experts=2"):
+        TransformerConfig(experts=2, top_k=3)
+    with pytest.raises(SpmdkitError, match="not a multiple of moe_every=3"):
+        TransformerConfig(experts=4, moe_every=3)
+    with pytest.raises(SpmdkitError, match="unknown dispatch 'sorted'"):
+        TransformerConfig(experts=4, dispatch="sorted")
+    mesh, rules = make_mesh("expert=8"), make_rules(3)
+    w = ExpertWeights(*(jnp.zeros(s) for s in [(4, 8, 8), (4, 8, 8), (4, 8, 8)]))
+    index, weight = jnp.zeros((8, 4, 1), jnp.int32), jnp.ones((8, 4, 1))
+    with use_rules(rules, mesh), pytest.raises(SpmdkitError, match="experts=4 is not divisible by mesh axis expert=8"):
+        expert_ffn(jnp.zeros((8, 4, 8)), index, weight, w, dispatch_kind="capacity", factor=1.0)
