@@ -37,7 +37,7 @@ import jax
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("ready")
 # One write: the launcher runs children unbuffered, and gloo logs to stdout from its own threads.
-sys.stdout.write(f"ready {jax.process_index()} {jax.device_count()}\n")
+sys.stdout.write(f"ready {jax.process_index()} {jax.device_count()}\\n")
 while True:
     if sys.argv[1] == "busy":
         multihost_utils.process_allgather(np.int32(1))

@@ -211,3 +211,40 @@ def test_moe_errors():
     index, weight = jnp.zeros((8, 4, 1), jnp.int32), jnp.ones((8, 4, 1))
     with use_rules(rules, mesh), pytest.raises(SpmdkitError, match="experts=4 is not divisible by mesh axis expert=8"):
         expert_ffn(jnp.zeros((8, 4, 8)), index, weight, w, dispatch_kind="capacity", factor=1.0)
+
+
+def test_training_job_reports_router_metrics(tmp_path):
+    """`spmdkit train --model tiny-moe --mesh expert=4,data=2` as a library call: it trains, and metrics.jsonl
+    carries the aux losses, the drop fraction and the per-expert load histogram."""
+    from spmdkit.train.config import MeshSettings, ModelSettings, RunSettings, TrainConfig
+    from spmdkit.train.loop import train
+    from spmdkit.train.metrics import read_metrics
+
+    run = RunSettings(
+        steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=0, run_dir=str(tmp_path), progress=False
+    )
+    config = TrainConfig(
+        model=ModelSettings(name="tiny-moe", dtype="float32", capacity_factor=1.0),
+        mesh=MeshSettings(mesh="expert=4,data=2"),
+        run=run,
+    )
+    result = train(config)
+    records = read_metrics(tmp_path)
+    assert len(records) == 4 and np.isfinite(result.losses[4]) and result.skipped_steps == 0
+    for record in records:
+        assert len(record["expert_load"]) == 8 and sum(record["expert_load"]) == pytest.approx(1.0, abs=1e-4)
+        assert 0.0 <= record["dropped"] < 1.0 and record["load_balance_loss"] > 0 and record["router_z_loss"] > 0
+    assert any(record["dropped"] > 0 for record in records)  # capacity factor 1: some overflow
+
+
+def test_pipelining_an_moe_model_is_refused(tmp_path):
+    from spmdkit.train.config import MeshSettings, ModelSettings, RunSettings, TrainConfig
+    from spmdkit.train.loop import Trainer
+
+    config = TrainConfig(
+        model=ModelSettings(name="tiny-moe"),
+        mesh=MeshSettings(mesh="pipeline=2,data=4"),
+        run=RunSettings(steps=1, batch_size=16, seq_len=32, run_dir=str(tmp_path), progress=False),
+    )
+    with pytest.raises(SpmdkitError, match="pipelining a mixture-of-experts model is not supported yet"):
+        Trainer(config)
