@@ -8,20 +8,14 @@ device), the compiled forward+backward all-gathers weights over fsdp and all-red
 over tensor, and loss equals the one-device program's. Run: python examples/bring_your_own_model.py
 """
 
-import os
+import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-# 8 simulated CPU devices, set before JAX starts (kept if the caller already chose a platform or device count).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-
-from spmdkit.sharding import (  # noqa: E402  # noqa: E402
+from spmdkit.sharding import (
     Rules,
     collective_report,
     constrain,

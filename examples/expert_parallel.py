@@ -6,20 +6,15 @@ holds 2 of the 8 experts' weights, and the loss, the load-balancing loss and the
 reference (every expert on every token) on one device. Run: python examples/expert_parallel.py
 """
 
-import os
+import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
+import jax
+import numpy as np
+from common import KEY, tokens
+from flax import nnx
 
-# 8 simulated CPU devices, set before JAX starts (kept if the caller already chose a platform or device count).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from spmdkit.models import Transformer, model_preset  # noqa: E402
-from spmdkit.models.transformer import cross_entropy  # noqa: E402
-from spmdkit.sharding import (  # noqa: E402
+from spmdkit.models import Transformer, model_preset
+from spmdkit.models.transformer import cross_entropy
+from spmdkit.sharding import (
     abstract_state,
     collective_report,
     init_sharded,
@@ -31,14 +26,6 @@ from spmdkit.sharding import (  # noqa: E402
 
 # tiny-moe: 4 blocks, every 2nd an MoE of 8 experts (top-2). A capacity factor of 8 (= experts) drops nothing.
 CONFIG = model_preset("tiny-moe").replace(dtype="float32", capacity_factor=8.0)
-KEY = jax.random.key(0, impl="rbg")  # XLA compiles an rbg-seeded init ~3x faster than threefry on CPU
-
-
-def tokens(rows: int = 8, seq: int = 32) -> dict[str, np.ndarray]:
-    """Random tokens: inputs, targets, positions, each int32 [rows, seq]."""
-    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (rows, seq + 1)).astype(np.int32)
-    positions = np.tile(np.arange(seq, dtype=np.int32), (rows, 1))
-    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "positions": positions}
 
 
 def forward(graphdef: nnx.GraphDef, rules=None, mesh=None):

@@ -9,20 +9,14 @@ What it proves, on 8 simulated CPU devices: the only stage-to-stage traffic is c
 microbatch activation; loss and gradients equal plain autodiff on one device. Run: python examples/pipeline_1f1b.py
 """
 
-import os
+import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-# 8 simulated CPU devices, set before JAX starts (kept if the caller already chose a platform or device count).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from spmdkit.sharding import collective_report, make_mesh, make_schedule, pipeline_value_and_grad, to_microbatches  # noqa: E402
+from spmdkit.sharding import collective_report, make_mesh, make_schedule, pipeline_value_and_grad, to_microbatches
 
 LAYERS, WIDTH, BATCH, MICROBATCHES = 8, 64, 32, 8
 

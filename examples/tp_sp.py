@@ -9,22 +9,14 @@ has 2 all-reduces per layer under TP and none of them under SP (reduce-scatters 
 both losses equal the one-device program's. Run: python examples/tp_sp.py
 """
 
-import contextlib
-import os
+import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
+import jax
+from common import KEY, cross_entropy_of, tokens
+from flax import nnx
+from jax.sharding import NamedSharding
 
-# 8 simulated CPU devices, set before JAX starts (kept if the caller already chose a platform or device count).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from spmdkit.models import Transformer, model_preset  # noqa: E402
-from spmdkit.models.transformer import cross_entropy  # noqa: E402
-from spmdkit.sharding import (  # noqa: E402
+from spmdkit.models import Transformer, model_preset
+from spmdkit.sharding import (
     collective_report,
     init_sharded,
     logical_to_spec,
@@ -33,38 +25,15 @@ from spmdkit.sharding import (  # noqa: E402
     parameter_rows,
     parameter_table,
     state_shardings,
-    use_rules,
 )
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2, kv_heads=8)  # 8 KV heads: one per TP rank
-KEY = jax.random.key(0, impl="rbg")  # XLA compiles an rbg-seeded init ~3x faster than threefry on CPU
-
-
-def tokens(rows: int = 8, seq: int = 32) -> dict[str, np.ndarray]:
-    """Random tokens: inputs, targets, positions, each int32 [rows, seq]."""
-    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (rows, seq + 1)).astype(np.int32)
-    return {
-        "inputs": ids[:, :-1],
-        "targets": ids[:, 1:],
-        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-    }
-
-
-def forward_loss(graphdef: nnx.GraphDef, rules=None, mesh=None):
-    """(params, batch) -> mean cross-entropy (forward only); with rules, activations follow their logical names."""
-
-    def loss(params: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-        with use_rules(rules, mesh) if rules else contextlib.nullcontext():
-            logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"])
-        return cross_entropy(logits, batch["targets"])
-
-    return loss
 
 
 def compile_forward(graphdef: nnx.GraphDef, params: nnx.State, mesh, rules) -> tuple[float, dict]:
     """Loss of the sharded forward, and its collectives {opcode: {instructions, executions, operand_bytes}}."""
     batch = jax.device_put(tokens(), NamedSharding(mesh, logical_to_spec(("batch", "seq"), None, mesh, rules.params)))
-    compiled = jax.jit(forward_loss(graphdef, rules, mesh)).lower(params, batch).compile()
+    compiled = jax.jit(cross_entropy_of(graphdef, rules, mesh)).lower(params, batch).compile()
     return float(compiled(params, batch)), collective_report(compiled)
 
 
@@ -77,7 +46,7 @@ def main() -> dict:
     tp_loss, tp_report = compile_forward(graphdef, params, mesh, tp_rules)
     sp_loss, sp_report = compile_forward(graphdef, params, mesh, sp_rules)
     one = jax.devices()[0]
-    one_device_loss = jax.jit(forward_loss(graphdef))(jax.device_put(params, one), jax.device_put(tokens(), one))
+    one_device_loss = jax.jit(cross_entropy_of(graphdef))(jax.device_put(params, one), jax.device_put(tokens(), one))
     rows = parameter_rows(params, shardings)
     facts = {
         "layers": CONFIG.layers,

@@ -10,23 +10,15 @@ the full train step, which keeps gradients whole, all-reducing them; `--zero 2` 
 Run: python examples/zero1.py
 """
 
-import contextlib
-import os
+import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
+import jax
+import optax
+from common import KEY, cross_entropy_of, tokens
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-# 8 simulated CPU devices, set before JAX starts (kept if the caller already chose a platform or device count).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-
-from spmdkit.models import Transformer, model_preset  # noqa: E402
-from spmdkit.models.transformer import cross_entropy  # noqa: E402
-from spmdkit.sharding import (  # noqa: E402
+from spmdkit.models import Transformer, model_preset
+from spmdkit.sharding import (
     collective_report,
     init_sharded,
     logical_to_spec,
@@ -34,32 +26,9 @@ from spmdkit.sharding import (  # noqa: E402
     make_rules,
     parameter_rows,
     state_shardings,
-    use_rules,
 )
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5
-KEY = jax.random.key(0, impl="rbg")  # XLA compiles an rbg-seeded init ~3x faster than threefry on CPU
-
-
-def tokens(rows: int = 8, seq: int = 32) -> dict[str, np.ndarray]:
-    """Random tokens: inputs, targets, positions, each int32 [rows, seq]."""
-    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (rows, seq + 1)).astype(np.int32)
-    return {
-        "inputs": ids[:, :-1],
-        "targets": ids[:, 1:],
-        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-    }
-
-
-def cross_entropy_of(graphdef: nnx.GraphDef, rules=None, mesh=None):
-    """(params, batch) -> mean next-token cross-entropy; with rules, activations follow their logical names."""
-
-    def loss(params: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-        with use_rules(rules, mesh) if rules else contextlib.nullcontext():
-            logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"])
-        return cross_entropy(logits, batch["targets"])
-
-    return loss
 
 
 def adamw_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, rules=None, mesh=None):

@@ -1,7 +1,7 @@
 """Accelerators, meshes over them and their links, for the layout planner (`spmdkit.plan`).
 
-No JAX here (the planner answers without an accelerator in well under two seconds): the mesh axis order and the
-"axis=size" syntax are those of `spmdkit.sharding.mesh`, restated, and `tests/test_plan.py` checks they agree.
+No JAX here (the planner answers without an accelerator in well under two seconds): meshes are parsed by
+`spmdkit.sharding.mesh.MeshConfig`, which is plain Python (that module and `spmdkit.sharding` load JAX lazily).
 
 Bandwidths are per device and per direction, nominal: NVLink (or TPU ICI) inside a node, the InfiniBand NIC
 (or DCN) share of one device across nodes. The planner applies an efficiency factor to them (NCCL reaches about
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.mesh import AXES, MeshConfig, format_sizes  # plain Python: JAX is not imported
 
-AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "context", "expert", "tensor")  # = spmdkit.sharding.mesh.AXES
 LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
 
 
@@ -89,38 +89,17 @@ def make_device(
 
 
 def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
-    """ "data=2,tensor=4" -> sizes of all six axes (unnamed axes 1; one axis may be -1 = the rest of `devices`)."""
-    sizes = dict.fromkeys(AXES, 1)
-    seen: set[str] = set()
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, sep, value = (s.strip() for s in part.partition("="))
-        if not sep or not value:
-            raise SpmdkitError(f"--mesh part {part!r} is malformed: write axis=size, e.g. 'data=2,tensor=4'")
-        if name not in AXES:
-            raise SpmdkitError(f"unknown mesh axis {name!r} in --mesh: expected one of {', '.join(AXES)}")
-        if name in seen:
-            raise SpmdkitError(f"mesh axis {name!r} is given twice in --mesh")
-        try:
-            sizes[name] = int(value)
-        except ValueError:
-            raise SpmdkitError(f"--mesh size {value!r} for axis {name!r} is not an integer") from None
-        seen.add(name)
-    free = [a for a, n in sizes.items() if n == -1]
-    if any(n == 0 or n < -1 for n in sizes.values()) or len(free) > 1:
-        raise SpmdkitError(f"--mesh {text!r}: sizes must be positive, with at most one -1 ('the rest')")
-    known = math.prod(n for n in sizes.values() if n != -1)
-    if free:
-        if devices is None or devices % known:
-            raise SpmdkitError(f"--mesh {text!r}: the fixed axes ({known} devices) do not divide --devices {devices}")
-        sizes[free[0]] = devices // known
-    elif devices is not None and known != devices:
-        raise SpmdkitError(f"--mesh {text!r} has {known} devices but --devices is {devices}: make them agree")
-    return sizes
+    """ "data=2,tensor=4" -> sizes of all six axes, as `MeshConfig` reads it (unnamed axes 1; one axis may be -1,
+    the rest of `devices`). Without `devices` the sizes are taken as given (empty text: one device)."""
+    config = MeshConfig.parse(text) if text.strip() else MeshConfig(fsdp=1 if devices is None else -1)
+    if devices is not None:
+        return config.resolve(devices)
+    if -1 in config.sizes().values():
+        raise SpmdkitError(f"--mesh {text!r} has an axis of -1 ('the rest'): give --devices too")
+    return config.resolve(math.prod(config.sizes().values()))
 
 
-def format_mesh(sizes: dict[str, int]) -> str:
-    """{'data': 2, 'tensor': 4, ...} -> 'data=2,tensor=4' (axes of size 1 left out)."""
-    return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "single device"
+format_mesh = format_sizes  # {'data': 2, 'tensor': 4, ...} -> 'data=2,tensor=4'
 
 
 def node_local_axes(sizes: dict[str, int], gpus_per_node: int) -> set[str]:

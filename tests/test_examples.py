@@ -5,6 +5,7 @@ test asserts on the facts `main()` returns and checks that the example printed t
 """
 
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def run_example(name: str, capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
     """(facts returned by examples/<name>.py's main(), what it printed)."""
+    if str(EXAMPLES) not in sys.path:  # as `python examples/<name>.py` would: its `import common` finds common.py
+        sys.path.insert(0, str(EXAMPLES))
     namespace = runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="example")
     facts = namespace["main"]()
     return facts, capsys.readouterr().out
@@ -26,7 +29,7 @@ def same(a: float, b: float, rtol: float = 1e-5) -> bool:
 def test_every_example_is_tested_and_listed():
     tests = "".join(path.read_text() for path in Path(__file__).parent.glob("test_*.py"))
     readme = (EXAMPLES / "README.md").read_text()
-    for script in sorted(p.stem for p in EXAMPLES.glob("*.py")):
+    for script in sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "common"):  # common: shared helpers
         assert f'run_example("{script}"' in tests, (
             f"no test runs examples/{script}.py: add one to tests/test_examples.py"
         )

@@ -21,8 +21,8 @@ from spmdkit.launch import (
     expand_nodelist,
     initialize_distributed,
     process_environments,
-    sbatch_script,
 )
+from spmdkit.slurm import sbatch_script
 
 BIN = str(Path(sys.executable).parent)
 TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 0 --seq-len 32 --batch-size 8 "

@@ -10,56 +10,62 @@
   `pipeline_value_and_grad` with `make_schedule` (GPipe, 1F1B, interleaved) and its layout helpers, and
   `expert_ffn` (expert parallelism: all-to-all token dispatch over `expert`) with `ExpertWeights`,
   `capacity` and the dense reference `dense_moe`.
+
+Names load on first use (PEP 562), so `from spmdkit.sharding.mesh import MeshConfig` and the planner do not
+start JAX; `from spmdkit.sharding import *` gives every name below.
 """
 
-from spmdkit.sharding.experts import ExpertWeights, capacity, dense_moe, expert_ffn
-from spmdkit.sharding.hlo import CollectiveReport, collective_report
-from spmdkit.sharding.mesh import AXES, MeshConfig, describe_parallelism, make_mesh
-from spmdkit.sharding.partition import abstract_state, init_sharded, state_shardings
-from spmdkit.sharding.pipeline import (
-    deinterleave_layers,
-    from_microbatches,
-    interleave_layers,
-    pipeline_value_and_grad,
-    to_microbatches,
-)
-from spmdkit.sharding.pipeline_schedule import Schedule, make_schedule
-from spmdkit.sharding.ring_attention import from_zigzag, ring_attention, to_zigzag, zigzag_indices
-from spmdkit.sharding.rules import PRESETS, Rules, constrain, logical_to_spec, make_rules, preset, use_rules
-from spmdkit.sharding.summary import parameter_rows, parameter_table
+from __future__ import annotations
 
-__all__ = [
-    "AXES",
-    "PRESETS",
-    "CollectiveReport",
-    "ExpertWeights",
-    "MeshConfig",
-    "Rules",
-    "Schedule",
-    "abstract_state",
-    "capacity",
-    "collective_report",
-    "constrain",
-    "deinterleave_layers",
-    "dense_moe",
-    "describe_parallelism",
-    "expert_ffn",
-    "from_microbatches",
-    "from_zigzag",
-    "init_sharded",
-    "interleave_layers",
-    "logical_to_spec",
-    "make_mesh",
-    "make_rules",
-    "make_schedule",
-    "parameter_rows",
-    "parameter_table",
-    "pipeline_value_and_grad",
-    "preset",
-    "ring_attention",
-    "state_shardings",
-    "to_microbatches",
-    "to_zigzag",
-    "use_rules",
-    "zigzag_indices",
-]
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "ExpertWeights": "experts",
+    "capacity": "experts",
+    "dense_moe": "experts",
+    "expert_ffn": "experts",
+    "CollectiveReport": "hlo",
+    "collective_report": "hlo",
+    "AXES": "mesh",
+    "MeshConfig": "mesh",
+    "describe_parallelism": "mesh",
+    "make_mesh": "mesh",
+    "abstract_state": "partition",
+    "init_sharded": "partition",
+    "state_shardings": "partition",
+    "deinterleave_layers": "pipeline",
+    "from_microbatches": "pipeline",
+    "interleave_layers": "pipeline",
+    "pipeline_value_and_grad": "pipeline",
+    "to_microbatches": "pipeline",
+    "Schedule": "pipeline_schedule",
+    "make_schedule": "pipeline_schedule",
+    "from_zigzag": "ring_attention",
+    "ring_attention": "ring_attention",
+    "to_zigzag": "ring_attention",
+    "zigzag_indices": "ring_attention",
+    "PRESETS": "rules",
+    "Rules": "rules",
+    "constrain": "rules",
+    "logical_to_spec": "rules",
+    "make_rules": "rules",
+    "preset": "rules",
+    "use_rules": "rules",
+    "parameter_rows": "summary",
+    "parameter_table": "summary",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'spmdkit.sharding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"spmdkit.sharding.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -7,6 +7,9 @@ compiler propagates shardings from the annotations (`jax.make_mesh` would defaul
 Multi-node meshes are hybrid: each axis size is split into an in-node (ICI) factor and an across-node (DCN)
 factor, so the in-node axes never cross a node. With several JAX processes (one per node, or one per GPU),
 processes are the granules.
+
+JAX is imported inside the functions that build meshes: `MeshConfig` and `format_sizes` are plain Python, so
+the planner (which must not start JAX) parses meshes with them too.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-
-import jax
-import numpy as np
-from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from typing import TYPE_CHECKING
 
 from spmdkit.errors import SpmdkitError
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
 
 AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
@@ -151,6 +154,11 @@ def split_ici_dcn(
 
 def make_mesh(config: MeshConfig | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the 6-axis mesh (all `AxisType.Auto`) over `devices` (default: every device of every process)."""
+    import jax
+    import numpy as np
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
     if isinstance(config, str):
         config = MeshConfig.parse(config)
     devices = list(jax.devices() if devices is None else devices)
