@@ -1,4 +1,5 @@
-"""A Llama-style decoder in Flax NNX: embedding, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""A Llama-style decoder in Flax NNX: embedding, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU,
+and (with `experts` > 0) mixture-of-experts blocks (`spmdkit.models.moe`) every `moe_every`-th layer.
 
 The model is plain: it names logical axes (`embed`, `heads`, `batch`, `act_seq`, ...) on every parameter and
 activation and never a mesh axis. `spmdkit.sharding.rules` maps the names; `constrain` is a no-op when no
@@ -160,7 +161,9 @@ class Transformer(nnx.Module):
     """tokens [batch, seq] -> logits [batch, seq, vocab] (float32).
 
     The `layers` blocks are stacked on a leading `layers` dim (built with `nnx.vmap`) and run with `nnx.scan`,
-    so compile time stays flat in depth and the pipeline can split the stack into stages.
+    so compile time stays flat in depth and the pipeline can split the stack into stages. A mixture-of-experts
+    model keeps its dense blocks in `blocks` and its MoE blocks in `moe_blocks` (two stacks: their parameters
+    differ); `forward` also returns the MoE layers' aux losses and loads.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
