@@ -30,7 +30,7 @@ from spmdkit.train.config import TrainConfig
 from spmdkit.train.data import global_batch_arrays, make_data
 from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput
 from spmdkit.train.optimizer import make_optimizer, schedule
-from spmdkit.train.pipeline_step import pipeline_schedule
+from spmdkit.train.pipeline_step import check_pipelinable, pipeline_schedule
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, check_batch, make_eval_step, make_train_step
 from spmdkit.train.stop import StopRequest
@@ -90,8 +90,7 @@ class Trainer:
         mesh_settings, run = self.config.mesh, self.config.run
         if run.grad_accum != 1:
             raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
-        if self.model_config.experts:
-            raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
+        check_pipelinable(self.model_config, self.mesh)  # before anything compiles
         schedule = pipeline_schedule(
             mesh_settings.pipeline_schedule,
             self.mesh,

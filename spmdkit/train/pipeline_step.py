@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import TransformerConfig
 from spmdkit.models.transformer import (
     Transformer,
     apply_blocks,
@@ -50,6 +51,14 @@ def pipeline_schedule(kind: str, mesh: Mesh, microbatches: int, virtual_stages: 
     stages = mesh.shape["pipeline"]
     check_layers(layers, stages, virtual_stages)
     return make_schedule(kind, stages, microbatches or 2 * stages, virtual_stages)
+
+
+def check_pipelinable(config: TransformerConfig, mesh: Mesh) -> None:
+    """SpmdkitError for what the pipeline program cannot run yet: MoE blocks, ring attention."""
+    if config.experts:
+        raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
+    if config.attention == "ring" and mesh.shape.get("context", 1) > 1:
+        raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
 
 
 def _per_device(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -90,10 +99,7 @@ def pipeline_loss_and_grads(
     (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
     """
     config = model.config
-    if config.experts:
-        raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
-    if config.attention == "ring" and mesh.shape.get("context", 1) > 1:
-        raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
+    check_pipelinable(config, mesh)
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)
