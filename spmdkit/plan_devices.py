@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.mesh import AXES, MeshConfig, format_sizes  # plain Python: JAX is not imported
+from spmdkit.sharding.mesh import AXES, MeshConfig  # plain Python: JAX is not imported
 
 LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
 
@@ -97,9 +97,6 @@ def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
     if -1 in config.sizes().values():
         raise SpmdkitError(f"--mesh {text!r} has an axis of -1 ('the rest'): give --devices too")
     return config.resolve(math.prod(config.sizes().values()))
-
-
-format_mesh = format_sizes  # {'data': 2, 'tensor': 4, ...} -> 'data=2,tensor=4'
 
 
 def node_local_axes(sizes: dict[str, int], gpus_per_node: int) -> set[str]:

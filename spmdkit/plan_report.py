@@ -27,11 +27,11 @@ from spmdkit.plan_devices import (
     DEVICE_TYPES,
     Device,
     candidate_meshes,
-    format_mesh,
     make_device,
     node_local_axes,
     parse_mesh,
 )
+from spmdkit.sharding.mesh import format_sizes  # plain Python: no JAX
 
 
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
@@ -119,7 +119,7 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
     replicated = sum(float(r["wire_bytes"]) for g, r in best.traffic.items() if {"data", "fsdp"} & set(g.split("+")))
     where = {x: "inside a node (NVLink)" if x in local else "across nodes (InfiniBand)" for x in AXES}
     text = [
-        f"{format_mesh(mesh)} is the fastest layout that fits: {best.step_s:.3g} s per step, {best.tokens_per_s:,.0f} "
+        f"{format_sizes(mesh)} is the fastest layout that fits: {best.step_s:.3g} s per step, {best.tokens_per_s:,.0f} "
         f"tokens/s, MFU {best.mfu:.0%}, {gb(best.total_memory)} of {gb(best.hbm_bytes)} per device."
     ]
     if mesh["tensor"] > 1:
@@ -160,7 +160,7 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
     if best.remat != "none":
         text.append(f"Remat '{best.remat}' is the least recomputation that fits.")
     if runner_up is not None:
-        text.append(f"Next: {format_mesh(runner_up.mesh)} ({runner_up.step_s / best.step_s - 1:+.0%} step time).")
+        text.append(f"Next: {format_sizes(runner_up.mesh)} ({runner_up.step_s / best.step_s - 1:+.0%} step time).")
     return " ".join(text)
 
 
@@ -174,7 +174,7 @@ def format_table(estimates: list[Estimate]) -> str:
             "-" if e.mesh["pipeline"] == 1 else e.schedule + (f"x{e.virtual_stages}" if e.virtual_stages > 1 else "")
         )
         rows.append(
-            f"{i:>2} {format_mesh(e.mesh):<34}{e.zero if e.mesh['fsdp'] > 1 else '-':>5}"
+            f"{i:>2} {format_sizes(e.mesh):<34}{e.zero if e.mesh['fsdp'] > 1 else '-':>5}"
             f"{'y' if e.sequence_parallel else 'n':>4} {e.remat.replace('with_no_batch_dims_saveable', 'no_batch'):<14}"
             f"{e.microbatches:>5} {sched:<12}{f'{e.total_memory / 1e9:.1f}/{e.hbm_bytes / 1e9:.0f}':>13}"
             f"{e.step_s:>9.3g}{e.compute_s:>9.3g}{e.exposed_comm_s:>8.3g}{e.bubble_s:>8.3g}{e.tokens_per_s:>11,.0f}"
@@ -206,7 +206,7 @@ def plot(estimates: list[Estimate], path: str) -> None:
     fig = Figure(figsize=(max(8.0, 2.2 * len(estimates)), 5.5))
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    labels = [f"#{i}\n" + format_mesh(e.mesh).replace(",", "\n") for i, e in enumerate(estimates, 1)]  # table ranks
+    labels = [f"#{i}\n" + format_sizes(e.mesh).replace(",", "\n") for i, e in enumerate(estimates, 1)]  # table ranks
     x = list(range(len(estimates)))
     memory_parts = {k: [e.memory[k] for e in estimates] for k in estimates[0].memory}
     time_parts = {k: [getattr(e, f"{k}_s") for e in estimates] for k in ("compute", "exposed_comm", "bubble")}
@@ -323,7 +323,7 @@ def run_plan(args: argparse.Namespace) -> int:
     title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node), batch {batch}"
     print(f"{title} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)} meshes fit")
     print(format_table(shown))
-    print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_mesh(best.mesh)}\n{format_details(best)}")
+    print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}\n{format_details(best)}")
     if why:
         print(f"\n{why}")
     return 0
