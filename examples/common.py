@@ -1,4 +1,5 @@
-"""What the examples share: 8 simulated CPU devices, a seeded key, random tokens, and a model's loss.
+"""What the examples share: 8 simulated CPU devices, a seeded key, random tokens, a model's loss, its compiled
+sharded step and its one-device reference.
 
 Import it before JAX (`import common` as an example's first import): it sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` and `JAX_PLATFORMS=cpu` unless you already chose a
@@ -15,6 +16,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from spmdkit.models.transformer import cross_entropy  # noqa: E402
 from spmdkit.sharding import use_rules  # noqa: E402
@@ -38,3 +40,19 @@ def cross_entropy_of(graphdef: nnx.GraphDef, rules=None, mesh=None):
         return cross_entropy(logits, batch["targets"])
 
     return loss
+
+
+def compile_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: dict, mesh, rules, shardings):
+    """The sharded forward+backward, compiled: (loss, grads) with the gradients leaving sharded like the
+    parameters (`shardings`), so XLA picks the reduction each strategy implies (all-reduce, reduce-scatter)."""
+    step = jax.jit(
+        jax.value_and_grad(cross_entropy_of(graphdef, rules, mesh)),
+        out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings),
+    )
+    return step.lower(params, batch).compile()
+
+
+def one_device_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: dict[str, np.ndarray]) -> float:
+    """The reference: the same weights and tokens on one device, no rules; forward only (the loss is the claim)."""
+    one = jax.devices()[0]
+    return float(jax.jit(cross_entropy_of(graphdef))(jax.device_put(params, one), jax.device_put(batch, one)))

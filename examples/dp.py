@@ -7,20 +7,19 @@ loss equals the one-device program's. Run: python examples/dp.py
 
 import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
 import jax
-from common import KEY, cross_entropy_of, tokens
+from common import KEY, compile_loss_and_grads, one_device_loss, tokens
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.models import Transformer, model_preset
 from spmdkit.sharding import (
     collective_report,
     init_sharded,
-    logical_to_spec,
     make_mesh,
     make_rules,
     parameter_rows,
     state_shardings,
 )
+from spmdkit.train.step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5
 
@@ -30,17 +29,9 @@ def main() -> dict:
     model = init_sharded(lambda: Transformer(CONFIG, rngs=nnx.Rngs(KEY)), mesh, rules)
     graphdef, params = nnx.split(model)
     shardings = state_shardings(params, mesh, rules.params)  # all replicated: P()
-    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "seq"), None, mesh, rules.params))
-    batch = jax.device_put(tokens(), batch_sharding)  # [8, 32]: one sequence per device
-    step = jax.jit(
-        jax.value_and_grad(cross_entropy_of(graphdef, rules, mesh)),
-        out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings),
-    )
-    compiled = step.lower(params, batch).compile()
+    batch = jax.device_put(tokens(), batch_shardings(mesh, rules))  # [8, 32]: one sequence per device
+    compiled = compile_loss_and_grads(graphdef, params, batch, mesh, rules, shardings)
     loss, _ = compiled(params, batch)
-    one = jax.devices()[0]
-    # The reference: same weights and tokens on one device, no rules; forward only (the loss is the claim).
-    one_device_loss = jax.jit(cross_entropy_of(graphdef))(jax.device_put(params, one), jax.device_put(tokens(), one))
     rows = parameter_rows(params, shardings)
     report = collective_report(compiled)
     facts = {
@@ -50,7 +41,7 @@ def main() -> dict:
         "param_bytes_per_device": sum(r.bytes_per_device for r in rows),
         "argument_bytes_per_device": compiled.memory_analysis().argument_size_in_bytes,
         "loss": float(loss),
-        "one_device_loss": float(one_device_loss),
+        "one_device_loss": one_device_loss(graphdef, params, tokens()),
     }
     print(report.table())
     print(f"all-reduce bytes: {facts['all_reduce_bytes']:,} (gradients: {facts['gradient_bytes']:,} + the loss)")

@@ -11,28 +11,27 @@ both losses equal the one-device program's. Run: python examples/tp_sp.py
 
 import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
 import jax
-from common import KEY, cross_entropy_of, tokens
+from common import KEY, cross_entropy_of, one_device_loss, tokens
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from spmdkit.models import Transformer, model_preset
 from spmdkit.sharding import (
     collective_report,
     init_sharded,
-    logical_to_spec,
     make_mesh,
     make_rules,
     parameter_rows,
     parameter_table,
     state_shardings,
 )
+from spmdkit.train.step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2, kv_heads=8)  # 8 KV heads: one per TP rank
 
 
 def compile_forward(graphdef: nnx.GraphDef, params: nnx.State, mesh, rules) -> tuple[float, dict]:
     """Loss of the sharded forward, and its collectives {opcode: {instructions, executions, operand_bytes}}."""
-    batch = jax.device_put(tokens(), NamedSharding(mesh, logical_to_spec(("batch", "seq"), None, mesh, rules.params)))
+    batch = jax.device_put(tokens(), batch_shardings(mesh, rules))
     compiled = jax.jit(cross_entropy_of(graphdef, rules, mesh)).lower(params, batch).compile()
     return float(compiled(params, batch)), collective_report(compiled)
 
@@ -45,8 +44,6 @@ def main() -> dict:
     shardings = state_shardings(params, mesh, tp_rules.params)  # heads, kv_heads, mlp, vocab -> tensor
     tp_loss, tp_report = compile_forward(graphdef, params, mesh, tp_rules)
     sp_loss, sp_report = compile_forward(graphdef, params, mesh, sp_rules)
-    one = jax.devices()[0]
-    one_device_loss = jax.jit(cross_entropy_of(graphdef))(jax.device_put(params, one), jax.device_put(tokens(), one))
     rows = parameter_rows(params, shardings)
     facts = {
         "layers": CONFIG.layers,
@@ -56,7 +53,7 @@ def main() -> dict:
         "param_bytes_per_device": sum(r.bytes_per_device for r in rows),
         "tp_loss": tp_loss,
         "sp_loss": sp_loss,
-        "one_device_loss": float(one_device_loss),
+        "one_device_loss": one_device_loss(graphdef, params, tokens()),
     }
     print(parameter_table(params, shardings))
     print(f"TP forward ({CONFIG.layers} layers, scanned: runs/step counts each layer):\n{tp_report.table()}")

@@ -21,12 +21,12 @@ from spmdkit.models import Transformer, model_preset
 from spmdkit.sharding import (
     collective_report,
     init_sharded,
-    logical_to_spec,
     make_mesh,
     make_rules,
     parameter_rows,
     state_shardings,
 )
+from spmdkit.train.step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5
 
@@ -51,7 +51,7 @@ def main() -> dict:
     # The moments carry their parameter's logical names; the optimizer table sends `embed` to fsdp.
     opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh, rules.optimizer)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)  # born sharded
-    batch = jax.device_put(tokens(), NamedSharding(mesh, logical_to_spec(("batch", "seq"), None, mesh, rules.params)))
+    batch = jax.device_put(tokens(), batch_shardings(mesh, rules))
     replicated = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(adamw_step(graphdef, tx, rules, mesh), out_shardings=(param_shardings, opt_shardings, replicated))
     compiled = step.lower(params, opt_state, batch).compile()
