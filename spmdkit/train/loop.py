@@ -32,7 +32,7 @@ from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, th
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import check_pipelinable, pipeline_schedule
 from spmdkit.train.state import TrainState, create_train_state
-from spmdkit.train.step import batch_shardings, check_batch, make_eval_step, make_train_step
+from spmdkit.train.step import batch_replicas, batch_shardings, check_batch, make_eval_step, make_train_step
 from spmdkit.train.stop import StopRequest
 
 
@@ -98,7 +98,7 @@ class Trainer:
             mesh_settings.virtual_stages,
             self.model_config.layers,
         )
-        replicas = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * self.mesh.shape["expert"]
+        replicas = batch_replicas(self.mesh)
         if run.batch_size % (schedule.num_microbatches * replicas):
             raise SpmdkitError(
                 f"--batch-size {run.batch_size} must be a multiple of microbatches x data x fsdp x expert = "

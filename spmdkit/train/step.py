@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.transformer import cross_entropy
 from spmdkit.sharding.pipeline_schedule import Schedule
-from spmdkit.sharding.rules import Rules, logical_to_spec, use_rules
+from spmdkit.sharding.rules import Rules, logical_to_spec, make_rules, use_rules
 from spmdkit.train.state import TrainState
 
 Batch = dict[str, jax.Array]  # inputs, targets, positions: int32 [batch, seq]
@@ -33,9 +33,14 @@ def batch_shardings(mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
     return {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "positions")}
 
 
+def batch_replicas(mesh: Mesh) -> int:
+    """Devices that hold different sequences of a batch: the product of the `batch` rule's mesh axes."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in make_rules().params["batch"])
+
+
 def check_batch(global_batch: int, mesh: Mesh, grad_accum: int) -> None:
     """The global batch must split into `grad_accum` microbatches that each divide over the batch axes."""
-    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1) * mesh.shape.get("expert", 1)
+    replicas = batch_replicas(mesh)
     if grad_accum < 1 or global_batch % grad_accum:
         raise SpmdkitError(f"batch size {global_batch} is not divisible by --grad-accum {grad_accum}")
     if (global_batch // grad_accum) % replicas:
@@ -79,25 +84,16 @@ def objective(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax
     return total, metrics
 
 
-def _accumulate(
-    grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int, varying: tuple[str, ...] = ()
-) -> tuple[dict[str, jax.Array], nnx.State]:
-    """Mean of `grad_fn` (-> ((objective, metrics), grads)) over the microbatches of `batch` (a `lax.scan`);
-    inside a shard_map the metric accumulators are made varying over the manual axes `varying`, like the
-    per-device values added to them."""
+def _accumulate(grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int) -> tuple[dict, nnx.State]:
+    """Mean of `grad_fn` (-> ((objective, metrics), grads)) over the microbatches of `batch`: a `lax.scan` that
+    sums the gradients in its carry and stacks each microbatch's metrics, averaged after the loop."""
 
-    def step(carry: tuple[dict, nnx.State], mb: Batch) -> tuple[tuple[dict, nnx.State], None]:
-        (_, metrics), grads = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, carry[0], metrics), jax.tree.map(jnp.add, carry[1], grads)), None
+    def step(grads: nnx.State, mb: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
+        (_, metrics), mb_grads = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, grads, mb_grads), metrics
 
-    shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[: x.shape[0] // grad_accum], batch)))
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1])
-    if varying:
-        zero = jax.tree.map(lambda z: jax.lax.pcast(z, varying, to="varying"), zero)
-    (metrics, grads), _ = jax.lax.scan(
-        step, (zero, jax.tree.map(jnp.zeros_like, params)), _microbatches(batch, grad_accum)
-    )
-    return jax.tree.map(lambda m: m / grad_accum, metrics), jax.tree.map(lambda g: g / grad_accum, grads)
+    grads, metrics = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), _microbatches(batch, grad_accum))
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), jax.tree.map(lambda g: g / grad_accum, grads)
 
 
 def loss_and_grads(
@@ -129,7 +125,7 @@ def loss_and_grads(
 
     def local(params: nnx.State, batch: Batch) -> tuple[dict[str, jax.Array], nnx.State]:
         params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum, axes)
+        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum)
         mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
         return jax.tree.map(mean, metrics), jax.tree.map(mean, grads)
 
