@@ -55,9 +55,11 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_for(path: Path, text: str | re.Pattern, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until `text` is in the file; `text` may be a compiled pattern."""
     deadline = time.monotonic() + timeout
-    while text not in path.read_text():
+    found = text.search if isinstance(text, re.Pattern) else lambda content: text in content
+    while not found(path.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-3000:]
         time.sleep(0.2)
 
@@ -71,8 +73,10 @@ def _launch_peers(tmp_path: Path, mode: str, *flags: str) -> tuple[subprocess.Po
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([*cmd, sys.executable, str(script), mode], stdout=o, stderr=e, env=_env())
     try:
-        _wait_for(out, "[0] ready 0 4", proc, 120)
-        _wait_for(out, "[1] ready 1 4", proc, 30)
+        # A line of process i, prefixed "[i] ", that says it is ready. gloo logs to the same stdout from its own
+        # threads and its message and newline are separate writes, so the word may follow gloo's text on that line.
+        _wait_for(out, re.compile(r"^\[0\] .*ready 0 4$", re.M), proc, 120)
+        _wait_for(out, re.compile(r"^\[1\] .*ready 1 4$", re.M), proc, 30)
     except BaseException:
         proc.kill()
         raise
