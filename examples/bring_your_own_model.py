@@ -15,18 +15,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmdkit.sharding import (
-    Rules,
-    collective_report,
-    constrain,
-    init_sharded,
-    logical_to_spec,
-    make_mesh,
-    parameter_rows,
-    parameter_table,
-    state_shardings,
-    use_rules,
-)
+from spmdkit.inspect import collective_report, parameter_rows, parameter_table
+from spmdkit.sharding import Rules, constrain, init_sharded, logical_to_spec, make_mesh, state_shardings, use_rules
 
 # Your names -> mesh axes. One table for parameters and activations; the optimizer would use the second one.
 TABLE = {"rows": ("data", "fsdp"), "features": ("fsdp",), "hidden": ("tensor",)}

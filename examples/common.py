@@ -1,25 +1,23 @@
 """What the examples share: 8 simulated CPU devices, a seeded key, random tokens, a model's loss, its compiled
 sharded step and its one-device reference.
 
-Import it before JAX (`import common` as an example's first import): it sets
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` and `JAX_PLATFORMS=cpu` unless you already chose a
-platform or a device count, and the flags only count before JAX starts.
+Import it as an example's first import, before JAX computes anything: it runs JAX on 8 simulated CPU devices
+(`jax_num_cpu_devices`) unless the backend already started (then the examples use the devices it has).
 """
 
 import contextlib
-import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from spmdkit.models.transformer import cross_entropy
+from spmdkit.sharding import use_rules
 
-from spmdkit.models.transformer import cross_entropy  # noqa: E402
-from spmdkit.sharding import use_rules  # noqa: E402
+with contextlib.suppress(RuntimeError):  # RuntimeError: the backend is already running (e.g. in a test session)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
 
 KEY = jax.random.key(0, impl="rbg")  # XLA compiles an rbg-seeded init ~3x faster than threefry on CPU
 

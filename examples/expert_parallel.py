@@ -12,17 +12,10 @@ import numpy as np
 from common import KEY, tokens
 from flax import nnx
 
+from spmdkit.inspect import collective_report, parameter_rows
 from spmdkit.models import Transformer, model_preset
 from spmdkit.models.transformer import cross_entropy
-from spmdkit.sharding import (
-    abstract_state,
-    collective_report,
-    init_sharded,
-    make_mesh,
-    make_rules,
-    parameter_rows,
-    use_rules,
-)
+from spmdkit.sharding import abstract_state, init_sharded, make_mesh, make_rules, use_rules
 
 # tiny-moe: 4 blocks, every 2nd an MoE of 8 experts (top-2). A capacity factor of 8 (= experts) drops nothing.
 CONFIG = model_preset("tiny-moe").replace(dtype="float32", capacity_factor=8.0)

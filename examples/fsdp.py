@@ -11,16 +11,9 @@ import jax
 from common import KEY, compile_loss_and_grads, one_device_loss, tokens
 from flax import nnx
 
+from spmdkit.inspect import collective_report, parameter_rows, parameter_table
 from spmdkit.models import Transformer, model_preset
-from spmdkit.sharding import (
-    collective_report,
-    init_sharded,
-    make_mesh,
-    make_rules,
-    parameter_rows,
-    parameter_table,
-    state_shardings,
-)
+from spmdkit.sharding import init_sharded, make_mesh, make_rules, state_shardings
 from spmdkit.train.step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5

@@ -16,7 +16,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.sharding import collective_report, make_mesh, make_schedule, pipeline_value_and_grad, to_microbatches
+from spmdkit.inspect import collective_report
+from spmdkit.parallel import make_schedule, pipeline_value_and_grad, to_microbatches
+from spmdkit.sharding import make_mesh
 
 LAYERS, WIDTH, BATCH, MICROBATCHES = 8, 64, 32, 8
 

@@ -17,15 +17,9 @@ from common import KEY, cross_entropy_of, tokens
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmdkit.inspect import collective_report, parameter_rows
 from spmdkit.models import Transformer, model_preset
-from spmdkit.sharding import (
-    collective_report,
-    init_sharded,
-    make_mesh,
-    make_rules,
-    parameter_rows,
-    state_shardings,
-)
+from spmdkit.sharding import init_sharded, make_mesh, make_rules, state_shardings
 from spmdkit.train.step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5

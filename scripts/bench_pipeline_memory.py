@@ -22,9 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from spmdkit.parallel.pipeline.program import pipeline_value_and_grad  # noqa: E402
+from spmdkit.parallel.pipeline.schedule import make_schedule  # noqa: E402
 from spmdkit.sharding.mesh import make_mesh  # noqa: E402
-from spmdkit.sharding.pipeline import pipeline_value_and_grad  # noqa: E402
-from spmdkit.sharding.pipeline_schedule import make_schedule  # noqa: E402
 
 LAYERS, VOCAB, STAGES = 8, 32, 4
 

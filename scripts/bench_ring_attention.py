@@ -4,7 +4,7 @@ For each sequence length it compiles the gradient (value_and_grad of the sum of 
 of causal attention with batch 1, 8 heads over 2 KV heads, head_dim 64, float32, and reads the per-device
 `compiled.memory_analysis().temp_size_in_bytes`:
 
-- ring: `spmdkit.sharding.ring_attention` (zigzag, custom-VJP ring backward, key tiles), seq over 8 devices;
+- ring: `spmdkit.parallel.context.ring_attention` (zigzag, custom-VJP ring backward, key tiles), seq over 8 devices;
 - dense, GSPMD: `jax.nn.dot_product_attention` under jit with the sequence sharded over the same 8 devices;
 - dense, 1 device: the same program on one device.
 
@@ -27,8 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from spmdkit.parallel.context.ring_attention import causal_work_balance, ring_attention  # noqa: E402
 from spmdkit.sharding.mesh import make_mesh  # noqa: E402
-from spmdkit.sharding.ring_attention import causal_work_balance, ring_attention  # noqa: E402
 
 N = 8
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from spmdkit.bench import configure_platform, main
+from spmdkit.cli import main
+from spmdkit.tools.bench import configure_platform
 
 if __name__ == "__main__":
     configure_platform()  # before anything imports JAX
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

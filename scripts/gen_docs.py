@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spmdkit.cli_reference import render
+from spmdkit.cli.reference import render
 
 CLI_MD = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 

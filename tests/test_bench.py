@@ -5,8 +5,8 @@ import json
 import jax
 import pytest
 
-from spmdkit import bench
 from spmdkit.models import TransformerConfig
+from spmdkit.tools import bench
 
 TINY = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 SETUP = bench.Setup(TINY, batch_size=8, seq_len=32, steps=2, warmup=1)

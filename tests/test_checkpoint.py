@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 import warnings
 
 import jax
@@ -17,19 +16,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, attach, checkpoint_directory
-from spmdkit.cli import build_parser, overrides_from_args
+from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
+from spmdkit.cli.train import parse
+from spmdkit.data.config import DataConfig
+from spmdkit.data.stream import make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import abstract_state
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.config import TrainConfig, apply_overrides
-from spmdkit.train.data import DataConfig, make_data
+from spmdkit.train.config import TrainConfig, apply_overrides, checkpoint_directory
+from spmdkit.train.loop import Trainer
 from spmdkit.train.metrics import read_metrics
 from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.preemption import StopRequest
 from spmdkit.train.state import train_state_shardings
-from spmdkit.train.stop import StopRequest
 
 STEPS, EVERY = 12, 2
 TIMEOUT = 240
@@ -46,17 +47,11 @@ def _command(run_dir):
     ]  # fmt: skip
 
 
-def _start(run_dir, cache_dir):
-    """`spmdkit train` in the background. The runs share a persistent compilation cache: the first one compiles,
-    the others load the same executables (seconds instead of ~25 s each on two shared CPU cores)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(
-        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+def _start(run_dir):
+    """`spmdkit train` in the background. The runs share the session's compilation cache (tests/conftest.py): the
+    first one compiles, the others load the same executables (seconds instead of ~25 s each on two CPU cores)."""
     log = open(f"{run_dir}.log", "w")  # noqa: SIM115 - closed by _finish
-    process = subprocess.Popen(_command(run_dir), stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    process = subprocess.Popen(_command(run_dir), stdout=log, stderr=subprocess.STDOUT, text=True)
     process.log = log
     return process
 
@@ -103,24 +98,20 @@ def _flat(tree):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, cache_dir):
+def straight(tmp_path_factory):
     """(losses, final params) of an uninterrupted run of STEPS steps."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    code, output = _finish(_start(run_dir, cache_dir), run_dir)
+    code, output = _finish(_start(run_dir), run_dir)
     assert code == 0, output[-3000:]
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses, _final_params(run_dir)
 
 
-def test_sigterm_then_rerun_is_bit_identical_to_a_straight_run(tmp_path, straight, cache_dir):
+@pytest.mark.slow
+def test_sigterm_then_rerun_is_bit_identical_to_a_straight_run(tmp_path, straight):
     run_dir = tmp_path / "run"
-    process = _start(run_dir, cache_dir)
+    process = _start(run_dir)
     _wait_for(lambda: _logged_step(run_dir) >= 5, process, "step 5")
     process.send_signal(signal.SIGTERM)
     code, output = _finish(process, run_dir)
@@ -131,7 +122,7 @@ def test_sigterm_then_rerun_is_bit_identical_to_a_straight_run(tmp_path, straigh
     assert checkpointer.steps()[-1] == stopped  # saved synchronously on the way out, whatever the interval
     checkpointer.close()
 
-    code, output = _finish(_start(run_dir, cache_dir), run_dir)
+    code, output = _finish(_start(run_dir), run_dir)
     assert code == 0, output[-3000:]
     assert f"resumed from step {stopped}" in output
     losses, params = straight
@@ -143,10 +134,11 @@ def test_sigterm_then_rerun_is_bit_identical_to_a_straight_run(tmp_path, straigh
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
 
-def test_sigkill_during_a_save_resumes_from_an_intact_step(tmp_path, straight, cache_dir):
+@pytest.mark.slow
+def test_sigkill_during_a_save_resumes_from_an_intact_step(tmp_path, straight):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
-    process = _start(run_dir, cache_dir)
+    process = _start(run_dir)
 
     def saving_or_late():  # kill right after the async save of step >= 6 starts (its tmp dir exists)
         tmp = [int(os.path.basename(p).split(".")[0]) for p in glob.glob(f"{ckpt}/*.orbax-checkpoint-tmp*")]
@@ -158,7 +150,7 @@ def test_sigkill_during_a_save_resumes_from_an_intact_step(tmp_path, straight, c
     code, _ = _finish(process, run_dir)
     assert code == -signal.SIGKILL
 
-    code, output = _finish(_start(run_dir, cache_dir), run_dir)
+    code, output = _finish(_start(run_dir), run_dir)
     assert code == 0, output[-3000:]
     resumed = int(re.search(r"resumed from step (\d+)", output).group(1))
     assert resumed % EVERY == 0 and killed_after - EVERY <= resumed <= killed_after
@@ -303,10 +295,7 @@ def test_every_step_damaged_is_an_error_not_a_fresh_start(tmp_path, abstract):
 
 
 def test_flags_and_default_directory(tmp_path):
-    args = build_parser().parse_args(
-        ["train", "--checkpoint-dir", "ck", "--checkpoint-every", "5", "--keep", "2", "--no-resume"]
-    )
-    config = apply_overrides(TrainConfig(), overrides_from_args(args))
+    config, _ = parse(["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--keep", "2", "--no-resume"])
     settings = config.checkpoint
     assert (settings.directory, settings.every, settings.keep, settings.resume) == ("ck", 5, 2, False)
     assert checkpoint_directory(config) == (tmp_path.cwd() / "ck").absolute()
@@ -318,14 +307,15 @@ def test_flags_and_default_directory(tmp_path):
 
 
 def test_no_resume_refuses_to_mix_runs_in_one_directory(saved_run, tmp_path):
-    config = apply_overrides(TrainConfig(), {"checkpoint": {"directory": str(saved_run), "resume": False}})
-    trainer = types.SimpleNamespace(config=config, save_hook=None, log=print)
+    config = apply_overrides(
+        TrainConfig(),
+        {"checkpoint": {"directory": str(saved_run), "resume": False}, "run": {"run_dir": str(tmp_path / "run")}},
+    )
     with pytest.raises(SpmdkitError, match="--no-resume, but .* already holds steps 2-6 .* pass a fresh"):
-        attach(trainer)
+        Trainer(config)
     fresh = apply_overrides(config, {"checkpoint": {"directory": str(tmp_path / "new")}})
-    trainer = types.SimpleNamespace(config=fresh, save_hook=None, log=print)
-    attach(trainer).close()
-    assert callable(trainer.save_hook) and (tmp_path / "new").is_dir()
+    Trainer(fresh).checkpointer.close()
+    assert (tmp_path / "new").is_dir()
 
 
 def test_stop_request_catches_sigterm_and_restores_the_handler():

@@ -1,4 +1,4 @@
-"""spmdkit.train.data: stdlib / token-file / synthetic sources, sharding by process, exact resume, errors."""
+"""spmdkit.data.stream: stdlib / token-file / synthetic sources, sharding by process, exact resume, errors."""
 
 import os
 
@@ -8,9 +8,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.data.config import DataConfig
+from spmdkit.data.sources import stdlib_files, stdlib_root
+from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import make_mesh
-from spmdkit.train.data import DataConfig, global_batch_arrays, make_data, stdlib_files, stdlib_root
 
 SEQ = 32
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.sharding.hlo import collective_report, type_bytes
+from spmdkit.inspect.hlo import collective_report, type_bytes
 from spmdkit.sharding.mesh import make_mesh
 
 

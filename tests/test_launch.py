@@ -15,23 +15,19 @@ from pathlib import Path
 import pytest
 
 from spmdkit.cli import main
+from spmdkit.distributed.initialize import detect_environment, expand_nodelist, initialize_distributed
+from spmdkit.distributed.launcher import process_environments
+from spmdkit.distributed.slurm import sbatch_script
 from spmdkit.errors import SpmdkitError
-from spmdkit.launch import (
-    detect_environment,
-    expand_nodelist,
-    initialize_distributed,
-    process_environments,
-)
-from spmdkit.slurm import sbatch_script
 
 BIN = str(Path(sys.executable).parent)
-TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 0 --seq-len 32 --batch-size 8 "
-TRAIN += "--dtype float32 --no-progress"
+TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 6 --eval-batches 2 --seq-len 32 "
+TRAIN += "--batch-size 8 --dtype float32 --no-progress"
 # Joins the job, says so, then runs collectives ("busy") or sleeps ("idle") until it is stopped.
 PEER = """
 import sys, time
 import numpy as np
-from spmdkit.launch import initialize_distributed
+from spmdkit.distributed.initialize import initialize_distributed
 initialize_distributed()
 import jax
 from jax.experimental import multihost_utils
@@ -46,13 +42,14 @@ while True:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """The test's environment (which forces 8 devices through XLA_FLAGS: the launcher must drop that)."""
+    """The test's environment, with no job variables of an outer launcher and this environment's spmdkit on PATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
     return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records] + [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
 def _wait_for(path: Path, text: str | re.Pattern, proc: subprocess.Popen, timeout: float) -> None:
@@ -104,16 +101,30 @@ def _clean_up(procs: list[subprocess.Popen], pids: list[int]) -> None:
 # ----------------------------------------------------------------------------------------------- real processes
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
-    """2 processes x 4 devices give the losses of 1 process x 8 devices; output lines carry [i]."""
+    """`spmdkit train` end to end, then 2 processes x 4 devices give the losses (train and eval) of 1 process x 8
+    devices; output lines carry [i]."""
     one = subprocess.run(
         [f"{BIN}/spmdkit", "train", "--cpu-devices", "8", *TRAIN.split()[1:], "--run-dir", str(tmp_path / "one")],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**_env(), "XLA_FLAGS": ""},
+        env=_env(),
     )
     assert one.returncode == 0, one.stderr[-3000:]
+    assert "FSDP over 4 devices x TP over 2" in one.stdout
+    run_dir = tmp_path / "one"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "tflops_per_device", "mfu"):
+        assert key in records[-1]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and records[-1]["loss"] < records[0]["loss"]
+    assert records[0]["loss"] > 5.0  # starts near uniform over 264 tokens (ln 264 = 5.58)
+    assert 0 < records[-1]["eval_loss"] < records[0]["loss"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["mesh"]["mesh"] == "fsdp=4,tensor=2" and config["run"]["steps"] == 6
+    assert (run_dir / "loss.png").stat().st_size > 0 and any((run_dir / "tensorboard").iterdir())
+
     launch = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]
     two = subprocess.run(
         [f"{BIN}/spmdkit", *launch, "spmdkit", *TRAIN.split(), "--run-dir", str(tmp_path / "two")],
@@ -130,6 +141,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_killed_process_stops_the_launcher_and_the_others(tmp_path):
     proc, err, pids = _launch_peers(tmp_path, "busy")
     try:
@@ -145,6 +157,7 @@ def test_killed_process_stops_the_launcher_and_the_others(tmp_path):
     assert "process 0 exited with status 0" not in message
 
 
+@pytest.mark.slow
 def test_lost_peer_ends_the_survivor_by_heartbeat(tmp_path):
     """No launcher: process 1 dies while process 0 idles; JAX's heartbeat timeout (default 30 s) ends process 0."""
     script = tmp_path / "peer.py"
@@ -154,7 +167,7 @@ def test_lost_peer_ends_the_survivor_by_heartbeat(tmp_path):
     for i in range(2):
         logs.append(open(tmp_path / f"peer{i}.txt", "w+"))
         env = _env(SPMDKIT_COORDINATOR=f"127.0.0.1:{port}", SPMDKIT_NUM_PROCESSES="2", SPMDKIT_PROCESS_ID=str(i))
-        env.update(SPMDKIT_CPU_DEVICES="2", XLA_FLAGS="")
+        env.update(SPMDKIT_CPU_DEVICES="2")
         peers.append(
             subprocess.Popen([sys.executable, str(script), "idle"], stdout=logs[i], stderr=subprocess.STDOUT, env=env)
         )
@@ -174,6 +187,7 @@ def test_lost_peer_ends_the_survivor_by_heartbeat(tmp_path):
     assert "Task 1 heartbeat timeout" in text or "stopped sending heartbeats" in text, text[-2000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_all(tmp_path):
     """SIGINT to the launcher: SIGTERM to all (JAX's preemption notifier ignores it here), SIGKILL after --grace."""
     proc, err, pids = _launch_peers(tmp_path, "idle", "--grace", "3")

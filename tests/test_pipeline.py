@@ -18,16 +18,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding import pipeline_schedule as ps
-from spmdkit.sharding.mesh import make_mesh
-from spmdkit.sharding.pipeline import (
+from spmdkit.parallel.pipeline import schedule as ps
+from spmdkit.parallel.pipeline.program import (
     deinterleave_layers,
     from_microbatches,
     interleave_layers,
     pipeline_value_and_grad,
     to_microbatches,
 )
-from spmdkit.sharding.pipeline_schedule import check_layers, make_schedule
+from spmdkit.parallel.pipeline.schedule import check_layers, make_schedule
+from spmdkit.sharding.mesh import make_mesh
 
 DIM, LAYERS, VOCAB, ROWS, SEQ = 16, 8, 8, 4, 2  # ROWS = global rows per microbatch
 TOKENS = 12  # vocabulary of the embedding stage (embed_fn)

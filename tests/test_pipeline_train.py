@@ -1,17 +1,15 @@
 """The transformer trained through the pipeline program equals the one-device step, for every schedule."""
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from support import run_spmdkit
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import TransformerConfig
-from spmdkit.sharding.hlo import collective_report
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.metrics import read_metrics
@@ -83,13 +81,10 @@ def test_layers_not_divisible_by_stages_is_an_error():
         pipeline_schedule("1f1b", make_mesh("pipeline=4,data=2"), 2, 1, 4)
 
 
+@pytest.mark.slow
 def test_cli_trains_with_1f1b(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     args = ["--cpu-devices", "8", "--mesh", "pipeline=4,data=2", "--microbatches", "8", "--pipeline-schedule", "1f1b"]
-    done = subprocess.run(
-        [sys.executable, "-m", "spmdkit", "train", *args, "--steps", "20", "--run-dir", str(tmp_path), "--no-progress"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    done = run_spmdkit("train", *args, "--steps", "20", "--run-dir", str(tmp_path), "--no-progress")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "1f1b over 4 stages, 8 microbatches" in done.stdout
     records = read_metrics(tmp_path)

@@ -1,56 +1,34 @@
-"""`spmdkit.sharding` exports exactly the names an importer needs, each resolvable and documented."""
+"""The public packages export exactly the names an importer needs, each resolvable and documented; the names
+`spmdkit.sharding` exported before the shard_map programs moved to `spmdkit.parallel` still resolve, with a warning."""
 
+import importlib
 import inspect
+import warnings
 
-import spmdkit.sharding
+import pytest
 
-EXPECTED = [
-    "AXES",
-    "CollectiveReport",
-    "ExpertWeights",
-    "MeshConfig",
-    "PRESETS",
-    "Rules",
-    "Schedule",
-    "abstract_state",
-    "capacity",
-    "collective_report",
-    "constrain",
-    "deinterleave_layers",
-    "dense_moe",
-    "describe_parallelism",
-    "expert_ffn",
-    "from_microbatches",
-    "from_zigzag",
-    "init_sharded",
-    "interleave_layers",
-    "logical_to_spec",
-    "make_mesh",
-    "make_rules",
-    "make_schedule",
-    "parameter_rows",
-    "parameter_table",
-    "pipeline_value_and_grad",
-    "preset",
-    "ring_attention",
-    "state_shardings",
-    "to_microbatches",
-    "to_zigzag",
-    "use_rules",
-    "zigzag_indices",
-]
+EXPECTED = {
+    "spmdkit.sharding": [
+        "AXES", "MeshConfig", "PRESETS", "Rules", "abstract_state", "constrain", "describe_parallelism",
+        "init_sharded", "logical_to_spec", "make_mesh", "make_rules", "preset", "state_shardings", "use_rules",
+    ],
+    "spmdkit.parallel": [
+        "ExpertWeights", "Schedule", "capacity", "deinterleave_layers", "dense_moe", "expert_ffn",
+        "from_microbatches", "from_zigzag", "interleave_layers", "make_schedule", "pipeline_value_and_grad",
+        "ring_attention", "to_microbatches", "to_zigzag", "zigzag_batch", "zigzag_indices",
+    ],
+    "spmdkit.inspect": ["CollectiveReport", "collective_report", "parameter_rows", "parameter_table"],
+}  # fmt: skip
 
 
-def test_all_is_exactly_the_public_api():
-    assert sorted(spmdkit.sharding.__all__) == EXPECTED
-    assert len(set(spmdkit.sharding.__all__)) == len(spmdkit.sharding.__all__)
-
-
-def test_every_name_resolves():
+@pytest.mark.parametrize("package", list(EXPECTED))
+def test_all_is_exactly_the_public_api(package):
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(EXPECTED[package])
     namespace: dict = {}
-    exec("from spmdkit.sharding import *", namespace)  # what `import *` gives a user
-    for name in EXPECTED:
-        assert getattr(spmdkit.sharding, name) is namespace[name]
+    exec(f"from {package} import *", namespace)  # what `import *` gives a user
+    for name in EXPECTED[package]:
+        assert getattr(module, name) is namespace[name]
 
 
 def _own_docstring(obj: object) -> str:
@@ -59,11 +37,23 @@ def _own_docstring(obj: object) -> str:
     return "" if doc.startswith(f"{obj.__name__}(") else doc.strip()
 
 
-def test_every_function_and_class_has_a_docstring():
-    exported = [getattr(spmdkit.sharding, name) for name in EXPECTED]
+@pytest.mark.parametrize("package", list(EXPECTED))
+def test_every_function_and_class_has_a_docstring(package):
+    module = importlib.import_module(package)
+    exported = [getattr(module, name) for name in EXPECTED[package]]
     undocumented = [
         obj.__name__
         for obj in exported
         if (inspect.isfunction(obj) or inspect.isclass(obj)) and not _own_docstring(obj)
     ]
-    assert not undocumented, f"exported without a docstring: {undocumented}"
+    assert not undocumented, f"{package} exports without a docstring: {undocumented}"
+
+
+def test_moved_names_still_resolve_with_a_warning():
+    import spmdkit.parallel
+    import spmdkit.sharding
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert spmdkit.sharding.ring_attention is spmdkit.parallel.ring_attention
+    assert any("moved to spmdkit.parallel.ring_attention" in str(w.message) for w in caught)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.mesh import make_mesh
-from spmdkit.sharding.ring_attention import (
+from spmdkit.parallel.context.ring_attention import (
     causal_work_balance,
     from_zigzag,
     inverse_zigzag_indices,
@@ -20,6 +19,7 @@ from spmdkit.sharding.ring_attention import (
     to_zigzag,
     zigzag_indices,
 )
+from spmdkit.sharding.mesh import make_mesh
 
 RTOL = 1e-5
 
@@ -33,7 +33,7 @@ CASES = [
     ("bare:context=4,fsdp=2", True, "none", 2, 32, 4, 4, 8, None),
     ("context=4,data=2", False, "zigzag", 2, 96, 4, 1, 8, 6),
     ("context=8", True, "zigzag", 1, 32, 4, 1, 8, None),
-    ("context=8", True, "none", 1, 32, 4, 4, 8, 1),
+    ("context=8", True, None, 1, 32, 4, 4, 8, 1),  # None: no balancing (contiguous)
     ("context=8", False, "none", 1, 16, 2, 2, 8, None),
     ("context=2,fsdp=2,tensor=2", True, "zigzag", 2, 32, 8, 2, 8, None),
 ]

@@ -8,9 +8,10 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.sharding.logical import constrain, logical_to_spec
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import init_sharded
-from spmdkit.sharding.rules import PRESETS, constrain, logical_to_spec, make_rules, preset
+from spmdkit.sharding.rules import PRESETS, make_rules, preset
 
 
 def test_zero_stages_shard_what_they_should():
@@ -76,7 +77,8 @@ def test_init_sharded_parameters_are_born_sharded():
 
 
 def test_parameter_table_lists_every_parameter_with_per_device_bytes():
-    from spmdkit.sharding import abstract_state, parameter_rows, parameter_table, state_shardings
+    from spmdkit.inspect import parameter_rows, parameter_table
+    from spmdkit.sharding import abstract_state, state_shardings
 
     mesh = make_mesh("fsdp=4,tensor=2")
     graphdef, abstract = abstract_state(lambda: Transformer(TransformerConfig(), rngs=nnx.Rngs(0)))

@@ -13,13 +13,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import TransformerConfig
 from spmdkit.models.transformer import MLP, RESIDUAL
-from spmdkit.sharding.context import zigzag_batch
-from spmdkit.sharding.hlo import collective_report
+from spmdkit.parallel.context.zigzag import zigzag_batch
+from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import init_sharded
-from spmdkit.sharding.rules import logical_to_spec, make_rules, use_rules
+from spmdkit.sharding.rules import make_rules
 from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
 from spmdkit.train.state import create_train_state
 from spmdkit.train.step import make_train_step

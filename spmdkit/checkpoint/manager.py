@@ -5,7 +5,7 @@ A step directory holds three items:
 - `state`: the train state (model parameters and optimizer state, the step count included) as a pure nested
   dict `{"model": ..., "optimizer": ...}`, saved sharded (OCDBT) with `StandardSave`;
 - `data`: the grain iterator state, one JSON file per JAX process (`grain.checkpoint.CheckpointSave`);
-- `config`: the resolved `TrainConfig` as JSON.
+- `config`: the run's resolved configuration as JSON (a plain dict: this module knows nothing of training).
 
 Restore builds its target from the *current* shardings (a tree of `jax.ShapeDtypeStruct(..., sharding=...)`),
 so a checkpoint saved on one mesh restores onto any other mesh or device count. A step that fails to read is
@@ -15,13 +15,11 @@ differ from the model raises `SpmdkitError` naming the first differing array.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grain
 import jax
@@ -30,9 +28,6 @@ from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
 from spmdkit.errors import SpmdkitError
-
-if TYPE_CHECKING:
-    from spmdkit.train.loop import Trainer
 
 ITEMS = ("state", "data", "config")
 
@@ -48,12 +43,6 @@ def item_handlers() -> dict[str, ocp.CheckpointHandler]:
         "data": grain.checkpoint.CheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
     }
-
-
-def checkpoint_directory(config: Any) -> Path:
-    """`config.checkpoint.directory`, or `RUN_DIR/checkpoints`; always absolute (Orbax requires it)."""
-    directory = config.checkpoint.directory or str(Path(config.run.run_dir) / "checkpoints")
-    return Path(directory).expanduser().absolute()
 
 
 def _path_text(path: tuple[Any, ...]) -> str:
@@ -163,16 +152,6 @@ class Checkpointer:
 
     def due(self, step: int, force: bool = False) -> bool:
         return force or self.manager.should_save(step)
-
-    def save_trainer(self, trainer: Trainer, step: int, *, force: bool = False) -> bool:
-        if not self.due(step, force):  # cheap check first: this runs after every step
-            return False
-        config = json.loads(trainer.config.to_json())
-        return self.save(step, trainer.state.state, trainer.data.iterator, config, force=force)
-
-    def hook(self, step: int, trainer: Trainer, is_final: bool) -> None:
-        """`Trainer.save_hook`: periodic saves, and always the final step."""
-        self.save_trainer(trainer, step, force=is_final)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -288,54 +267,3 @@ class Checkpointer:
 
                 multihost_utils.sync_global_devices("spmdkit_set_aside_damaged")
             self.manager.reload()
-
-
-def _trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records past `step`: the resumed run writes them again."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def restore_latest(trainer: Trainer, checkpointer: Checkpointer) -> int | None:
-    """Restore the newest intact step onto the trainer's current shardings and data stream; set `start_step`."""
-    found = checkpointer.restore_latest(trainer.state.state, trainer.state.shardings, trainer.data.iterator)
-    if found is None:
-        return None
-    step, state = found
-    trainer.state.state = state
-    trainer.start_step = step
-    checkpointer.last_saved = step
-    if trainer.is_main:
-        _trim_metrics(trainer.run_dir, step)
-    return step
-
-
-def attach(trainer: Trainer) -> Checkpointer:
-    """Open the trainer's checkpoint directory, resume from it when allowed, and chain the save hook."""
-    settings = trainer.config.checkpoint
-    checkpointer = Checkpointer(checkpoint_directory(trainer.config), every=settings.every, keep=settings.keep)
-    if settings.resume:
-        step = restore_latest(trainer, checkpointer)
-        if step is not None:
-            trainer.log(f"resumed from step {step} of {checkpointer.directory}")
-    elif checkpointer.steps():
-        steps = checkpointer.steps()
-        checkpointer.close()
-        raise SpmdkitError(
-            f"--no-resume, but {checkpointer.directory} already holds steps {steps[0]}-{steps[-1]} of an earlier "
-            "run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never overwritten)"
-        )
-    previous: Callable[[int, Trainer, bool], None] | None = trainer.save_hook
-
-    def hook(step: int, trainer: Trainer, is_final: bool) -> None:
-        checkpointer.hook(step, trainer, is_final)
-        if previous is not None:
-            previous(step, trainer, is_final)
-
-    trainer.save_hook = hook
-    return checkpointer

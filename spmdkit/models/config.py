@@ -6,56 +6,76 @@ The big presets are shapes only: the planner uses them; nobody initialises 405B 
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
+from typing import Any, Literal
 
 from spmdkit.errors import SpmdkitError
 
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-ATTENTION_KINDS = ("dot", "ring")
-DISPATCH_KINDS = ("capacity", "dropless", "dense")
-DTYPES = ("float32", "bfloat16", "float16")
+Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
+Attention = Literal["dot", "ring"]
+Dispatch = Literal["capacity", "dropless", "dense"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+REMAT_POLICIES: tuple[str, ...] = typing.get_args(Remat)
+ATTENTION_KINDS: tuple[str, ...] = typing.get_args(Attention)
+DISPATCH_KINDS: tuple[str, ...] = typing.get_args(Dispatch)
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+
+
+def _field(default: Any, help: str) -> Any:
+    """A field with its one-line help (`metadata["help"]`: the CLI and docs/cli.md show it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _has_type(value: Any, kind: type) -> bool:
+    """isinstance, where a bool is not an int and an int is a float."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Decoder shape and numerics.
+    """Decoder shape and numerics (each field's help is in its metadata).
 
-    vocab_size: tokens; embed: model width; layers: decoder blocks (stacked and scanned);
-    heads / kv_heads: query and key-value heads (grouped-query attention when kv_heads < heads);
-    head_dim: per-head width; mlp: SwiGLU hidden width; dtype: compute dtype (parameters are param_dtype,
-    float32 by default, and cast at use); remat: what the backward pass recomputes; attention: "dot" (the
-    reference) or "ring" (context parallelism over the `context` mesh axis).
-
-    Mixture of experts (`experts` > 0): every `moe_every`-th block (1: all) replaces its MLP by `experts`
-    SwiGLU experts of hidden width `mlp`, each token routed to `top_k` of them (plus a dense `shared_expert`
-    when set). `dispatch`: "capacity" (each sequence sends at most ceil(capacity_factor x seq x top_k /
-    experts) tokens to an expert; the rest pass through the residual), "dropless" (grouped matmul, nothing
-    dropped) or "dense" (every expert on every token: the reference). The loss adds `load_balance_weight` x
-    the Switch load-balancing loss and `router_z_weight` x the router z-loss.
+    Parameters are `param_dtype` (float32) and cast to `dtype` where they are used. Mixture of experts
+    (`experts` > 0): every `moe_every`-th block (1: all) replaces its MLP by `experts` SwiGLU experts of hidden width
+    `mlp`, each token routed to `top_k` of them (plus a dense `shared_expert` when set). `dispatch`: "capacity"
+    (each sequence sends at most ceil(capacity_factor x seq x top_k / experts) tokens to an expert; the rest pass
+    through the residual), "dropless" (grouped matmul, nothing dropped) or "dense" (every expert on every token:
+    the reference). The loss adds `load_balance_weight` x the Switch load-balancing loss and `router_z_weight` x
+    the router z-loss.
     """
 
-    vocab_size: int = 264
-    embed: int = 64
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 4
-    head_dim: int = 8
-    mlp: int = 256
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    attention: str = "dot"
-    experts: int = 0
-    top_k: int = 2
-    moe_every: int = 1
-    shared_expert: bool = False
-    dispatch: str = "capacity"
-    capacity_factor: float = 1.25
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
+    vocab_size: int = _field(264, "tokens in the vocabulary")
+    embed: int = _field(64, "model width (hidden size)")
+    layers: int = _field(4, "decoder blocks (stacked and scanned)")
+    heads: int = _field(8, "query heads")
+    kv_heads: int = _field(4, "key/value heads (grouped-query attention when fewer than heads)")
+    head_dim: int = _field(8, "width of one attention head")
+    mlp: int = _field(256, "SwiGLU hidden width (of each expert, for mixture of experts)")
+    rope_theta: float = _field(10_000.0, "RoPE base")
+    norm_eps: float = _field(1e-5, "RMSNorm epsilon")
+    dtype: Dtype = _field("bfloat16", "compute dtype (parameters stay param_dtype)")
+    param_dtype: Dtype = _field("float32", "dtype the parameters are stored and updated in")
+    remat: Remat = _field("none", "what the backward pass recomputes")
+    attention: Attention = _field("dot", "attention kernel: dot (the reference) or ring (context parallelism)")
+    experts: int = _field(0, "mixture of experts: routed experts per MoE block (0: a dense model)")
+    top_k: int = _field(2, "mixture of experts: experts each token is routed to")
+    moe_every: int = _field(1, "mixture of experts: every k-th block is an MoE block")
+    shared_expert: bool = _field(False, "mixture of experts: add a dense MLP that every token runs through")
+    dispatch: Dispatch = _field("capacity", "mixture of experts: capacity, dropless or dense (the reference)")
+    capacity_factor: float = _field(1.25, "mixture of experts: expert slots per sequence x top_k / experts")
+    load_balance_weight: float = _field(0.01, "mixture of experts: weight of the Switch load-balancing loss")
+    router_z_weight: float = _field(0.001, "mixture of experts: weight of the router z-loss")
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # the types the fields declare: layers=2.5 is not a model
+            value, kind = getattr(self, field.name), type(field.default)
+            if not _has_type(value, kind):
+                raise SpmdkitError(f"model {field.name}={value!r} must be of type {kind.__name__}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0 and self.norm_eps > 0):
+            raise SpmdkitError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be positive")
         for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
             if getattr(self, name) < 1:
                 raise SpmdkitError(f"model {name}={getattr(self, name)} must be positive")

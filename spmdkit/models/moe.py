@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: a softmax top-k router, E SwiGLU experts, optional shared expert, aux losses.
 
 The module is plain: the experts' leading dim is the logical axis `experts` (the rules put it on the `expert`
-mesh axis) and the routed computation is `spmdkit.sharding.experts.expert_ffn`, which picks the dispatch.
+mesh axis) and the routed computation is `spmdkit.parallel.experts.expert_ffn`, which picks the dispatch.
 
 Router (float32): p = softmax(x W_r) over E experts; each token takes its top_k experts, weighted by their
 probabilities renormalised to sum to 1 (for top_k = 1 the raw probability, as in Switch: renormalised it
@@ -21,15 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
-from spmdkit.sharding.experts import ExpertWeights, expert_ffn
-from spmdkit.sharding.rules import constrain
+from spmdkit.models.layers import HIDDEN, MLP, normal
+from spmdkit.parallel.experts import ExpertWeights, expert_ffn
+from spmdkit.sharding.logical import constrain
 
-HIDDEN = ("batch", "seq", "act_embed")
 ROUTED = ("batch", "seq", None)
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str) -> jax.Array:
-    return jax.random.normal(rngs.params(), shape, dtype) / jnp.sqrt(fan_in).astype(dtype)
 
 
 def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -59,16 +55,14 @@ class MoE(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c, pd = config, config.param_dtype
-        self.router = nnx.Param(_normal(rngs, (c.embed, c.experts), c.embed, pd), out_sharding=("embed", None))
+        self.router = nnx.Param(normal(rngs, (c.embed, c.experts), c.embed, pd), out_sharding=("embed", None))
         shape_in, shape_out = (c.experts, c.embed, c.mlp), (c.experts, c.mlp, c.embed)
         names_in, names_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
-        self.gate = nnx.Param(_normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
-        self.up = nnx.Param(_normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
-        self.down = nnx.Param(_normal(rngs, shape_out, c.mlp, pd), out_sharding=names_out)
+        self.gate = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
+        self.up = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
+        self.down = nnx.Param(normal(rngs, shape_out, c.mlp, pd), out_sharding=names_out)
         if c.shared_expert:
-            from spmdkit.models.transformer import MLP  # the dense block's MLP, run on every token
-
-            self.shared = MLP(config, rngs=rngs)
+            self.shared = MLP(config, rngs=rngs)  # the dense block's MLP, run on every token
         self.config = config
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -1,31 +1,23 @@
-"""Named device meshes: `MeshConfig`, parsing "data=2,fsdp=2,tensor=2", and `make_mesh`.
+"""Named device meshes: `make_mesh` lays the six axes of a `MeshConfig` over the devices.
 
 Axis order, outermost to innermost: data, pipeline, fsdp, context, expert, tensor. The innermost axis gets
 adjacent devices (the same NVLink domain); the outermost spans nodes. Every axis is `AxisType.Auto`: the
-compiler propagates shardings from the annotations (`jax.make_mesh` would default to Explicit).
-
-Multi-node meshes are hybrid: each axis size is split into an in-node (ICI) factor and an across-node (DCN)
-factor, so the in-node axes never cross a node. With several JAX processes (one per node, or one per GPU),
-processes are the granules.
-
-JAX is imported inside the functions that build meshes: `MeshConfig` and `format_sizes` are plain Python, so
-the planner (which must not start JAX) parses meshes with them too.
+compiler propagates shardings from the annotations (`jax.make_mesh` would default to Explicit). Multi-node meshes
+are hybrid (in-node ICI x across-node DCN factors, see `spmdkit.sharding.mesh_config.split_ici_dcn`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from spmdkit.errors import SpmdkitError
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
 
-if TYPE_CHECKING:
-    import jax
-    from jax.sharding import Mesh
+from spmdkit.sharding.mesh_config import AXES, MeshConfig, format_sizes, split_ici_dcn
 
-AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
+__all__ = ["AXES", "MeshConfig", "describe_parallelism", "format_sizes", "make_mesh"]
 
 # How each axis reads in words, for `describe_parallelism`.
 _AXIS_WORDS = {
@@ -38,127 +30,8 @@ _AXIS_WORDS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Sizes of the six mesh axes; at most one may be -1, meaning "all remaining devices".
-
-    `dcn` names the across-node factor of axes, e.g. `(("data", 2),)`: of `data`'s size, 2 spans nodes and
-    the rest stays inside a node. Empty `dcn` with several processes puts the processes on the outermost
-    axes that can hold them (see `split_ici_dcn`).
-    """
-
-    data: int = 1
-    pipeline: int = 1
-    fsdp: int = -1
-    context: int = 1
-    expert: int = 1
-    tensor: int = 1
-    dcn: tuple[tuple[str, int], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str, dcn: str = "") -> MeshConfig:
-        """`"data=2,fsdp=-1,tensor=2"` -> MeshConfig. Axes not named are 1; an empty string is `fsdp=-1`."""
-        sizes = _parse_sizes(text, what="--mesh")
-        if not sizes:
-            sizes = {"fsdp": -1}
-        full = {axis: sizes.get(axis, 1) for axis in AXES}
-        return cls(**full, dcn=tuple(_parse_sizes(dcn, what="--dcn").items()))
-
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
-    def resolve(self, num_devices: int) -> dict[str, int]:
-        """Axis sizes with the -1 filled in, checked against `num_devices`."""
-        sizes = self.sizes()
-        for axis, size in sizes.items():
-            if size == 0 or size < -1:
-                raise SpmdkitError(f"mesh axis {axis}={size} is invalid: sizes are positive (or -1 for 'the rest')")
-        free = [axis for axis, size in sizes.items() if size == -1]
-        if len(free) > 1:
-            raise SpmdkitError(f"mesh axes {', '.join(free)} are all -1: at most one axis may take 'the rest'")
-        known = math.prod(size for size in sizes.values() if size != -1)
-        if free:
-            if num_devices % known:
-                raise SpmdkitError(
-                    f"mesh {format_sizes(sizes)} cannot fill {num_devices} devices: the fixed axes multiply to "
-                    f"{known}, which does not divide {num_devices}"
-                )
-            sizes[free[0]] = num_devices // known
-        elif known != num_devices:
-            raise SpmdkitError(
-                f"mesh {format_sizes(sizes)} has {known} devices but {num_devices} are present: make the sizes "
-                f"multiply to {num_devices} (or set one axis to -1)"
-            )
-        for axis, factor in self.dcn:
-            if axis not in AXES:
-                raise SpmdkitError(f"unknown mesh axis {axis!r} in --dcn: expected one of {', '.join(AXES)}")
-            if factor < 1 or sizes[axis] % factor:
-                raise SpmdkitError(f"--dcn {axis}={factor} does not divide mesh axis {axis}={sizes[axis]}")
-        return sizes
-
-
-def _parse_sizes(text: str, *, what: str) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        if not sep or not value.strip():
-            raise SpmdkitError(f"{what} part {part!r} is malformed: write axis=size, e.g. 'data=2,tensor=4'")
-        if name not in AXES:
-            raise SpmdkitError(f"unknown mesh axis {name!r} in {what}: expected one of {', '.join(AXES)}")
-        if name in sizes:
-            raise SpmdkitError(f"mesh axis {name!r} is given twice in {what}")
-        try:
-            sizes[name] = int(value)
-        except ValueError:
-            raise SpmdkitError(f"{what} size {value.strip()!r} for axis {name!r} is not an integer") from None
-    return sizes
-
-
-def format_sizes(sizes: dict[str, int]) -> str:
-    """{'data': 2, 'fsdp': 4, ...} -> 'data=2,fsdp=4' (axes of size 1 left out)."""
-    text = ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1)
-    return text or "single device"
-
-
-def split_ici_dcn(
-    sizes: dict[str, int], num_granules: int, dcn: dict[str, int] | None = None
-) -> tuple[list[int], list[int]]:
-    """Split each axis size into (in-node, across-node) factors whose across-node product is `num_granules`.
-
-    With `dcn` given it is used as is. Otherwise granules fill the outermost axes first (data, then pipeline,
-    then fsdp, ...), because the outer axes carry the least traffic per step.
-    """
-    if dcn:
-        dcn_shape = [dcn.get(axis, 1) for axis in AXES]
-    else:
-        dcn_shape, left = [], num_granules
-        for axis in AXES:
-            factor = math.gcd(sizes[axis], left)
-            dcn_shape.append(factor)
-            left //= factor
-        if left != 1:
-            raise SpmdkitError(
-                f"mesh {format_sizes(sizes)} cannot be laid over {num_granules} processes/nodes: the outer axes "
-                f"must absorb the node count; pass --dcn to say which axes span nodes"
-            )
-    if math.prod(dcn_shape) != num_granules:
-        raise SpmdkitError(
-            f"--dcn factors multiply to {math.prod(dcn_shape)} but there are {num_granules} processes/nodes"
-        )
-    ici_shape = [sizes[axis] // factor for axis, factor in zip(AXES, dcn_shape, strict=True)]
-    return ici_shape, dcn_shape
-
-
 def make_mesh(config: MeshConfig | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the 6-axis mesh (all `AxisType.Auto`) over `devices` (default: every device of every process)."""
-    import jax
-    import numpy as np
-    from jax.experimental import mesh_utils
-    from jax.sharding import AxisType, Mesh
-
     if isinstance(config, str):
         config = MeshConfig.parse(config)
     devices = list(jax.devices() if devices is None else devices)

@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdkit.sharding.rules import AxisTable, Rules, logical_to_spec
+from spmdkit.sharding.logical import logical_to_spec
+from spmdkit.sharding.rules import AxisTable, Rules
 
 M = TypeVar("M")
 

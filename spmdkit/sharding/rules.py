@@ -17,23 +17,16 @@ and `heads, kv_heads, mlp, vocab` as for the weights.
 | EP | `experts -> expert` (expert weights); tokens are split over `expert` like any batch axis |
 | PP | `layers -> pipeline` |
 
-Mesh axes of size 1 are dropped from the specs they would appear in: they cost nothing and clutter tables.
+Pure Python (no JAX): the planner reads the same tables. `spmdkit.sharding.logical` applies them to arrays.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import math
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
-
-import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.mesh import MeshConfig
+from spmdkit.sharding.mesh_config import MeshConfig
 
 AxisTable = Mapping[str, tuple[str, ...]]
 
@@ -119,92 +112,3 @@ def preset(name: str) -> tuple[MeshConfig, Rules]:
         raise SpmdkitError(f"unknown strategy preset {name!r}: choose one of {', '.join(PRESETS)}")
     p = PRESETS[name]
     return MeshConfig.parse(p.mesh), make_rules(p.zero_stage, p.sequence_parallel)
-
-
-def logical_to_spec(
-    names: Sequence[str | None],
-    shape: Sequence[int] | None,
-    mesh: Mesh,
-    table: AxisTable,
-    *,
-    what: str = "array",
-) -> PartitionSpec:
-    """Logical names of each dim -> PartitionSpec over `mesh`, checking that every mapped axis divides.
-
-    A mesh axis is used at most once per array (the first dim that asks gets it). With `shape=None` the
-    divisibility check is skipped (for callers that only know the names).
-    """
-    used: set[str] = set()
-    entries: list[str | tuple[str, ...] | None] = []
-    for dim, name in enumerate(names):
-        if name is None:
-            entries.append(None)
-            continue
-        if name not in table:
-            raise SpmdkitError(f"{what}: logical axis {name!r} has no rule; known: {', '.join(sorted(table))}")
-        axes = tuple(a for a in table[name] if mesh.shape.get(a, 1) > 1 and a not in used)
-        size = math.prod(mesh.shape[a] for a in axes)
-        if shape is not None and axes and shape[dim] % size:
-            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
-            if name in REPLICATE_IF_INDIVISIBLE:
-                warnings.warn(
-                    f"{what} {tuple(shape)}: dim {dim} ({name}={shape[dim]}) is not divisible by {axis_text}; "
-                    f"replicating it",
-                    stacklevel=2,
-                )
-                axes = ()
-            else:
-                raise SpmdkitError(
-                    f"{what} of shape {tuple(shape)}: dim {dim} ({name}={shape[dim]}) is not divisible by mesh "
-                    f"axis {axis_text}; change the model size or the mesh"
-                )
-        used.update(axes)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
-# The rules and mesh in force while a model is traced; `constrain` reads them.
-_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar("spmdkit_rules", default=None)
-
-
-@contextlib.contextmanager
-def use_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
-    """Make `constrain` map logical names with `rules` over `mesh` (around tracing a sharded program)."""
-    token = _ACTIVE.set((rules, mesh))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-@contextlib.contextmanager
-def suspend_rules() -> Iterator[None]:
-    """Make `constrain` a no-op inside (for tracing a function on per-device shapes outside its shard_map)."""
-    token = _ACTIVE.set(None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active_rules() -> tuple[Rules, Mesh] | None:
-    return _ACTIVE.get()
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Hint the sharding of activation `x` by the logical names of its dims; a no-op without rules.
-
-    Inside a `shard_map` region the manual axes are already split off, so they are dropped from the hint.
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    rules, mesh = active
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    table = {k: tuple(a for a in v if a not in manual) for k, v in rules.params.items()} if manual else rules.params
-    spec = logical_to_spec(names, x.shape, mesh, table, what="activation")
-    if manual:
-        return jax.lax.with_sharding_constraint(x, spec)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,203 +1,236 @@
-"""The run's configuration: frozen dataclasses, read from TOML, overridden from the command line.
+"""The run's configuration: frozen dataclasses, one per section, each field with its help and short flags.
 
 This module imports no JAX: the CLI reads it to print defaults, and `spmdkit plan` must start fast.
 
-Sections: `model` (a preset plus numerics), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`,
-`checkpoint`.
-A TOML file has one table per section; keys are the field names. The resolved config is saved as JSON into
-every run directory (and every checkpoint).
+Sections: `model` (a preset, the numerics, and any field of `TransformerConfig` to override the preset's shape),
+`mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`. A TOML file (`--config`) has one table per
+section; keys are the field names. "Unset" is `None` (e.g. `decay_steps`: the run's steps). The resolved config is
+saved as JSON into every run directory and every checkpoint. Each field's `metadata` holds its one-line `help` and
+the short `flags` the command line also accepts (`--steps` for `run.steps`); `spmdkit.cli.train` builds the command
+line from these dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+import math
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from spmdkit.data.config import DataConfig
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import TransformerConfig, model_preset
+from spmdkit.models.config import Dtype, Remat, TransformerConfig, model_preset
+
+__all__ = [
+    "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
+    "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json",
+]  # fmt: skip
+
+
+def _field(default: Any, help: str, *flags: str) -> Any:
+    """A config field: its default, one-line help and short command-line flags (read by the CLI and the docs)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flags": flags})
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise SpmdkitError(message)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW settings. `lr` is the peak; it warms up linearly over `warmup_steps`, then decays by cosine to
-    `lr * final_lr_fraction` at `decay_steps` (default: the run's steps)."""
+    """AdamW. `lr` is the peak: it warms up linearly over `warmup_steps`, then decays by cosine to
+    `lr * final_lr_fraction` at `decay_steps`."""
 
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int = 0
-    final_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    max_bad_steps: int = 5
+    lr: float = _field(3e-3, "peak learning rate", "--lr")
+    warmup_steps: int = _field(10, "linear warmup steps from 0 to lr (0: start at lr)", "--warmup-steps")
+    decay_steps: int | None = _field(None, "steps of the cosine decay (None: the run's steps)")
+    final_lr_fraction: float = _field(0.1, "the decay ends at lr x this")
+    b1: float = _field(0.9, "AdamW beta1")
+    b2: float = _field(0.95, "AdamW beta2")
+    eps: float = _field(1e-8, "AdamW epsilon")
+    weight_decay: float = _field(0.1, "AdamW weight decay (not applied to norm scales)", "--weight-decay")
+    clip_norm: float | None = _field(1.0, "clip gradients to this global norm (None: no clipping)", "--clip-norm")
+    max_bad_steps: int = _field(5, "stop after this many consecutive NaN/Inf steps", "--max-bad-steps")
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise SpmdkitError(f"learning rate {self.lr} must be positive")
-        if self.warmup_steps < 0:
-            raise SpmdkitError(f"warmup steps {self.warmup_steps} must be >= 0")
+        _require(math.isfinite(self.lr) and self.lr > 0, f"learning rate {self.lr} must be a positive number")
+        _require(self.warmup_steps >= 0, f"warmup steps {self.warmup_steps} must be >= 0")
+        _require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
+        _require(0 <= self.final_lr_fraction <= 1, f"final_lr_fraction {self.final_lr_fraction} must be in [0, 1]")
+        for name in ("b1", "b2"):
+            _require(0 <= getattr(self, name) < 1, f"AdamW {name}={getattr(self, name)} must be in [0, 1)")
+        _require(self.eps > 0, f"AdamW eps={self.eps} must be positive")
+        _require(self.weight_decay >= 0, f"--weight-decay {self.weight_decay} must be >= 0")
+        _require(self.clip_norm is None or self.clip_norm > 0, f"--clip-norm {self.clip_norm} must be positive")
+        _require(self.max_bad_steps >= 1, f"--max-bad-steps {self.max_bad_steps} must be at least 1")
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from.
+def _model_fields() -> list[tuple[str, Any, Any]]:
+    """`ModelSettings`' fields: the preset's name, the run's numerics, and an override of every other field of
+    `TransformerConfig` (None: the preset's value), so that any model shape can be described."""
+    flags = {"dispatch": ("--moe-dispatch",), "capacity_factor": ("--capacity-factor",)}
+    own = [
+        ("name", str, _field("tiny", "model preset: tiny, tiny-moe, 125m, 1b, 7b, 70b, 405b, mixtral-8x7b", "--model")),
+        ("dtype", Dtype, _field("bfloat16", "compute dtype (parameters stay float32)", "--dtype")),
+        ("remat", Remat, _field("none", "what the backward pass recomputes", "--remat")),
+        (
+            "attention",
+            Literal["auto", "dot", "ring"],
+            _field("auto", "attention kernel: auto (ring when context > 1, else dot), dot or ring", "--attention"),
+        ),
+    ]
+    hints = typing.get_type_hints(TransformerConfig)
+    overrides = [
+        (
+            f.name,
+            hints[f.name] | None,
+            _field(None, f"{f.metadata['help']} (None: the preset's)", *flags.get(f.name, ())),
+        )
+        for f in dataclasses.fields(TransformerConfig)
+        if f.name not in {name for name, _, _ in own}
+    ]
+    return own + overrides
 
-    `source`: "stdlib" | "synthetic" | a path to a `.bin` or `.npy` token file.
-    `token_dtype`: dtype of a raw `.bin` file ("uint16" or "uint32"); a `.npy` file carries its own.
-    `eval_fraction`: held-out share (stdlib: whole files; token file: the tail of the stream).
-    """
 
-    source: str = "stdlib"
-    token_dtype: str = "uint16"
-    eval_fraction: float = 0.05
+def _build(self: Any, context: int = 1) -> TransformerConfig:
+    """The `TransformerConfig` these settings describe (the preset, with every override given); `context` is the
+    mesh's context-axis size, which decides what `attention="auto"` means."""
+    attention = ("ring" if context > 1 else "dot") if self.attention == "auto" else self.attention
+    changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "attention")}
+    changes = {name: value for name, value in changes.items() if value is not None}
+    return model_preset(self.name).replace(**changes, attention=attention)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSettings:
-    """A model preset (`tiny`, `tiny-moe`, `125m`, `1b`, `7b`, `70b`, `405b`, `mixtral-8x7b`) and the numerics
-    to run it with."""
-
-    name: str = "tiny"
-    dtype: str = "bfloat16"
-    remat: str = "none"
-    attention: str = "auto"  # "auto": ring attention when the mesh has context > 1, else dot
-    dispatch: str = ""  # mixture of experts: capacity, dropless or dense ("" = the preset's)
-    capacity_factor: float = 0.0  # mixture of experts, capacity dispatch (0 = the preset's)
-
-    def build(self, context: int = 1) -> TransformerConfig:
-        attention = ("ring" if context > 1 else "dot") if self.attention == "auto" else self.attention
-        config = model_preset(self.name).replace(dtype=self.dtype, remat=self.remat, attention=attention)
-        if self.dispatch:
-            config = config.replace(dispatch=self.dispatch)
-        return config.replace(capacity_factor=self.capacity_factor) if self.capacity_factor else config
+ModelSettings = dataclasses.make_dataclass(
+    "ModelSettings",
+    _model_fields(),
+    frozen=True,
+    namespace={
+        "build": _build,
+        "__doc__": "A model preset and the numerics to run it with; any field of `TransformerConfig` may be given "
+        "to change the preset's shape (e.g. `layers`, `embed`).",
+        "__module__": __name__,
+    },
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    """`mesh` like "data=2,fsdp=2,tensor=2" (empty: every device on fsdp); `dcn` the across-node factors.
+    """The device mesh and how the state is laid out on it; with `pipeline` > 1 in the mesh, the schedule."""
 
-    With `pipeline` > 1 in the mesh: `pipeline_schedule` (gpipe, 1f1b, interleaved), `microbatches` per step
-    (0: twice the stages) and `virtual_stages` (interleaved only).
-    """
+    mesh: str = _field(
+        "fsdp=-1", "mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2' (-1: the remaining devices)", "--mesh"
+    )
+    dcn: str | None = _field(
+        None, "across-node factor of axes, e.g. 'data=2' (None: processes fill the outer axes)", "--dcn"
+    )
+    zero: Literal[0, 1, 2, 3] = _field(
+        3, "ZeRO stage over fsdp: 0 replicate, 1 optimizer, 2 +gradients, 3 +parameters", "--zero"
+    )
+    sequence_parallel: bool = _field(
+        False, "shard the residual stream's sequence over tensor (SP)", "--sequence-parallel"
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = _field(
+        "1f1b", "pipeline schedule", "--pipeline-schedule"
+    )
+    microbatches: int | None = _field(None, "pipeline microbatches per step (None: twice the stages)", "--microbatches")
+    virtual_stages: int = _field(1, "layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
 
-    mesh: str = ""
-    dcn: str = ""
-    zero: int = 3
-    sequence_parallel: bool = False
-    pipeline_schedule: str = "1f1b"
-    microbatches: int = 0
-    virtual_stages: int = 1
+    def __post_init__(self) -> None:
+        _require(
+            self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1"
+        )
+        _require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-    """Loop settings. `batch_size` is global, in sequences; `fail_steps` poisons those steps' gradients with
-    NaN (for testing the skip path)."""
+    """The loop. `batch_size` is global, in sequences; `fail_steps` poisons those steps' gradients with NaN (for
+    testing the skip path)."""
 
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    grad_accum: int = 1
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 10
-    seed: int = 0
-    run_dir: str = "runs/default"
-    peak_tflops: float = 0.0
-    progress: bool = True
-    fail_steps: tuple[int, ...] = ()
+    steps: int = _field(200, "optimizer steps", "--steps")
+    batch_size: int = _field(16, "global batch, in sequences", "--batch-size")
+    seq_len: int = _field(128, "tokens per sequence", "--seq-len")
+    grad_accum: int = _field(1, "microbatches accumulated per optimizer step", "--grad-accum")
+    eval_every: int = _field(50, "evaluate on the held-out split every N steps (0: never)", "--eval-every")
+    eval_batches: int = _field(4, "batches per evaluation", "--eval-batches")
+    log_every: int = _field(10, "write metrics every N steps", "--log-every")
+    seed: int = _field(0, "seed for initialisation and data order", "--seed")
+    run_dir: str = _field(
+        "runs/default", "directory for config.json, metrics.jsonl, loss.png, tensorboard/", "--run-dir"
+    )
+    peak_tflops: float | None = _field(
+        None, "peak TFLOP/s per device for MFU (None: from the device table)", "--peak-tflops"
+    )
+    progress: bool = _field(True, "show a progress bar", "--progress")
+    fail_steps: tuple[int, ...] = _field((), "steps whose gradients are made NaN (testing the NaN guard)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise SpmdkitError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+            _require(
+                getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})"
+            )
+        _require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
+        _require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
+        _require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
-    """Orbax checkpoints. `directory` defaults to RUN_DIR/checkpoints; save every `every` steps (0: only at the
-    end) and at the end, keep the newest `keep`; `resume` continues from the newest intact step found there."""
+    """Orbax checkpoints: saved every `every` steps and at the end, the newest `keep` kept; `resume` continues from
+    the newest intact step found in `directory`."""
 
-    directory: str = ""
-    every: int = 100
-    keep: int = 3
-    resume: bool = True
+    directory: str | None = _field(None, "checkpoint directory (None: RUN_DIR/checkpoints)", "--checkpoint-dir")
+    every: int = _field(100, "save every N steps (0: only at the end)", "--checkpoint-every")
+    keep: int = _field(3, "keep the newest N checkpoints", "--keep")
+    resume: bool = _field(True, "resume from the newest intact step (no: the directory must hold no steps)", "--resume")
 
     def __post_init__(self) -> None:
-        if self.every < 0:
-            raise SpmdkitError(f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
-        if self.keep < 1:
-            raise SpmdkitError(f"--keep must be at least 1 (got {self.keep})")
+        _require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
+        _require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: ModelSettings = ModelSettings()
-    mesh: MeshSettings = MeshSettings()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    data: DataConfig = DataConfig()
-    run: RunSettings = RunSettings()
-    checkpoint: CheckpointSettings = CheckpointSettings()
+    """Everything a run is: one section per concern."""
+
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    mesh: MeshSettings = dataclasses.field(default_factory=MeshSettings)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    run: RunSettings = dataclasses.field(default_factory=RunSettings)
+    checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-
-
-def _section_class(name: str) -> type:
-    return typing.get_type_hints(TrainConfig)[name]
-
-
-def _coerce(cls: type, key: str, value: Any) -> Any:
-    """Check a value's type against the dataclass field (ints where floats go are fine)."""
-    hint = typing.get_type_hints(cls)[key]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typing.get_origin(hint) is tuple and isinstance(value, list):
-        return tuple(value)
-    base = typing.get_origin(hint) or hint
-    if isinstance(base, type) and not isinstance(value, base):
-        raise SpmdkitError(f"config key {cls.__name__}.{key} should be {base.__name__}, got {value!r}")
-    return value
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
 
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, dict[str, Any]]) -> TrainConfig:
-    """Replace fields section by section: `{"run": {"steps": 60}}`. Unknown sections and keys are errors."""
+    """Replace fields section by section: `{"run": {"steps": 60}}`. Unknown sections and keys are errors; lists
+    become tuples (JSON has no tuples); each section's own checks run on the result."""
     changes = {}
     for section, values in overrides.items():
         if section not in SECTIONS:
             raise SpmdkitError(f"unknown config section [{section}]: expected one of {', '.join(SECTIONS)}")
-        cls = _section_class(section)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key in values:
             if key not in known:
                 raise SpmdkitError(f"unknown config key {section}.{key}: expected one of {', '.join(sorted(known))}")
-        current = getattr(config, section)
-        changes[section] = dataclasses.replace(current, **{k: _coerce(cls, k, v) for k, v in values.items()})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        changes[section] = dataclasses.replace(getattr(config, section), **values)
     return dataclasses.replace(config, **changes)
 
 
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML config file into section -> {key: value}."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpmdkitError(f"config file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise SpmdkitError(f"config file {path} is not valid TOML: {error}") from None
-    for section, values in data.items():
-        if not isinstance(values, dict):
-            raise SpmdkitError(f"config file {path}: top-level key {section!r} must be a [section] table")
-    return data
+def checkpoint_directory(config: TrainConfig) -> Path:
+    """`checkpoint.directory`, or RUN_DIR/checkpoints; always absolute (Orbax requires it)."""
+    directory = config.checkpoint.directory or str(Path(config.run.run_dir) / "checkpoints")
+    return Path(directory).expanduser().absolute()
 
 
 def config_from_json(text: str) -> TrainConfig:

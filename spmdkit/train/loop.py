@@ -2,12 +2,14 @@
 
 Host-device syncs are kept off the hot path: metrics stay on device and are fetched every `log_every` steps;
 the only per-step read is the previous step's bad-step counter, which is already computed while the current
-step runs. `Trainer.save_hook` / `restore_hook` are where checkpointing plugs in.
+step runs. The Trainer owns a `Checkpointer`: it resumes from the newest intact step at the start of `run()` and
+saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs after every step (tests use it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -18,22 +20,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.checkpoint.manager import attach
+from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
+from spmdkit.inspect.params import human_bytes, parameter_rows
 from spmdkit.models.config import TransformerConfig
-from spmdkit.sharding.context import zigzag_batch
+from spmdkit.parallel.context.zigzag import zigzag_batch
+from spmdkit.parallel.pipeline.schedule import Schedule
+from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
-from spmdkit.sharding.pipeline_schedule import Schedule
 from spmdkit.sharding.rules import make_rules
-from spmdkit.sharding.summary import human_bytes, parameter_rows
-from spmdkit.train.config import TrainConfig
-from spmdkit.train.data import global_batch_arrays, make_data
-from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput
+from spmdkit.train.config import TrainConfig, checkpoint_directory
+from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput, trim_metrics
 from spmdkit.train.optimizer import make_optimizer, schedule
-from spmdkit.train.pipeline_step import check_pipelinable, pipeline_schedule
+from spmdkit.train.pipeline_step import pipeline_schedule
+from spmdkit.train.preemption import StopRequest
 from spmdkit.train.state import TrainState, create_train_state
-from spmdkit.train.step import batch_replicas, batch_shardings, check_batch, make_eval_step, make_train_step
-from spmdkit.train.stop import StopRequest
+from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
@@ -59,21 +62,19 @@ class Trainer:
         self.model_config: TransformerConfig = config.model.build(self.context)
         self.rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
         run = config.run
-        check_batch(run.batch_size, self.mesh, run.grad_accum)
+        check_layout(self.layout())  # everything the mesh, model and batch must agree on, before anything is built
         self.pipeline = self._pipeline_schedule()
-        if self.context > 1 and run.seq_len % (2 * self.context):
-            raise SpmdkitError(
-                f"--seq-len {run.seq_len} must be divisible by 2 x context = {2 * self.context} for ring attention"
-            )
-        self.tx = make_optimizer(config.optimizer, run.steps)
-        self.lr_schedule = schedule(config.optimizer, run.steps)
-        self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
-        self.start_step = 0
-        self.save_hook: Callable[[int, Trainer, bool], None] | None = None
+        # The data first: a missing or unreadable file is reported before any compilation.
         self.data = make_data(
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
+        self.tx = make_optimizer(config.optimizer, run.steps)
+        self.lr_schedule = schedule(config.optimizer, run.steps)
+        self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
+        self.start_step = 0
+        self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
+        self.checkpointer = self._open_checkpointer()
 
     # -- reporting -----------------------------------------------------------------------------------------
 
@@ -83,28 +84,33 @@ class Trainer:
         params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
         return params, sum(r.bytes_per_device for r in rows) - params
 
+    def microbatches(self) -> int:
+        """Pipeline microbatches (default: twice the stages) with a pipeline axis, else gradient accumulation."""
+        stages, settings, run = self.mesh.shape["pipeline"], self.config.mesh, self.config.run
+        if stages > 1 and run.grad_accum != 1:
+            raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
+        return (settings.microbatches or 2 * stages) if stages > 1 else run.grad_accum
+
+    def layout(self) -> Layout:
+        """The run's layout as the planner describes it (and `check_layout` checks it)."""
+        settings, run = self.config.mesh, self.config.run
+        return Layout(
+            self.model_config, tuple(self.mesh.shape.items()), run.batch_size, run.seq_len, settings.zero,
+            settings.sequence_parallel, self.microbatches(), settings.pipeline_schedule, settings.virtual_stages,
+        )  # fmt: skip
+
     def _pipeline_schedule(self) -> Schedule | None:
-        """The pipeline schedule when the mesh has a pipeline axis (checked before anything compiles)."""
+        """The pipeline schedule when the mesh has a pipeline axis."""
         if self.mesh.shape["pipeline"] == 1:
             return None
-        mesh_settings, run = self.config.mesh, self.config.run
-        if run.grad_accum != 1:
-            raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
-        check_pipelinable(self.model_config, self.mesh)  # before anything compiles
-        schedule = pipeline_schedule(
-            mesh_settings.pipeline_schedule,
+        settings = self.config.mesh
+        return pipeline_schedule(
+            settings.pipeline_schedule,
             self.mesh,
-            mesh_settings.microbatches,
-            mesh_settings.virtual_stages,
+            self.microbatches(),
+            settings.virtual_stages,
             self.model_config.layers,
         )
-        replicas = batch_replicas(self.mesh)
-        if run.batch_size % (schedule.num_microbatches * replicas):
-            raise SpmdkitError(
-                f"--batch-size {run.batch_size} must be a multiple of microbatches x data x fsdp x expert = "
-                f"{schedule.num_microbatches} x {replicas}"
-            )
-        return schedule
 
     def describe(self) -> str:
         params, opt = self.state_bytes_per_device()
@@ -162,13 +168,47 @@ class Trainer:
                 break
         return float(np.mean(jax.device_get(losses))) if losses else float("nan")
 
+    def _open_checkpointer(self) -> Checkpointer:
+        """The run's checkpointer; with `--no-resume` its directory must hold no steps."""
+        settings = self.config.checkpoint
+        checkpointer = Checkpointer(checkpoint_directory(self.config), every=settings.every, keep=settings.keep)
+        if not settings.resume and (steps := checkpointer.steps()):
+            checkpointer.close()
+            raise SpmdkitError(
+                f"--no-resume, but {checkpointer.directory} already holds steps {steps[0]}-{steps[-1]} of an "
+                "earlier run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never "
+                "overwritten)"
+            )
+        return checkpointer
+
+    def resume(self) -> None:
+        """With `checkpoint.resume`: the state and data position of the newest intact step, if there is one."""
+        if not self.config.checkpoint.resume:
+            return
+        found = self.checkpointer.restore_latest(self.state.state, self.state.shardings, self.data.iterator)
+        if found is None:
+            return
+        self.start_step, self.state.state = found
+        self.checkpointer.last_saved = self.start_step
+        if self.is_main:
+            trim_metrics(self.run_dir, self.start_step)  # the resumed run writes the later records again
+        self.log(f"resumed from step {self.start_step} of {self.checkpointer.directory}")
+
+    def save(self, step: int, force: bool = False) -> bool:
+        """Start an asynchronous save of `step` when due (or `force`); the state, data position and config."""
+        if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
+            return False
+        config = json.loads(self.config.to_json())
+        return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
+
     def run(self) -> TrainResult:
         config, run = self.config, self.config.run
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(config.to_json())
         self.log(self.describe())
-        checkpointer = attach(self)  # resumes from the newest intact checkpoint; saves through save_hook
+        self.resume()
+        checkpointer = self.checkpointer
         if self.start_step >= run.steps:
             checkpointer.close()
             self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
@@ -216,11 +256,12 @@ class Trainer:
                     writer.write(record)
                     self._update_progress(progress, record, step)
                     window_start, window_steps = time.perf_counter(), 0
-                if self.save_hook:
-                    self.save_hook(step, self, step == run.steps)
+                self.save(step, force=step == run.steps)
+                if self.step_hook:
+                    self.step_hook(step, self)
                 if stop.requested():
                     result.stopped_at = step
-                    checkpointer.save_trainer(self, step, force=True)
+                    self.save(step, force=True)
                     checkpointer.wait()
                     break
             self._check_bad_steps(previous, step)

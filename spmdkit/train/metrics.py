@@ -13,33 +13,16 @@ from typing import Any
 
 import jax
 
-# Dense bf16 peak FLOP/s per device, by `device_kind` substring (the longest match wins).
-PEAK_BF16_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "H800": 989e12,
-    "GH200": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "B200": 2250e12,
-    "GB200": 2500e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6": 918e12,
-}
+from spmdkit.plan.devices import device_for_kind
 
 
-def peak_flops(device: jax.Device | None = None, override_tflops: float = 0.0) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the first), or None when unknown (e.g. CPU)."""
-    if override_tflops > 0:
+def peak_flops(device: jax.Device | None = None, override_tflops: float | None = None) -> float | None:
+    """Peak bf16 FLOP/s of `device` (default: the first) from the planner's device table, or None when unknown
+    (e.g. CPU)."""
+    if override_tflops:
         return override_tflops * 1e12
-    kind = (device or jax.devices()[0]).device_kind
-    matches = [key for key in PEAK_BF16_FLOPS if key.lower() in kind.lower()]
-    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+    known = device_for_kind((device or jax.devices()[0]).device_kind)
+    return known.peak_flops if known else None
 
 
 def throughput(
@@ -82,6 +65,17 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop `metrics.jsonl` records past `step` (a resumed run writes them again)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

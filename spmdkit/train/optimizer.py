@@ -34,7 +34,7 @@ def decay_mask(params: Any) -> Any:
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     """clip -> AdamW(schedule, masked decay), wrapped so non-finite gradients skip the update."""
     tx = optax.chain(
-        optax.clip_by_global_norm(config.clip_norm) if config.clip_norm > 0 else optax.identity(),
+        optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(
             schedule(config, total_steps),
             b1=config.b1,

@@ -1,4 +1,4 @@
-"""Loss and gradients of the transformer through the pipeline program (`spmdkit.sharding.pipeline`).
+"""Loss and gradients of the transformer through the pipeline program (`spmdkit.parallel.pipeline.program`).
 
 The forward pass is cut in three: the embedding runs on stage 0 as the pipeline's `embed_fn` (the pipeline is
 fed the int token ids, microbatch by microbatch), the scanned block stack is split into stages over the
@@ -22,8 +22,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import TransformerConfig
 from spmdkit.models.transformer import (
     Transformer,
     apply_blocks,
@@ -32,14 +30,15 @@ from spmdkit.models.transformer import (
     embed_tokens,
     head_logits,
 )
-from spmdkit.sharding.pipeline import (
+from spmdkit.parallel.pipeline.program import (
     deinterleave_layers,
     interleave_layers,
     pipeline_value_and_grad,
     to_microbatches,
 )
-from spmdkit.sharding.pipeline_schedule import Schedule, check_layers, make_schedule
-from spmdkit.sharding.rules import Rules, suspend_rules
+from spmdkit.parallel.pipeline.schedule import Schedule, check_layers, check_pipelinable, make_schedule
+from spmdkit.sharding.logical import suspend_rules
+from spmdkit.sharding.rules import Rules
 
 # Activations cross stage boundaries in float32. XLA's CPU compiler aborts ("Invalid binary instruction opcode
 # copy") on the bfloat16 form of the pipeline loop in jax 0.10.2; float32 costs 2x the (small) ppermute bytes.
@@ -51,14 +50,6 @@ def pipeline_schedule(kind: str, mesh: Mesh, microbatches: int, virtual_stages: 
     stages = mesh.shape["pipeline"]
     check_layers(layers, stages, virtual_stages)
     return make_schedule(kind, stages, microbatches or 2 * stages, virtual_stages)
-
-
-def check_pipelinable(config: TransformerConfig, mesh: Mesh) -> None:
-    """SpmdkitError for what the pipeline program cannot run yet: MoE blocks, ring attention."""
-    if config.experts:
-        raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from --mesh")
-    if config.attention == "ring" and mesh.shape.get("context", 1) > 1:
-        raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
 
 
 def _per_device(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -99,7 +90,7 @@ def pipeline_loss_and_grads(
     (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
     """
     config = model.config
-    check_pipelinable(config, mesh)
+    check_pipelinable(config.moe_layers, mesh.shape["context"] if config.attention == "ring" else 1)
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)

@@ -7,6 +7,7 @@ Parameters follow `rules.params`; the optimizer's moments follow `rules.optimize
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,7 +37,11 @@ class TrainState:
         return nnx.state(self.model, nnx.Param)
 
 
-def _make(config: TransformerConfig, tx: optax.GradientTransformation, seed: int):
+def train_state_maker(
+    config: TransformerConfig, tx: optax.GradientTransformation, seed: int = 0
+) -> Callable[[], tuple[Transformer, nnx.Optimizer]]:
+    """A function that builds (model, optimizer): what `abstract_state` traces and `create_train_state` runs."""
+
     def make() -> tuple[Transformer, nnx.Optimizer]:
         model = Transformer(config, rngs=nnx.Rngs(seed))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -49,13 +54,20 @@ def train_state_shardings(abstract: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     return state_shardings(abstract, mesh, lambda path: rules.params if path[0].key == 0 else rules.optimizer)
 
 
+def abstract_train_state(
+    config: TransformerConfig, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules, seed: int = 0
+) -> tuple[nnx.GraphDef, nnx.State, Any]:
+    """(graphdef, abstract state, shardings) of model + optimizer on `mesh`; nothing is allocated."""
+    graphdef, abstract = abstract_state(train_state_maker(config, tx, seed))
+    return graphdef, abstract, train_state_shardings(abstract, mesh, rules)
+
+
 def create_train_state(
     config: TransformerConfig, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules, seed: int = 0
 ) -> TrainState:
     """Initialise model + optimizer inside `jax.jit` with sharded outputs (no full copy on any device)."""
-    make = _make(config, tx, seed)
-    graphdef, abstract = abstract_state(make)
-    shardings = train_state_shardings(abstract, mesh, rules)
+    make = train_state_maker(config, tx, seed)
+    graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed)
     param_abstract = nnx.state(nnx.merge(graphdef, abstract)[0], nnx.Param)
     grad_table = rules.optimizer if rules.gradients_like_optimizer else rules.params
     grad_shardings = state_shardings(param_abstract, mesh, grad_table)

@@ -17,10 +17,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdkit.errors import SpmdkitError
 from spmdkit.models.transformer import cross_entropy
-from spmdkit.sharding.pipeline_schedule import Schedule
-from spmdkit.sharding.rules import Rules, logical_to_spec, make_rules, use_rules
+from spmdkit.parallel.pipeline.schedule import Schedule
+from spmdkit.sharding.logical import logical_to_spec, use_rules
+from spmdkit.sharding.rules import Rules
 from spmdkit.train.state import TrainState
 
 Batch = dict[str, jax.Array]  # inputs, targets, positions: int32 [batch, seq]
@@ -31,23 +31,6 @@ def batch_shardings(mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
     """[batch, seq] arrays: batch over (data, fsdp, expert), seq over context."""
     spec = logical_to_spec(("batch", "seq"), None, mesh, rules.params)
     return {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "positions")}
-
-
-def batch_replicas(mesh: Mesh) -> int:
-    """Devices that hold different sequences of a batch: the product of the `batch` rule's mesh axes."""
-    return math.prod(mesh.shape.get(axis, 1) for axis in make_rules().params["batch"])
-
-
-def check_batch(global_batch: int, mesh: Mesh, grad_accum: int) -> None:
-    """The global batch must split into `grad_accum` microbatches that each divide over the batch axes."""
-    replicas = batch_replicas(mesh)
-    if grad_accum < 1 or global_batch % grad_accum:
-        raise SpmdkitError(f"batch size {global_batch} is not divisible by --grad-accum {grad_accum}")
-    if (global_batch // grad_accum) % replicas:
-        raise SpmdkitError(
-            f"microbatch of {global_batch // grad_accum} sequences does not divide over data x fsdp x expert = "
-            f"{replicas} devices: make --batch-size a multiple of {replicas * grad_accum}"
-        )
 
 
 def _microbatches(batch: Batch, grad_accum: int) -> Batch:

@@ -5,7 +5,7 @@ mesh axis. Sharding a sequence contiguously over N devices gives device r the tw
 Which original chunks sit in those slots depends on the layout:
 
     zigzag      device r holds chunks r and 2N-1-r     (one early chunk, one late chunk)
-    contiguous  device r holds chunks 2r and 2r+1      (load_balance="none"; the identity permutation)
+    contiguous  device r holds chunks 2r and 2r+1      (load_balance=None; the identity permutation)
 
 Under a causal mask, query chunk i attends to key chunks <= i, so with the contiguous layout the last device
 does ~2N times the work of the first; the zigzag layout gives every device the same number of chunk pairs.
@@ -26,17 +26,20 @@ import numpy as np
 
 from spmdkit.errors import SpmdkitError
 
-LOAD_BALANCE_MODES: tuple[str, ...] = ("zigzag", "none", "contiguous")
+LOAD_BALANCE_MODES: tuple[str | None, ...] = ("zigzag", "none", "contiguous", None)
 
 ArrayT = TypeVar("ArrayT")
 
 
-def check_load_balance(load_balance: str) -> None:
-    """Raise `SpmdkitError` unless `load_balance` is one of `LOAD_BALANCE_MODES`."""
+def check_load_balance(load_balance: str | None) -> str:
+    """The layout name ("zigzag" or "none") for a `load_balance` argument; `None` and "contiguous" mean "none".
+
+    Raises `SpmdkitError` for anything else."""
     if load_balance not in LOAD_BALANCE_MODES:
         raise SpmdkitError(
-            f"unknown load_balance {load_balance!r}: use 'zigzag' (balanced causal work) or 'none' (contiguous chunks)"
+            f"unknown load_balance {load_balance!r}: use 'zigzag' (balanced causal work) or None (contiguous chunks)"
         )
+    return "zigzag" if load_balance == "zigzag" else "none"
 
 
 def check_seq_len(seq_len: int, n: int) -> int:
@@ -49,14 +52,13 @@ def check_seq_len(seq_len: int, n: int) -> int:
     return seq_len // (2 * n)
 
 
-def slot_chunk_ids(n: int, load_balance: str) -> np.ndarray:
+def slot_chunk_ids(n: int, load_balance: str | None) -> np.ndarray:
     """`ids[r, j]`: the original chunk held in slot j (0 or 1) of device r, shape [n, 2].
 
     In both layouts `ids[r, 0] < ids[r, 1]`, which the ring kernel relies on.
     """
-    check_load_balance(load_balance)
     r = np.arange(n)
-    if load_balance == "zigzag":
+    if check_load_balance(load_balance) == "zigzag":
         return np.stack([r, 2 * n - 1 - r], axis=1)
     return np.stack([2 * r, 2 * r + 1], axis=1)
 
@@ -98,7 +100,7 @@ def pair_is_computed(q_chunk: int, k_chunk: int, causal: bool) -> bool:
     return not causal or k_chunk <= q_chunk
 
 
-def causal_work_balance(n: int, load_balance: str) -> tuple[list[int], float]:
+def causal_work_balance(n: int, load_balance: str | None) -> tuple[list[int], float]:
     """Causal attention work per device, counted in computed (query chunk, key chunk) pairs.
 
     Device r computes the pairs (its 2 query chunks) x (all 2n key chunks) with key chunk <= query chunk
@@ -108,3 +110,10 @@ def causal_work_balance(n: int, load_balance: str) -> tuple[list[int], float]:
     ids = slot_chunk_ids(n, load_balance)
     per_device = [sum(pair_is_computed(int(q), k, causal=True) for q in ids[r] for k in range(2 * n)) for r in range(n)]
     return per_device, max(per_device) / (sum(per_device) / n)
+
+
+def zigzag_batch(batch: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """Put every [batch, seq] array of a host batch into the zigzag layout for `n` context devices."""
+    if n <= 1:
+        return batch
+    return {name: np.ascontiguousarray(to_zigzag(x, axis=1, n=n)) for name, x in batch.items()}

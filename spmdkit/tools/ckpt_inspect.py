@@ -19,7 +19,7 @@ import numpy as np
 
 from spmdkit.checkpoint.manager import Checkpointer, describe_error, drop_orphaned_reads
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.summary import human_bytes
+from spmdkit.inspect.params import human_bytes
 
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 

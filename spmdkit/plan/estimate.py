@@ -5,7 +5,7 @@ Notation: N parameters, L layers, E embed, H/K query/kv heads of width d, F mlp 
 compute dtype, p = 4 (float32 parameters); mesh sizes D data, P pipeline, Fs fsdp, C context, X expert, T tensor;
 B global batch (sequences) of S tokens, M microbatches; t = B S / (D Fs X C) tokens per device per step (the
 batch is split over data, fsdp and expert). Mixture of experts: L_moe MoE layers of n experts, top_k, Q expert
-slots per sequence (n x capacity, `spmdkit.plan_layout`), the parameter inventory in `spmdkit.plan_layout`.
+slots per sequence (n x capacity, `spmdkit.plan.layout`), the parameter inventory in `spmdkit.plan.layout`.
 
 Memory per device (each parameter tensor divided by the mesh axes its logical names map to, as
 `spmdkit.sharding.rules.make_rules` maps them: heads/kv_heads/mlp/vocab -> tensor, layers -> pipeline,
@@ -64,15 +64,15 @@ from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
-from spmdkit.plan_devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
-from spmdkit.plan_layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded, capacity, parameters, sharded, table
+from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
+from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
+from spmdkit.plan.devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
+from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, check_layout
 
 __all__ = [
-    "DTYPE_BYTES", "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "Layout", "Sharded", "activation_bytes",
-    "bubble_fraction", "capacity", "check_layout", "collectives", "estimate", "evaluate", "memory", "parameters",
-    "sharded", "stash_slots", "table",
+    "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "collectives", "estimate", "evaluate",
+    "memory", "pipeline_schedule",
 ]  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # = spmdkit.sharding.pipeline_schedule.KINDS
 REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
 
 
@@ -126,15 +126,10 @@ class Estimate:
         return {**dataclasses.asdict(self), "total_memory": self.total_memory, "fits": self.fits, "margin": self.margin}
 
 
-def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """(P-1)/(vM+P-1): the idle share of a GPipe or 1F1B (v=1) or interleaved pipeline."""
-    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
-
-
-def stash_slots(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
-    """Stage inputs held at once (stage 0): GPipe M, 1F1B min(P, M), interleaved min(2(P-1)+(v-1)P, vM)."""
-    P, M, v = stages, microbatches, virtual_stages
-    return {"gpipe": M, "1f1b": min(P, M), "interleaved": min(2 * (P - 1) + (v - 1) * P, v * M)}[schedule]
+@functools.cache
+def pipeline_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule table the pipeline program would run (its bubble and stash slots are the planner's)."""
+    return make_schedule(kind, stages, microbatches, virtual_stages)
 
 
 def activation_bytes(m: TransformerConfig, T: int, sp: bool, C: int, seq: int) -> tuple[float, float]:
@@ -258,7 +253,8 @@ def memory(s: Layout) -> dict[str, float]:
     elif s.schedule == "gpipe":  # autodiff through the forward loop keeps every microbatch
         acts += M * s.stage_layers * mb * kept + 2 * s.tokens * E * a / seq_split
     else:  # spmdkit recomputes a chunk from its stashed input; + pipeline inputs and their gradient accumulator
-        slots = stash_slots(s.schedule, P, M, s.virtual_stages) + max(1, P // 2 if s.virtual_stages > 1 else 1)
+        stash = pipeline_schedule(s.schedule, P, M, s.virtual_stages).num_stash_slots
+        slots = stash + max(1, P // 2 if s.virtual_stages > 1 else 1)
         acts += (slots * mb + 2 * s.tokens) * E * a / seq_split + s.stage_layers / s.virtual_stages * mb * kept
     return {
         "parameters": sum(s.local(p, "params") for p in s.params),
@@ -311,39 +307,6 @@ def estimate(
     return evaluate(layout, dev, efficiency, comm_efficiency)
 
 
-def check_layout(s: Layout) -> None:
-    """SpmdkitError with a one-line fix for layouts spmdkit cannot run."""
-    P, M, v, replicas, m = s["pipeline"], s.microbatches, s.virtual_stages, s.replicas, s.model
-    if s.zero not in (0, 1, 2, 3):
-        raise SpmdkitError(f"ZeRO stage {s.zero} is not one of 0, 1, 2, 3")
-    if s.schedule not in SCHEDULES:
-        raise SpmdkitError(f"unknown pipeline schedule {s.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if min(s.batch_size, s.seq_len, M, v) < 1:
-        raise SpmdkitError("batch size, sequence length, microbatches and virtual stages must be positive")
-    if s.batch_size % (replicas * M):
-        raise SpmdkitError(
-            f"batch {s.batch_size} does not split into {M} microbatches over data x fsdp x expert = {replicas} "
-            f"devices: use a multiple of {replicas * M}"
-        )
-    if s.model.layers % (P * v):
-        raise SpmdkitError(f"{s.model.layers} layers do not split into {P} stages x {v} virtual stages")
-    if v > 1 and s.schedule != "interleaved":
-        raise SpmdkitError(f"{v} virtual stages need the interleaved pipeline schedule")
-    if P > 1 and s.schedule != "gpipe" and (M < P or (s.schedule == "interleaved" and M % P)):
-        raise SpmdkitError(f"{s.schedule} needs microbatches >= stages (a multiple for interleaved), got {M}, {P}")
-    if s["context"] > 1 and s.seq_len % (2 * s["context"]):
-        raise SpmdkitError(f"sequence {s.seq_len} does not split into 2 x context = {2 * s['context']} chunks")
-    if s["expert"] > 1 and not m.moe_layers:
-        raise SpmdkitError("expert parallelism needs a mixture-of-experts model (experts > 0); this one is dense")
-    if s["expert"] > 1 and m.experts % s["expert"]:
-        raise SpmdkitError(f"experts={m.experts} is not divisible by mesh axis expert={s['expert']}")
-    if s["expert"] > 1 and m.dispatch == "dense":
-        raise SpmdkitError("dense MoE dispatch (the reference) is not expert-parallel: use capacity or dropless")
-    if P > 1 and m.moe_layers:  # the pipeline step runs `model.blocks` only
-        raise SpmdkitError("pipeline parallelism of a mixture-of-experts model is not supported: use pipeline=1")
-    s.params  # noqa: B018  (raises if an axis does not divide a parameter)
-
-
 def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
     """The Estimate of a checked layout on `dev`."""
     m, sizes = s.model, s.sizes
@@ -371,7 +334,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
     compute = (model_flops + extra) / devices / (peak * efficiency)
     exposed = blocking + max(hidden - compute, hidden / s.stage_layers)
-    bubble = bubble_fraction(sizes["pipeline"], s.microbatches, s.virtual_stages)
+    P = sizes["pipeline"]
+    bubble = pipeline_schedule(s.schedule, P, s.microbatches, s.virtual_stages).bubble_fraction() if P > 1 else 0.0
     bubble_s = (compute + exposed) * bubble / (1 - bubble)
     step = compute + exposed + bubble_s
     return Estimate(

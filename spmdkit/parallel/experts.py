@@ -27,7 +27,6 @@ ZeRO-3, over `fsdp` (gathered at the shard_map's edge, like any FSDP weight).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -35,7 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.rules import active_rules
+from spmdkit.parallel.capacity import capacity
+from spmdkit.sharding.logical import active_rules
 
 
 class ExpertWeights(NamedTuple):
@@ -44,11 +44,6 @@ class ExpertWeights(NamedTuple):
     gate: jax.Array
     up: jax.Array
     down: jax.Array
-
-
-def capacity(seq: int, top_k: int, num_experts: int, factor: float) -> int:
-    """Slots per expert per sequence: ceil(factor x seq x top_k / experts), at least 1, at most seq."""
-    return max(1, min(seq, math.ceil(factor * seq * top_k / num_experts)))
 
 
 def swiglu_experts(x: jax.Array, w: ExpertWeights) -> jax.Array:

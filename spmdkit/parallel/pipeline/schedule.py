@@ -146,10 +146,18 @@ def check_layers(num_layers: int, num_stages: int, virtual_stages: int = 1) -> i
     return num_layers // chunks
 
 
+def check_pipelinable(moe_layers: int, context: int) -> None:
+    """SpmdkitError for what the pipeline program cannot run yet: mixture-of-experts blocks, context parallelism."""
+    if moe_layers:
+        raise SpmdkitError("pipelining a mixture-of-experts model is not supported yet: drop pipeline= from the mesh")
+    if context > 1:
+        raise SpmdkitError("pipeline and context parallelism together are not supported yet: use one of them")
+
+
 def make_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Build the table for `kind` in {"gpipe", "1f1b", "interleaved"} (see the module docstring)."""
     P, M, v = num_stages, num_microbatches, virtual_stages
-    _check_arguments(kind, P, M, v)
+    check_arguments(kind, P, M, v)
     orders = [_stage_order(kind, s, P, M, v) for s in range(P)]
     done = _simulate(orders, P, v)
     table = np.full((max(done.values()) + 1, P, len(FIELDS)), -1, np.int32)
@@ -162,7 +170,8 @@ def make_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_sta
     return Schedule(kind, P, M, v, table, stash, grads)
 
 
-def _check_arguments(kind: str, P: int, M: int, v: int) -> None:
+def check_arguments(kind: str, P: int, M: int, v: int) -> None:
+    """SpmdkitError unless `kind` can run P stages, M microbatches and v virtual stages."""
     if kind not in KINDS:
         raise SpmdkitError(f"unknown pipeline schedule {kind!r}: choose one of {', '.join(KINDS)}")
     if P < 1 or M < 1 or v < 1:

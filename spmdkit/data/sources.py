@@ -1,6 +1,4 @@
-"""Deterministic, resumable training data through grain, sharded by JAX process.
-
-Three sources, all cut into records of `seq_len + 1` tokens (inputs are the first `seq_len`, targets the last):
+"""Where training tokens come from: record sources (sequences of `seq_len + 1` tokens) for grain.
 
 - `"stdlib"` (default, no download): byte-level tokens of the running interpreter's standard library `.py`
   files (sorted paths, no `site-packages`, capped at ~8 MB). Each file is `BOS + utf-8 bytes + EOS`; the files
@@ -9,9 +7,6 @@ Three sources, all cut into records of `seq_len + 1` tokens (inputs are the firs
 - a token file: a flat `.bin` (raw `uint16`/`uint32`, nanoGPT format) or `.npy`, memory-mapped and read lazily
   window by window; the eval split is the tail `eval_fraction` of the stream.
 - `"synthetic"`: uniform random tokens from a numpy generator seeded per record (1,000,000 records), for benchmarks.
-
-Each JAX process reads only records `process_index::process_count` and yields `global_batch // process_count`
-rows per step; `global_batch_arrays` assembles the per-process batches into global `jax.Array`s.
 """
 
 from __future__ import annotations
@@ -20,15 +15,12 @@ import functools
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import grain
-import jax
 import numpy as np
 
+from spmdkit.data.config import DataConfig
 from spmdkit.errors import SpmdkitError
-from spmdkit.train.config import DataConfig
 
 VOCAB_BYTES = 256
 BOS = 256
@@ -38,9 +30,6 @@ VOCAB_SIZE = 264  # byte tokens + specials, padded to a multiple of 8
 STDLIB_MAX_BYTES = 8_000_000
 SYNTHETIC_RECORDS = 1_000_000
 _BIN_DTYPES = ("uint16", "uint32")
-# One background thread builds the next batches while the device computes; more threads only fight the GIL.
-_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-
 
 # ----------------------------------------------------------------------------------------------- record sources
 
@@ -193,57 +182,7 @@ def _file_tokens(config: DataConfig, vocab_size: int, seq_len: int, split: str) 
     return tokens[len(tokens) - n_eval :] if split == "eval" else tokens[: len(tokens) - n_eval]
 
 
-# ----------------------------------------------------------------------------------------------- the stream
-
-
-class DataStream(Iterator[dict[str, np.ndarray]]):
-    """Iterator of local batches: `inputs`, `targets`, `positions`, each int32 `[local_batch, seq_len]`.
-
-    `get_state()` / `set_state(state)` give exact resume; `iterator` is the grain `DatasetIterator`, for
-    `grain.checkpoint.CheckpointSave(stream.iterator)` inside an Orbax checkpoint.
-    """
-
-    def __init__(
-        self,
-        dataset: grain.IterDataset,
-        *,
-        seq_len: int,
-        global_batch: int,
-        local_batch: int,
-        num_records: int,
-        split: str,
-    ):
-        self.dataset = dataset
-        self.iterator: grain.DatasetIterator = iter(dataset)
-        self.seq_len, self.global_batch, self.local_batch = seq_len, global_batch, local_batch
-        self.num_records, self.split = num_records, split
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Global batches in one pass over the split (the eval stream stops after this many)."""
-        return self.num_records // self.global_batch
-
-    def __iter__(self) -> DataStream:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return next(self.iterator)
-
-    def get_state(self) -> dict[str, Any]:
-        return self.iterator.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.iterator.set_state(state)
-
-
-def _to_example(window: np.ndarray) -> dict[str, np.ndarray]:
-    """[seq_len + 1] tokens -> inputs, targets (shifted by one), positions: int32 [seq_len] each."""
-    window = np.asarray(window, dtype=np.int32)
-    seq_len = len(window) - 1
-    return {"inputs": window[:-1], "targets": window[1:], "positions": np.arange(seq_len, dtype=np.int32)}
-
-
-def _source(config: DataConfig, seq_len: int, vocab_size: int, seed: int, split: str) -> Sequence[np.ndarray]:
+def record_source(config: DataConfig, seq_len: int, vocab_size: int, seed: int, split: str) -> Sequence[np.ndarray]:
     if config.source == "synthetic":
         n_eval = max(1, int(SYNTHETIC_RECORDS * config.eval_fraction))
         count = n_eval if split == "eval" else SYNTHETIC_RECORDS
@@ -255,68 +194,3 @@ def _source(config: DataConfig, seq_len: int, vocab_size: int, seed: int, split:
             )
         return WindowSource(_stdlib_tokens(float(config.eval_fraction), split), seq_len)
     return WindowSource(_file_tokens(config, vocab_size, seq_len, split), seq_len)
-
-
-def make_data(
-    config: DataConfig, *, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str = "train"
-) -> DataStream:
-    """This process's stream of `[global_batch // process_count, seq_len]` batches of `split` ("train" | "eval").
-
-    train: shuffled with `seed` (reshuffled each epoch), repeated forever. eval: one pass in order, no shuffle.
-    Records are sharded by JAX process (`[process_index::process_count]`), so processes read disjoint records
-    and their batches together form the global batch.
-    """
-    if split not in ("train", "eval"):
-        raise SpmdkitError(f"unknown data split {split!r}: use 'train' or 'eval'")
-    if seq_len < 1 or global_batch < 1:
-        raise SpmdkitError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise SpmdkitError(f"eval_fraction={config.eval_fraction} is out of range: use a value in [0, 1)")
-    nproc, pid = jax.process_count(), jax.process_index()
-    if global_batch % nproc:
-        raise SpmdkitError(
-            f"global_batch={global_batch} does not divide by the {nproc} JAX processes: use a multiple of {nproc}"
-        )
-    source = _source(config, seq_len, vocab_size, seed, split)
-    if len(source) < global_batch:
-        raise SpmdkitError(
-            f"{config.source} {split} split has {len(source)} sequences of seq_len+1={seq_len + 1} tokens, fewer "
-            f"than one global batch of {global_batch}: use more data, a smaller seq_len or a smaller global_batch"
-        )
-    # Every process gets the same number of records, so all of them take the same number of steps.
-    # Whole global batches only: the record count, the shuffle and the epoch boundaries then do not depend on the
-    # process count, so 1 process x 8 devices and 2 x 4 read the same global batches.
-    num_records = len(source) - len(source) % global_batch
-    local_batch = global_batch // nproc
-    ds = grain.MapDataset.source(source)[:num_records]
-    if split == "train":
-        ds = ds.seed(seed).shuffle()
-    ds = ds[pid::nproc].map(_to_example)
-    if split == "train":
-        ds = ds.repeat()
-    iter_ds = ds.batch(local_batch, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
-    return DataStream(
-        iter_ds,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        local_batch=local_batch,
-        num_records=num_records,
-        split=split,
-    )
-
-
-def global_batch_arrays(
-    local: dict[str, np.ndarray], shardings: dict[str, jax.sharding.NamedSharding]
-) -> dict[str, jax.Array]:
-    """This process's `[local_batch, ...]` arrays -> global `jax.Array`s of `[local_batch * process_count, ...]`.
-
-    Each `shardings[name]` should split the batch dimension over the mesh axes that span the processes.
-    """
-    nproc = jax.process_count()
-    out = {}
-    for name, array in local.items():
-        if name not in shardings:
-            raise SpmdkitError(f"no sharding given for batch field {name!r}: pass shardings for {sorted(local)}")
-        global_shape = (array.shape[0] * nproc, *array.shape[1:])
-        out[name] = jax.make_array_from_process_local_data(shardings[name], array, global_shape)
-    return out

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
-from typing import Any
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.mesh import AXES, MeshConfig  # plain Python: JAX is not imported
-
-LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
+from spmdkit.sharding.mesh_config import AXES, MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """One accelerator: HBM bytes, dense bf16 peak FLOP/s, bytes/s per direction inside a node and across nodes."""
+    """One accelerator: HBM bytes, dense bf16 peak FLOP/s, bytes/s per direction inside a node and across nodes.
+
+    `kinds`: substrings of JAX's `device_kind` that name this accelerator (the longest match wins), so a running
+    job finds its peak FLOP/s for MFU in this same table."""
 
     name: str
     hbm_bytes: float
@@ -33,22 +32,42 @@ class Device:
     inter_node_bw: float
     gpus_per_node: int = 8
     backend: str = "gpu"  # "cpu": XLA's CPU pipeline, which lacks AllReduceReassociate and ReduceScatterCreator
+    kinds: tuple[str, ...] = ()
 
 
 DEVICES: dict[str, Device] = {
     # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
-    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9),
-    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9),
+    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, kinds=("H100", "H800")),
+    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, kinds=("H200", "GH200")),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
-    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9),
+    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, kinds=("A100", "A800")),
+    # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
+    "l40s": Device("l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",)),
     # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
-    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9),
+    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",)),
+    # GB200 NVL72: 186 GB usable, 2.5 PFLOP/s dense bf16, NVLink5 1.8 TB/s in a 72-GPU domain.
+    "gb200": Device("gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",)),
+    # TPU v4: 32 GB HBM, 275 TFLOP/s; ICI ~ 2 x 45 GB/s per link, 6 links. TPU v5e: 16 GB, 197 TFLOP/s.
+    "tpu-v4": Device("tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",)),
+    "tpu-v5e": Device(
+        "tpu-v5e", 16e9, 197e12, 100e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5 lite", "TPU v5e")
+    ),
     # TPU v5p: 95 GB HBM, 459 TFLOP/s; a bidirectional ring along one torus axis ~2 x 100 GB/s; DCN ~25 GB/s.
-    "tpu-v5p": Device("tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu"),
+    "tpu-v5p": Device("tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5",)),
+    # TPU v6e (Trillium): 32 GB HBM, 918 TFLOP/s bf16, ICI ~ 2 x 200 GB/s.
+    "tpu-v6e": Device("tpu-v6e", 32e9, 918e12, 400e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v6",)),
     # Simulated host devices (--xla_force_host_platform_device_count): the compiler-proof target. Its bytes are
-    # real; its FLOP/s and bandwidths are placeholders.
+    # real; its FLOP/s and bandwidths are placeholders (no `kinds`: MFU on a CPU is reported as unknown).
     "cpu": Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu"),
 }
+
+
+def device_for_kind(device_kind: str) -> Device | None:
+    """The table's accelerator for a JAX `device_kind` (e.g. "NVIDIA H100 80GB HBM3"), or None if unknown."""
+    matches = [(len(k), d) for d in DEVICES.values() for k in d.kinds if k.lower() in device_kind.lower()]
+    return max(matches, key=lambda match: match[0])[1] if matches else None
+
+
 DEVICE_TYPES: tuple[str, ...] = (*DEVICES, "custom")
 
 
@@ -61,7 +80,7 @@ def make_device(
     inter_node_gbs: float | None = None,
     gpus_per_node: int | None = None,
 ) -> Device:
-    """A named device (`h100`, `h200`, `a100`, `b200`, `tpu-v5p`) with optional overrides, or `custom` (all given)."""
+    """A named device (a key of `DEVICES`) with optional overrides, or `custom` (all given)."""
     if kind == "custom":
         missing = [n for n, v in [("--hbm-gb", hbm_gb), ("--peak-tflops", peak_tflops)] if v is None]
         missing += [
@@ -115,25 +134,3 @@ def wire_bytes(opcode: str, n: int, operand: float) -> float:
     2(n-1)/n x, reduce-scatter and all-to-all (n-1)/n x, all-gather (n-1) x (its operand is the shard), ppermute 1 x."""
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": n - 1, "collective-permute": 1}.get(opcode, (n - 1) / n)
     return operand * factor
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def candidate_meshes(m: Any, devices: int, gpus_per_node: int, batch: int, seq: int) -> Iterator[dict[str, int]]:
-    """Meshes worth trying: TP a power of two within a node dividing heads, mlp and vocab; PP dividing the layers;
-    CP (a power of two) only for sequences of LONG_CONTEXT tokens or more; EP (mixture of experts only) dividing
-    the experts, and then no PP (spmdkit's pipeline runs dense blocks only); data x fsdp take the rest, and
-    data x fsdp x expert (the batch axes) must divide the batch."""
-    powers = [2**k for k in range(devices.bit_length()) if devices % 2**k == 0]
-    moe = m.moe_layers > 0
-    for T in (t for t in powers if t <= gpus_per_node and not (m.heads % t or m.mlp % t or m.vocab_size % t)):
-        for C in [c for c in powers if c * T <= devices and seq % (2 * c) == 0] if seq >= LONG_CONTEXT else [1]:
-            for X in (x for x in _divisors(m.experts) if devices % (T * C * x) == 0) if moe else [1]:
-                rest = devices // (T * C * X)
-                for P in (p for p in _divisors(rest) if m.layers % p == 0 and not (moe and p > 1)):
-                    for F in (f for f in _divisors(rest // P) if m.embed % f == 0):
-                        D = rest // P // F
-                        if batch % (D * F * X) == 0:
-                            yield {"data": D, "pipeline": P, "fsdp": F, "context": C, "expert": X, "tensor": T}

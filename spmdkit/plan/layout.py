@@ -7,7 +7,7 @@ Parameters as `spmdkit.models.transformer` builds them, named by their model pat
 moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed, experts], expert gate/up
 [experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when `shared_expert`).
 
-MoE dispatch (`spmdkit.sharding.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
+MoE dispatch (`spmdkit.parallel.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
 S x top_k / E)) tokens to each of the E experts, so the experts compute E x C slots per sequence (padding
 included) instead of top_k x S tokens. Dropless runs the same program with C = S whenever the batch is split
 (any of data, fsdp, expert > 1); on one batch shard it is a grouped matmul without padding (top_k x S). The
@@ -22,9 +22,12 @@ import math
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
+from spmdkit.parallel.capacity import capacity
+from spmdkit.parallel.pipeline.schedule import check_arguments, check_layers, check_pipelinable
+from spmdkit.sharding.rules import REPLICATE_IF_INDIVISIBLE, AxisTable, make_rules
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-BATCH_AXES = ("data", "fsdp", "expert")  # = make_rules()'s `batch`: every axis the sequences are split over
+BATCH_AXES = make_rules().params["batch"]  # every axis the sequences are split over
 UNSTACKED = ("embedding", "final_norm", "lm_head")
 
 Param = tuple[str, tuple[int, ...], tuple[str | None, ...]]
@@ -71,11 +74,12 @@ def parameters(m: TransformerConfig) -> list[Param]:
     return [*out, ("final_norm", (E,), ("norm",)), ("lm_head", (E, V), ("embed", "vocab"))]
 
 
-def table(zero: int, kind: str) -> dict[str, str]:
-    """Logical name -> mesh axis for `kind` in params / optimizer / grads, as `make_rules(zero)` maps them."""
-    embed = {"params": zero == 3, "optimizer": zero >= 1, "grads": zero >= 2}[kind]
-    names = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "experts": "expert"}
-    return {**names, "layers": "pipeline", **({"embed": "fsdp"} if embed else {})}
+def tables(zero: int) -> dict[str, AxisTable]:
+    """The rule table `make_rules(zero)` applies to each kind of per-parameter tensor: its value, its optimizer
+    moments and its gradient (ZeRO-2 lays gradients out like the optimizer state)."""
+    rules = make_rules(zero)
+    grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
+    return {"params": rules.params, "optimizer": rules.optimizer, "grads": grads}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,33 +108,32 @@ class Sharded:
 
 @functools.cache
 def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) -> tuple[Sharded, ...]:
-    """Every parameter under the rules; kv_heads replicate when the axis does not divide them (as rules.py)."""
+    """Every parameter under the rules, as `logical_to_spec` lays it out: each dim takes the mesh axes of its
+    logical name that are > 1 and not yet used by the array; kv_heads replicate when the axes do not divide them."""
     sizes, out = dict(mesh), []
     for name, shape, names in parameters(m):
         axes = {}
-        for kind in ("params", "optimizer", "grads"):
-            rules, axes[kind] = table(zero, kind), []
+        for kind, rules in tables(zero).items():
+            axes[kind] = []
             for size, logical in zip(shape, names, strict=True):
-                axis = rules.get(logical) if logical else None
-                if axis is None or sizes[axis] == 1 or (logical == "kv_heads" and size % sizes[axis]):
-                    continue
-                if size % sizes[axis]:
+                dim_axes = (
+                    [x for x in rules.get(logical, ()) if sizes[x] > 1 and x not in axes[kind]] if logical else []
+                )
+                split = math.prod(sizes[x] for x in dim_axes)
+                if dim_axes and size % split:
+                    if logical in REPLICATE_IF_INDIVISIBLE:
+                        continue
                     raise SpmdkitError(
-                        f"parameter {name} {shape}: {logical}={size} is not divisible by mesh axis {axis}="
-                        f"{sizes[axis]}; change the model size or the mesh"
+                        f"parameter {name} {shape}: {logical}={size} is not divisible by mesh axes "
+                        f"{'x'.join(f'{x}={sizes[x]}' for x in dim_axes)}; change the model size or the mesh"
                     )
-                axes[kind].append(axis)
+                axes[kind] += dim_axes
         divisor = {
             k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x != "fsdp")) for k, v in axes.items()
         }
         kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
         out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names))
     return tuple(out)
-
-
-def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
-    """C: slots per expert per sequence, min(S, ceil(factor x S x top_k / E)), at least 1 (as `experts.capacity`)."""
-    return max(1, min(seq, math.ceil(factor * seq * top_k / experts)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +205,39 @@ class Layout:
         """One all-to-all's operand per device per step and MoE layer: the dispatch buffer [B_local, E, C, embed]
         in the compute dtype, B_local = B / (D Fs X) sequences (over all microbatches)."""
         return self.batch_size / self.replicas * self.slots * self.model.embed * self.a
+
+
+def check_layout(s: Layout) -> None:
+    """SpmdkitError with a one-line fix for layouts spmdkit cannot run.
+
+    The one statement of what the trainer can run: `spmdkit train` calls it before it builds or compiles anything,
+    and the planner skips the layouts it refuses.
+    """
+    P, M, v, C, X, replicas, m = (
+        s["pipeline"], s.microbatches, s.virtual_stages, s["context"], s["expert"], s.replicas, s.model
+    )  # fmt: skip
+    if s.zero not in (0, 1, 2, 3):
+        raise SpmdkitError(f"ZeRO stage {s.zero} is not one of 0, 1, 2, 3")
+    if min(s.batch_size, s.seq_len, M, v) < 1:
+        raise SpmdkitError("batch size, sequence length, microbatches and virtual stages must be positive")
+    if s.batch_size % (replicas * M):
+        raise SpmdkitError(
+            f"batch of {s.batch_size} sequences does not split into {M} microbatch(es) over data x fsdp x expert = "
+            f"{replicas} devices: make the batch size a multiple of {replicas * M}"
+        )
+    check_arguments(s.schedule, P, M, v)
+    check_layers(m.layers, P, v)
+    if C > 1 and s.seq_len % (2 * C):
+        raise SpmdkitError(
+            f"sequence length {s.seq_len} does not split into 2 x context = {2 * C} chunks for ring attention: "
+            f"make it a multiple of {2 * C}"
+        )
+    if X > 1 and not m.moe_layers:
+        raise SpmdkitError("expert parallelism needs a mixture-of-experts model (experts > 0); this one is dense")
+    if X > 1 and m.experts % X:
+        raise SpmdkitError(f"experts={m.experts} is not divisible by mesh axis expert={X}")
+    if X > 1 and m.dispatch == "dense":
+        raise SpmdkitError("dense MoE dispatch (the reference) is not expert-parallel: use capacity or dropless")
+    if P > 1:
+        check_pipelinable(m.moe_layers, C)
+    s.params  # noqa: B018  (raises if an axis does not divide a parameter)

@@ -5,9 +5,9 @@ For each strategy whose mesh fits the devices present: build the sharded train s
 `memory_analysis()` (argument and temp bytes per device) and the HLO collectives (`collective_report`), which are
 set next to `spmdkit.plan.estimate`'s predicted bytes for the same layout. Results go to a Markdown table and JSON.
 
-JAX must not be imported before `configure_platform()` runs: it sets XLA_FLAGS (8 simulated CPU devices when no
-GPU is present; latency-hiding scheduler and collective-combine thresholds on GPU). `scripts/benchmark.py` and
-`spmdkit bench` both call it first.
+`configure_platform()` must run before JAX computes anything (it may run after `import jax`): 8 simulated CPU
+devices when no GPU is present; the latency-hiding scheduler and collective-combine thresholds in XLA_FLAGS on GPU
+(XLA reads them when the backend starts). `scripts/benchmark.py` and `spmdkit bench` both call it first.
 """
 
 from __future__ import annotations
@@ -24,6 +24,26 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import jax
+import numpy as np
+
+from spmdkit.data.sources import SyntheticSource
+from spmdkit.distributed.initialize import FORCED_COUNT
+from spmdkit.inspect.hlo import collective_report
+from spmdkit.models.config import TransformerConfig, model_preset
+from spmdkit.parallel.context.zigzag import zigzag_batch
+from spmdkit.plan.devices import DEVICES, device_for_kind
+from spmdkit.plan.estimate import estimate
+from spmdkit.sharding.mesh import make_mesh
+from spmdkit.sharding.mesh_config import format_sizes
+from spmdkit.sharding.rules import make_rules
+from spmdkit.train.config import OptimizerConfig
+from spmdkit.train.metrics import peak_flops, throughput
+from spmdkit.train.optimizer import make_optimizer
+from spmdkit.train.pipeline_step import pipeline_schedule
+from spmdkit.train.state import create_train_state
+from spmdkit.train.step import batch_shardings, make_train_step
 
 # name: (mesh, ZeRO stage, sequence parallel). "one_device" runs on the first device alone.
 STRATEGIES: dict[str, tuple[str, int, bool]] = {
@@ -76,23 +96,23 @@ def gpu_present() -> bool:
 
 
 def configure_platform() -> str:
-    """Set XLA_FLAGS for the platform before JAX is imported; returns "gpu" or "cpu"."""
-    import sys
-
-    if "jax" in sys.modules:  # too late to change flags: report what JAX already has
-        return sys.modules["jax"].default_backend()
+    """The GPU flags on a GPU host, else `CPU_DEVICES` simulated CPU devices (unless XLA_FLAGS already forces a
+    count); returns "gpu" or "cpu". When JAX's backend is already running it is too late: report what it has."""
     if gpu_present():
         _add_flags(GPU_XLA_FLAGS)
         return "gpu"
-    _add_flags((f"--xla_force_host_platform_device_count={CPU_DEVICES}",))
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        if not FORCED_COUNT.search(os.environ.get("XLA_FLAGS", "")):
+            jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    except RuntimeError:  # the backend already started (e.g. in a test session)
+        return jax.default_backend()
     return "cpu"
 
 
 @contextlib.contextmanager
 def count_compiles() -> Iterator[list[float]]:
     """Collect the duration of every XLA backend compilation that happens inside the block."""
-    import jax
 
     durations: list[float] = []
 
@@ -121,11 +141,7 @@ class Setup:
 
 
 def _batches(setup: Setup, context: int, count: int) -> list[dict]:
-    """`count` synthetic batches (uniform tokens, `spmdkit.train.data.SyntheticSource`), zigzagged for CP."""
-    import numpy as np
-
-    from spmdkit.sharding.context import zigzag_batch
-    from spmdkit.train.data import SyntheticSource
+    """`count` synthetic batches (uniform tokens, `spmdkit.data.sources.SyntheticSource`), zigzagged for CP."""
 
     out = []
     for k in range(count):
@@ -139,15 +155,6 @@ def _batches(setup: Setup, context: int, count: int) -> list[dict]:
 
 def build(name: str, setup: Setup) -> dict[str, Any]:
     """Mesh, rules, train state, jitted step and device batches of strategy `name` (nothing compiled yet)."""
-    import jax
-
-    from spmdkit.sharding.mesh import make_mesh
-    from spmdkit.sharding.rules import make_rules
-    from spmdkit.train.config import OptimizerConfig
-    from spmdkit.train.optimizer import make_optimizer
-    from spmdkit.train.pipeline_step import pipeline_schedule
-    from spmdkit.train.state import create_train_state
-    from spmdkit.train.step import batch_shardings, make_train_step
 
     mesh_text, zero, sp = STRATEGIES[name]
     mesh = make_mesh(mesh_text, jax.devices()[:1]) if name == "one_device" else make_mesh(mesh_text)
@@ -176,7 +183,6 @@ def model_for(setup: Setup, sizes: Any) -> Any:
 
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
     """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
-    from spmdkit.plan import estimate
 
     _, zero, sp = STRATEGIES[name]
     return estimate(
@@ -187,11 +193,6 @@ def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
 
 def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     """Compile, warm up and time one strategy; read memory and collectives from the compiled step."""
-    import jax
-
-    from spmdkit.sharding.hlo import collective_report
-    from spmdkit.sharding.mesh import format_sizes
-    from spmdkit.train.metrics import peak_flops, throughput
 
     built = build(name, setup)
     mesh, batches, state = built["mesh"], built["batches"], built["state"].state
@@ -246,7 +247,6 @@ def fits(name: str, num_devices: int) -> bool:
 
 def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str, Any]]:
     """Rows of `run_strategy` for the strategies that fit; skipped ones are logged."""
-    import jax
 
     rows = []
     for name in names:
@@ -297,13 +297,9 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, s
 
 def gpu_setup(steps: int) -> Setup:
     """~1B parameters (the `1b` preset), bf16, the largest batch the planner says fits each GPU's HBM."""
-    import jax
 
-    from spmdkit.models.config import model_preset
-    from spmdkit.plan_devices import DEVICES
-
-    kind = jax.devices()[0].device_kind.lower()
-    device = next((d for d in ("h200", "h100", "a100", "b200") if d in kind), "h100")
+    known = device_for_kind(jax.devices()[0].device_kind)
+    device = known.name if known else "h100"
     n, seq = jax.device_count(), 2048
     for remat in ("none", "full"):
         model = model_preset("1b").replace(dtype="bfloat16", remat=remat)
@@ -318,34 +314,15 @@ def gpu_setup(steps: int) -> Setup:
 
 def peer_model() -> Any:
     """The fixed configuration other toolkits can run too (Llama-style, 20.6M parameters)."""
-    from spmdkit.models.config import TransformerConfig
 
     return TransformerConfig(
         vocab_size=32_000, embed=256, layers=4, heads=4, kv_heads=4, head_dim=64, mlp=1024, dtype="bfloat16"
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (minutes on a laptop CPU)")
-    parser.add_argument("--peer", action="store_true", help="the fixed peer configuration (fsdp=8, fsdp=4,tensor=2)")
-    parser.add_argument("--out", default="results", metavar="DIR", help="results directory (default: results/)")
-    parser.add_argument("--steps", type=int, metavar="N", help="timed steps per strategy")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps after compiling")
-    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), metavar="NAME", help="subset to run")
-    parser.add_argument("--model", default="tiny", help="model preset on CPU (default: tiny)")
-    parser.add_argument("--dtype", default="float32", help="compute dtype on CPU (default: float32)")
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (CPU; default 16)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (CPU; default 256)")
-    parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches (default 8)")
-    return parser
-
-
 def run(args: argparse.Namespace) -> int:
     """The benchmark as a command: set up, run, print and write the table."""
     platform = configure_platform()
-    import jax
-
-    from spmdkit.models.config import model_preset
 
     if args.peer:
         setup = Setup(peer_model(), 8, 256, steps=args.steps or 20, warmup=args.warmup)
@@ -372,15 +349,3 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     print(f"wrote {md} and {js} ({meta['wall_s']} s)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="benchmark", description=__doc__.split("\n\n")[0]))
-    return run(parser.parse_args(argv))
-
-
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """`spmdkit bench`: the same flags as scripts/benchmark.py."""
-    parser = subparsers.add_parser("bench", help="benchmark every strategy: speed, memory, traffic vs the planner")
-    add_arguments(parser).set_defaults(handler=run)
-    return parser

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from spmdkit.checkpoint.manager import Checkpointer, to_saved_tree
+from spmdkit.data.stream import make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.models.config import PRESETS
@@ -28,9 +29,8 @@ from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.partition import abstract_state
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, apply_overrides, config_from_json
-from spmdkit.train.data import make_data
 from spmdkit.train.optimizer import make_optimizer
-from spmdkit.train.state import _make, train_state_shardings
+from spmdkit.train.state import abstract_train_state
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 # Fields of TransformerConfig that fix a model's parameters and its function (compute dtype aside).
@@ -75,9 +75,8 @@ def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nn
     """(graphdef, abstract train state, shardings) of `config`'s model and optimizer on `mesh`; no allocation."""
     model = config.model.build(mesh.shape["context"])
     tx = make_optimizer(config.optimizer, config.run.steps)
-    graphdef, abstract = abstract_state(_make(model, tx, config.run.seed))
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    return graphdef, abstract, train_state_shardings(abstract, mesh, rules)
+    return abstract_train_state(model, tx, mesh, rules, config.run.seed)
 
 
 # ------------------------------------------------------------------------------------------------- reshard

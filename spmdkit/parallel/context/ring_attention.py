@@ -2,7 +2,7 @@
 
 Shapes (global): q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], out like q.
 seq is sharded over the context axis (N devices), batch over `batch_axes`, heads and kv_heads over
-`heads_axis`. Each device holds 2 sequence chunks of c = seq / (2N) tokens (see `spmdkit.sharding.zigzag`
+`heads_axis`. Each device holds 2 sequence chunks of c = seq / (2N) tokens (see `spmdkit.parallel.context.zigzag`
 for which original chunks, and for changing the layout of the inputs and positions).
 
 Forward (N steps). Keys and values travel around the ring: at step t device r holds the K/V chunks of device
@@ -42,7 +42,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.zigzag import (
+from spmdkit.parallel.context.chunk_pair import (
+    F32,
+    bwd_pair,
+    fwd_pair,
+    merge_kv,
+    merge_q,
+    merge_rows,
+    split_kv,
+    split_q,
+    split_rows,
+)
+from spmdkit.parallel.context.zigzag import (
     causal_work_balance,
     check_load_balance,
     check_seq_len,
@@ -53,11 +64,10 @@ from spmdkit.sharding.zigzag import (
     zigzag_indices,
 )
 
-# The layout helpers live in spmdkit.sharding.zigzag and are re-exported here.
+# The layout helpers live in spmdkit.parallel.context.zigzag and are re-exported here.
 __all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
 __all__ += ["ring_attention", "ring_attention_with_lse"]
 
-_F32 = jnp.float32
 _INIT_MAX = float(np.finfo(np.float32).min)  # finite, so fully masked key tiles never give exp(-inf + inf)
 
 
@@ -70,7 +80,7 @@ class _Ring:
     batch_axes: tuple[str, ...]
     heads_axis: str | None
     causal: bool
-    load_balance: str
+    load_balance: str  # "zigzag" or "none"
     key_tile: int
     scale: float
 
@@ -97,115 +107,9 @@ class _Ring:
         return P(self.batch_spec, self.heads_axis, self.axis_name)
 
 
-# ---------------------------------------------------------------- local layout (inside shard_map)
-
-
-def _split_q(x: jax.Array, kv_heads: int) -> jax.Array:
-    """[B, 2c, H, D] -> [2 (slot), B, kv_heads, group, c, D]."""
-    b, s2, h, d = x.shape
-    return x.reshape(b, 2, s2 // 2, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
-
-
-def _merge_q(x: jax.Array) -> jax.Array:
-    """[2, B, kv_heads, group, c, D] -> [B, 2c, H, D]."""
-    _, b, hk, g, c, d = x.shape
-    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, 2 * c, hk * g, d)
-
-
-def _split_kv(x: jax.Array) -> jax.Array:
-    """[B, 2c, kv_heads, D] -> [2 (slot), B, kv_heads, c, D]."""
-    b, s2, hk, d = x.shape
-    return x.reshape(b, 2, s2 // 2, hk, d).transpose(1, 0, 3, 2, 4)
-
-
-def _merge_kv(x: jax.Array) -> jax.Array:
-    """[2, B, kv_heads, c, D] -> [B, 2c, kv_heads, D]."""
-    _, b, hk, c, d = x.shape
-    return x.transpose(1, 0, 3, 2, 4).reshape(b, 2 * c, hk, d)
-
-
-def _split_rows(x: jax.Array, kv_heads: int) -> jax.Array:
-    """Per-row statistics [B, H, 2c] -> [2, B, kv_heads, group, c]."""
-    b, h, s2 = x.shape
-    return x.reshape(b, kv_heads, h // kv_heads, 2, s2 // 2).transpose(3, 0, 1, 2, 4)
-
-
-def _merge_rows(x: jax.Array) -> jax.Array:
-    """[2, B, kv_heads, group, c] -> [B, H, 2c]."""
-    _, b, hk, g, c = x.shape
-    return x.transpose(1, 2, 3, 0, 4).reshape(b, hk * g, 2 * c)
-
-
-def _key_tiles(x: jax.Array, tile: int) -> jax.Array:
-    """[B, kv_heads, c, D] -> [c / tile, B, kv_heads, tile, D]."""
-    b, hk, c, d = x.shape
-    return x.reshape(b, hk, c // tile, tile, d).transpose(2, 0, 1, 3, 4)
-
-
-def _merge_tiles(x: jax.Array) -> jax.Array:
-    """[c / tile, B, kv_heads, tile, D] -> [B, kv_heads, c, D]."""
-    nt, b, hk, tile, d = x.shape
-    return x.transpose(1, 2, 0, 3, 4).reshape(b, hk, nt * tile, d)
-
-
 def _hop(x: jax.Array, ring: _Ring) -> jax.Array:
     """Send `x` one step around the ring: device r -> r + 1."""
     return lax.ppermute(x, ring.axis_name, perm=[(j, (j + 1) % ring.n) for j in range(ring.n)])
-
-
-# ---------------------------------------------------------------- block math for one (query, key) chunk pair
-
-
-def _scores(q: jax.Array, k: jax.Array, tile_index: jax.Array, diagonal: bool, scale: float) -> jax.Array:
-    """s = q k^T * scale, [B, kv_heads, group, c, tile] float32; on the diagonal pair keys after the query
-    are set to -inf (both chunks are the same chunk, so local offsets compare positions)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=_F32) * scale
-    if diagonal:
-        tile = k.shape[2]
-        q_pos = jnp.arange(q.shape[3])[:, None]
-        k_pos = tile_index * tile + jnp.arange(tile)[None, :]
-        s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
-    return s
-
-
-def _fwd_pair(q, k, v, acc, *, diagonal: bool, ring: _Ring):
-    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk."""
-
-    def tile_step(acc, xs):
-        o, m, denom = acc
-        index, kt, vt = xs
-        s = _scores(q, kt, index, diagonal, ring.scale)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vt.dtype), vt, preferred_element_type=_F32)
-        return (o * corr[..., None] + pv, m_new, denom * corr + p.sum(-1)), None
-
-    tiles = k.shape[2] // ring.key_tile
-    xs = (jnp.arange(tiles), _key_tiles(k, ring.key_tile), _key_tiles(v, ring.key_tile))
-    return lax.scan(tile_step, acc, xs)[0]
-
-
-def _bwd_pair(rows, k, v, grads, *, diagonal: bool, ring: _Ring):
-    """Gradient contributions of one chunk pair. rows = (q, dO, lse, D) of the query chunk;
-    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk."""
-    q, do, lse, delta = rows
-    dq, dk, dv = grads
-
-    def tile_step(dq, xs):
-        index, kt, vt = xs
-        p = jnp.exp(_scores(q, kt, index, diagonal, ring.scale) - lse[..., None])
-        dv_t = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=_F32)
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, vt, preferred_element_type=_F32)
-        ds = p * (dp - delta[..., None])
-        dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kt.dtype), kt, preferred_element_type=_F32) * ring.scale
-        dk_t = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=_F32) * ring.scale
-        return dq, (dk_t, dv_t)
-
-    tiles = k.shape[2] // ring.key_tile
-    xs = (jnp.arange(tiles), _key_tiles(k, ring.key_tile), _key_tiles(v, ring.key_tile))
-    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, xs)
-    return dq, dk + _merge_tiles(dk_t), dv + _merge_tiles(dv_t)
 
 
 # ---------------------------------------------------------------- one ring step: the 4 chunk pairs
@@ -271,42 +175,52 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
 def _forward_local(ring: _Ring, q, k, v):
     """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] -> out [B, 2c, H, D], lse [B, H, 2c] float32.
     State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32."""
-    qs = _split_q(q, k.shape[2])
-    o = jnp.zeros_like(qs, dtype=_F32)
+    qs = split_q(q, k.shape[2])
+    o = jnp.zeros_like(qs, dtype=F32)
     state = (o, jnp.full_like(o[..., 0], _INIT_MAX), jnp.zeros_like(o[..., 0]))
 
     def pair(state, kv, i, j, diagonal):
         acc = tuple(_take(s, i) for s in state)
-        new = _fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, diagonal=diagonal, ring=ring)
+        new = fwd_pair(
+            _take(qs, i),
+            _take(kv[0], j),
+            _take(kv[1], j),
+            acc,
+            diagonal=diagonal,
+            scale=ring.scale,
+            key_tile=ring.key_tile,
+        )
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
-    o, m, denom = _ring_loop(pair, state, jnp.stack([_split_kv(k), _split_kv(v)]), ring)
-    return _merge_q((o / denom[..., None]).astype(q.dtype)), _merge_rows(m + jnp.log(denom))
+    o, m, denom = _ring_loop(pair, state, jnp.stack([split_kv(k), split_kv(v)]), ring)
+    return merge_q((o / denom[..., None]).astype(q.dtype)), merge_rows(m + jnp.log(denom))
 
 
 def _backward_local(ring: _Ring, q, k, v, out, lse, dout, dlse):
     """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
     State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
     kv_heads = k.shape[2]
-    qs, dos = _split_q(q, kv_heads), _split_q(dout, kv_heads)
-    delta = jnp.sum(dos.astype(_F32) * _split_q(out, kv_heads).astype(_F32), -1) - _split_rows(dlse, kv_heads)
-    rows = (qs, dos, _split_rows(lse, kv_heads), delta)
-    kv = jnp.stack([_split_kv(k), _split_kv(v)])
+    qs, dos = split_q(q, kv_heads), split_q(dout, kv_heads)
+    delta = jnp.sum(dos.astype(F32) * split_q(out, kv_heads).astype(F32), -1) - split_rows(dlse, kv_heads)
+    rows = (qs, dos, split_rows(lse, kv_heads), delta)
+    kv = jnp.stack([split_kv(k), split_kv(v)])
 
     def pair(state, kv, i, j, diagonal):
         dq, dk, dv = state
         grads = (_take(dq, i), _take(dk, j), _take(dv, j))
         kj, vj = _take(kv[0], j), _take(kv[1], j)
-        dqi, dkj, dvj = _bwd_pair(tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, ring=ring)
+        dqi, dkj, dvj = bwd_pair(
+            tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, scale=ring.scale, key_tile=ring.key_tile
+        )
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
     def send_back(state):  # dK, dV travel packed in one buffer
         dkv = _hop(jnp.stack(state[1:]), ring)
         return state[0], dkv[0], dkv[1]
 
-    dkv = jnp.zeros_like(kv, dtype=_F32)
-    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=_F32), dkv[0], dkv[1]), kv, ring, send_back)
-    return _merge_q(dq).astype(q.dtype), _merge_kv(dk).astype(k.dtype), _merge_kv(dv).astype(v.dtype)
+    dkv = jnp.zeros_like(kv, dtype=F32)
+    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), kv, ring, send_back)
+    return merge_q(dq).astype(q.dtype), merge_kv(dk).astype(k.dtype), merge_kv(dv).astype(v.dtype)
 
 
 def _shard_map(ring: _Ring, fn, in_specs, out_specs):
@@ -377,7 +291,7 @@ def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> N
 def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile) -> _Ring:
     """Check every user input and resolve the axes (size-1 and absent axes are dropped)."""
     _check_shapes(q, k, v)
-    check_load_balance(load_balance)
+    load_balance = check_load_balance(load_balance)
     if axis_name not in mesh.shape:
         raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: pass axis_name=")
     chunk = check_seq_len(q.shape[1], mesh.shape[axis_name])
@@ -404,7 +318,7 @@ def ring_attention_with_lse(
     mesh: Mesh,
     axis_name: str = "context",
     causal: bool = True,
-    load_balance: str = "zigzag",
+    load_balance: str | None = "zigzag",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
@@ -423,7 +337,7 @@ def ring_attention(
     mesh: Mesh,
     axis_name: str = "context",
     causal: bool = True,
-    load_balance: str = "zigzag",
+    load_balance: str | None = "zigzag",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
@@ -440,7 +354,7 @@ def ring_attention(
 
     `load_balance="zigzag"`: the caller has put the sequence (and the positions used for RoPE) in the
     zigzag layout with `to_zigzag(x, n=N)`, so device r holds chunks r and 2N-1-r and causal work is
-    balanced. `"none"` (or `"contiguous"`): the natural order. The layout only matters when `causal`.
+    balanced. `None` (or `"none"`, `"contiguous"`): the natural order. The layout only matters when `causal`.
     `key_tile` (a divisor of seq / 2N, default the whole chunk) bounds the per-pair scratch memory.
     Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse.
     """

@@ -62,8 +62,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding import pipeline_schedule as ps
-from spmdkit.sharding.pipeline_schedule import Schedule, check_layers
+from spmdkit.parallel.pipeline import schedule as ps
+from spmdkit.parallel.pipeline.schedule import Schedule, check_layers
 
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]

@@ -1,6 +1,6 @@
 """SLURM: the sbatch script `spmdkit launch --slurm` writes (one srun task per GPU) and its submission.
 
-Every task runs the same command; `spmdkit.launch.initialize_distributed` then reads `SLURM_PROCID` /
+Every task runs the same command; `spmdkit.distributed.initialize.initialize_distributed` then reads `SLURM_PROCID` /
 `SLURM_NTASKS` and the coordinator address the script exports, so the tasks join one JAX job.
 """
 
@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 from spmdkit.errors import SpmdkitError
 
-COORDINATOR = "SPMDKIT_COORDINATOR"  # host:port of process 0, read by every process (spmdkit.launch too)
+COORDINATOR = (
+    "SPMDKIT_COORDINATOR"  # host:port of process 0, read by every process (spmdkit.distributed.initialize too)
+)
 
 NCCL_OPTIONS = """\
 # NCCL on H100 nodes with InfiniBand: the defaults usually work; uncomment what your cluster needs.

@@ -1,0 +1,78 @@
+"""The `spmdkit` command: one module per subcommand, each with `HELP`, `parse(argv)` and `main(argv) -> int`.
+
+`train` is built from the `TrainConfig` dataclasses by tyro (`spmdkit.cli.train`); the others are argparse parsers
+of `spmdkit.cli.args.ArgumentParser`. The contract of every command: a user error is one line on stderr
+(`spmdkit: error: ...`) and exit 2, without a usage dump or a traceback; Ctrl-C is exit 130.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from spmdkit.errors import SpmdkitError
+
+COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit plan` never imports JAX)
+    "train": "spmdkit.cli.train",
+    "ckpt": "spmdkit.cli.ckpt",
+    "plan": "spmdkit.cli.plan",
+    "launch": "spmdkit.cli.launch",
+    "bench": "spmdkit.cli.bench",
+}
+SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own help
+    "train": "train a model",
+    "ckpt": "inspect, verify, reshard or convert (Hugging Face) checkpoints",
+    "plan": "predict memory, traffic, bubble and MFU of a layout; recommend one",
+    "launch": "run a command as the processes of one JAX job (here, or as a SLURM job)",
+    "bench": "benchmark every strategy: speed, memory, traffic vs the planner",
+}
+DESCRIPTION = "SPMD sharding toolkit for training transformers with JAX."
+
+
+def command(name: str) -> ModuleType:
+    """The module of subcommand `name`."""
+    if name not in COMMANDS:
+        raise SpmdkitError(f"unknown command {name!r}: choose one of {', '.join(COMMANDS)} (see spmdkit --help)")
+    return importlib.import_module(COMMANDS[name])
+
+
+def usage() -> str:
+    """`spmdkit --help`: the commands and what each does."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {SUMMARIES[name]}" for name in COMMANDS]
+    return "\n".join(
+        ["usage: spmdkit COMMAND [ARGS...]", "", DESCRIPTION, "", "commands:", *lines, "", "spmdkit COMMAND --help"]
+    )
+
+
+def parse(argv: Sequence[str]) -> Any:
+    """Parse a command line without running anything (for checking the commands the docs cite)."""
+    if not argv:
+        raise SpmdkitError("no command given: see spmdkit --help")
+    return command(argv[0]).parse(argv[1:])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(usage())
+            return 0 if argv else 2
+        return command(argv[0]).main(argv[1:])
+    except SpmdkitError as error:
+        print(f"spmdkit: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spmdkit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (`spmdkit plan | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

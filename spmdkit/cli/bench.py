@@ -1,0 +1,40 @@
+"""`spmdkit bench` (and `scripts/benchmark.py`): compile and time every strategy that fits the devices present."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser
+from spmdkit.tools.bench import STRATEGIES, run
+
+HELP = SUMMARIES["bench"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The benchmark's flags (shared by `spmdkit bench` and `scripts/benchmark.py`)."""
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (minutes on a laptop CPU)")
+    parser.add_argument("--peer", action="store_true", help="the fixed peer configuration (fsdp=8, fsdp=4,tensor=2)")
+    parser.add_argument("--out", default="results", metavar="DIR", help="results directory (default: results/)")
+    parser.add_argument("--steps", type=int, metavar="N", help="timed steps per strategy")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps after compiling")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), metavar="NAME", help="subset to run")
+    parser.add_argument("--model", default="tiny", help="model preset on CPU (default: tiny)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype on CPU (default: float32)")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (CPU; default 16)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (CPU; default 256)")
+    parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches (default 8)")
+    return parser
+
+
+def parser(prog: str = "spmdkit bench") -> ArgumentParser:
+    return add_arguments(ArgumentParser(prog=prog, description=HELP[0].upper() + HELP[1:] + "."))
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    return run(parse(argv))

@@ -1,0 +1,135 @@
+"""`spmdkit ckpt`: inspect, verify, reshard or convert (Hugging Face) checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
+
+HELP = SUMMARIES["ckpt"]
+
+
+def _inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
+    p.add_argument("--step", type=int, metavar="N", help="the step to describe (default: the newest)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="checkpoint directory (e.g. RUN_DIR/checkpoints)")
+
+
+def _reshard(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="checkpoint directory to read")
+    p.add_argument("--mesh", required=True, help="the new mesh, e.g. 'data=8' or 'fsdp=4,tensor=2'")
+    p.add_argument("--out", required=True, metavar="DIR2", help="new (empty) checkpoint directory")
+    add_cpu_devices(p)
+    p.add_argument("--step", type=int, metavar="N", help="the step to reshard (default: the newest)")
+
+
+def _export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="checkpoint directory to read")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="config.json is written beside it")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="stored dtype")
+    p.add_argument("--step", type=int, metavar="N", help="the step to export (default: the newest)")
+
+
+def _import_hf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE.safetensors", help="with its config.json beside it")
+    p.add_argument("--out", required=True, metavar="DIR", help="new (empty) checkpoint directory")
+    p.add_argument("--mesh", default="", help="mesh to lay the parameters out on (default: all on fsdp)")
+    add_cpu_devices(p)
+
+
+def _quiet_absl() -> None:
+    """Orbax logs read-only notices through absl; the ckpt commands print their own report."""
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from spmdkit.tools.ckpt_inspect import format_inspection, inspect_checkpoint
+
+    _quiet_absl()
+    info = inspect_checkpoint(args.directory, args.step)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from spmdkit.tools.ckpt_inspect import format_verification, verify_checkpoint
+
+    _quiet_absl()
+    report = verify_checkpoint(args.directory)
+    print(format_verification(args.directory, report))
+    return 0 if all(r["ok"] for r in report) else 1
+
+
+def run_reshard(args: argparse.Namespace) -> int:
+    from spmdkit.tools.convert import reshard_checkpoint
+
+    _quiet_absl()
+    step = reshard_checkpoint(args.directory, args.out, args.mesh, args.step)
+    print(f"resharded step {step} of {args.directory} onto mesh {args.mesh} in {args.out}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from spmdkit.tools.convert import export_hf
+
+    _quiet_absl()
+    out = export_hf(args.directory, args.out, args.dtype, args.step)
+    print(f"wrote {out} and {out.parent / 'config.json'}")
+    return 0
+
+
+def run_import_hf(args: argparse.Namespace) -> int:
+    from spmdkit.tools.convert import import_hf
+
+    _quiet_absl()
+    out = import_hf(args.file, args.out, args.mesh)
+    print(f"wrote checkpoint step 0 (fresh optimizer state) in {out}")
+    return 0
+
+
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "inspect": ("steps, saved config, and every array's shape, dtype and size", _inspect, run_inspect),
+    "verify": ("read every step in full; exit 1 if any is damaged", _verify, run_verify),
+    "reshard": ("restore a step onto another mesh and save it to a new directory", _reshard, run_reshard),
+    "export": ("parameters as Hugging Face Llama safetensors + config.json", _export, run_export),
+    "import-hf": ("an spmdkit checkpoint from Hugging Face Llama safetensors", _import_hf, run_import_hf),
+}
+
+
+def parser() -> ArgumentParser:
+    """`spmdkit ckpt` with its subcommands."""
+    top = ArgumentParser(prog="spmdkit ckpt", description=HELP[0].upper() + HELP[1:] + ".")
+    commands = top.add_subparsers(dest="ckpt_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (text, add, run) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        add(sub)
+        sub.set_defaults(handler=run)
+    return top
+
+
+def subcommand_parser(name: str) -> ArgumentParser:
+    """The parser of `spmdkit ckpt NAME` alone (for the CLI reference)."""
+    text, add, _ = SUBCOMMANDS[name]
+    sub = ArgumentParser(prog=f"spmdkit ckpt {name}", description=text[0].upper() + text[1:] + ".")
+    add(sub)
+    return sub
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    use_cpu_devices(getattr(args, "cpu_devices", None))
+    return args.handler(args)

@@ -1,0 +1,77 @@
+"""`spmdkit launch`: run a command as the processes of one JAX job here, or write and submit an sbatch script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser
+from spmdkit.distributed.launcher import launch_local, resolve_platform, visible_gpus
+from spmdkit.distributed.slurm import sbatch_script, submit_slurm
+from spmdkit.errors import SpmdkitError
+
+HELP = SUMMARIES["launch"]
+
+LAUNCH_FLAGS: list[tuple[str, dict]] = [
+    ("--processes", dict(type=int, metavar="N", help="local processes (default: one per GPU, else 1)")),
+    (
+        "--devices-per-process",
+        dict(type=int, metavar="M", help="CPU: simulated devices each (default 1); GPU: GPUs each"),
+    ),
+    ("--platform", dict(choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu where GPUs are visible")),
+    ("--port", dict(type=int, help="coordinator port on 127.0.0.1 (default: a free one)")),
+    ("--grace", dict(type=float, default=60.0, help="seconds processes get to save after Ctrl-C (default: 60)")),
+    ("--slurm", dict(action="store_true", help="write an sbatch script (one task per GPU) and submit it")),
+    ("--nodes", dict(type=int, metavar="K", help="--slurm: nodes")),
+    ("--gpus-per-node", dict(type=int, default=8, metavar="G", help="--slurm: GPUs (= tasks) per node (default: 8)")),
+    ("--partition", dict(help="--slurm: partition")),
+    ("--time", dict(help="--slurm: time limit, e.g. 24:00:00")),
+    ("--account", dict(help="--slurm: account")),
+    ("--job-name", dict(default="spmdkit", help="--slurm: job name (default: spmdkit)")),
+    ("--script", dict(default="spmdkit.sbatch", help="--slurm: where to write the script (default: spmdkit.sbatch)")),
+    ("--dry-run", dict(action="store_true", help="--slurm: print the script, submit nothing")),
+]
+
+
+def parser() -> ArgumentParser:
+    """`spmdkit launch` (its handler is `main`)."""
+    parser = ArgumentParser(
+        prog="spmdkit launch",
+        description="Run COMMAND as N local processes of one JAX job (spmdkit launch --processes 2 "
+        "--devices-per-process 4 -- spmdkit train ...), or write and submit an sbatch script (--slurm).",
+    )
+    for flag, kwargs in LAUNCH_FLAGS:
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("launch_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what each process runs")
+    return parser
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    command = args.launch_command[1:] if args.launch_command[:1] == ["--"] else args.launch_command
+    if args.slurm:
+        if args.processes is not None or args.nodes is None:
+            raise SpmdkitError("--slurm takes --nodes K and --gpus-per-node G (a task per GPU), not --processes")
+        script = sbatch_script(
+            command,
+            args.nodes,
+            args.gpus_per_node,
+            job_name=args.job_name,
+            partition=args.partition,
+            time=args.time,
+            account=args.account,
+        )
+        return submit_slurm(script, args.script, args.dry_run)
+    if args.nodes is not None or args.dry_run:
+        raise SpmdkitError("--nodes and --dry-run go with --slurm; a local run takes --processes N")
+    platform = resolve_platform(args.platform, os.environ)
+    processes = args.processes
+    if processes is None:
+        processes = max(len(visible_gpus(os.environ)), 1) if platform == "gpu" else 1
+    return launch_local(command, processes, args.devices_per_process, args.port, platform, args.grace)

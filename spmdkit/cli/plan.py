@@ -1,0 +1,126 @@
+"""`spmdkit plan`: predict a layout's memory, traffic, bubble, step time and MFU, or recommend one. No JAX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import PRESETS, model_preset
+from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
+from spmdkit.plan.devices import DEVICE_TYPES, make_device, parse_mesh
+from spmdkit.plan.estimate import estimate
+from spmdkit.plan.report import explain, format_details, format_table, plot
+from spmdkit.plan.search import candidate_meshes, search
+from spmdkit.sharding.mesh_config import format_sizes
+
+HELP = SUMMARIES["plan"]
+
+
+def parser() -> ArgumentParser:
+    """`spmdkit plan` (its handler is `main`)."""
+    parser = ArgumentParser(
+        prog="spmdkit plan",
+        description="Estimate a layout's per-device memory, collective traffic, pipeline bubble, step time and MFU "
+        "(no accelerator needed). Without --mesh, search the meshes of --devices and recommend the fastest that "
+        "fits; settings not given (ZeRO stage, SP, remat, microbatches, schedule) are searched too.",
+    )
+    add = parser.add_argument
+    add("--model", default="7b", help=f"model preset: {', '.join(PRESETS)} (default: 7b)")
+    add("--devices", type=int, default=8, help="number of accelerators (default: 8)")
+    add("--device-type", default="h100", help=f"{', '.join(DEVICE_TYPES)} (default: h100)")
+    add("--gpus-per-node", type=int, help="devices per node / fast-link domain (default: the device's)")
+    add("--hbm-gb", type=float, help="HBM per device in GB (custom devices; overrides the table)")
+    add("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per device (custom devices)")
+    add("--intra-node-gbs", type=float, help="NVLink/ICI GB/s per device per direction (custom devices)")
+    add("--inter-node-gbs", type=float, help="InfiniBand/DCN GB/s per device per direction (custom devices)")
+    add("--batch-size", type=int, help="global batch in sequences (default: about 1M tokens)")
+    add("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    add("--dtype", default="bfloat16", help="compute dtype: bfloat16, float16, float32 (default: bfloat16)")
+    add("--mesh", help="evaluate this mesh, e.g. 'fsdp=8,tensor=8' (default: search)")
+    add("--zero", type=int, help="ZeRO stage 0-3 over fsdp (default: search 2 and 3)")
+    add("--remat", help="none, full, dots_saveable, dots_with_no_batch_dims_saveable (default: search)")
+    add("--sequence-parallel", action=argparse.BooleanOptionalAction, help="SP with TP (default: on when tensor > 1)")
+    add("--microbatches", type=int, help="gradient-accumulation / pipeline microbatches (default: search)")
+    add("--pipeline-schedule", help=f"{', '.join(SCHEDULES)} (default: search 1f1b and interleaved)")
+    add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
+    add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
+    add("--top", type=int, default=5, help="layouts to list (default: 5)")
+    add("--json", action="store_true", help="print JSON instead of text")
+    add("--plot", metavar="FILE.png", help="write memory and step-time bars of the listed layouts")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """One-line errors for settings that would otherwise only make every layout look impossible."""
+    if args.devices < 1 or args.seq_len < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise SpmdkitError("--devices, --seq-len and --batch-size must be positive")
+    if args.zero is not None and args.zero not in (0, 1, 2, 3):
+        raise SpmdkitError(f"--zero {args.zero} is not one of 0, 1, 2, 3")
+    if args.pipeline_schedule is not None and args.pipeline_schedule not in SCHEDULES:
+        raise SpmdkitError(
+            f"unknown --pipeline-schedule {args.pipeline_schedule!r}: choose one of {', '.join(SCHEDULES)}"
+        )
+    if min(args.microbatches or 1, args.virtual_stages or 1, args.top) < 1 or not 0 < args.efficiency <= 1:
+        raise SpmdkitError("--microbatches, --virtual-stages and --top must be positive, --efficiency in (0, 1]")
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
+    args = parse(argv)
+    model = model_preset(args.model).replace(dtype=args.dtype, remat=args.remat or "none")
+    dev = make_device(
+        args.device_type,
+        hbm_gb=args.hbm_gb,
+        peak_tflops=args.peak_tflops,
+        intra_node_gbs=args.intra_node_gbs,
+        inter_node_gbs=args.inter_node_gbs,
+        gpus_per_node=args.gpus_per_node,
+    )
+    _check_args(args)
+    if args.mesh:
+        meshes = [parse_mesh(args.mesh, args.devices)]
+        replicas = meshes[0]["data"] * meshes[0]["fsdp"] * meshes[0]["expert"]
+        batch = args.batch_size or replicas * max(1, round(2**20 / args.seq_len / replicas))
+    else:
+        batch = args.batch_size or max(1, 2**20 // args.seq_len)
+        meshes = list(candidate_meshes(model, args.devices, dev.gpus_per_node, batch, args.seq_len))
+    fitting, smallest = search(
+        model, meshes, dev, batch, args.seq_len, zero=args.zero, sequence_parallel=args.sequence_parallel,
+        remat=args.remat, microbatches=args.microbatches, schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages, efficiency=args.efficiency,
+    )  # fmt: skip
+    if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
+        estimate(model, meshes[0], device=dev, batch_size=batch, seq_len=args.seq_len, zero=3 if args.zero is None
+                 else args.zero, sequence_parallel=bool(args.sequence_parallel), microbatches=args.microbatches,
+                 schedule=args.pipeline_schedule or "1f1b", virtual_stages=args.virtual_stages or 1)  # fmt: skip
+    if not fitting and not (args.mesh and smallest):
+        raise SpmdkitError(
+            f"no layout of {args.devices} x {dev.name} fits {args.model} with batch {batch} x {args.seq_len}"
+            + (f" (smallest needs {smallest.total_memory / 1e9:.0f} GB)" if smallest else "")
+            + ": add devices, shorten the batch or sequence, or check --mesh/--zero/--remat"
+        )
+    shown = fitting[: max(1, args.top)] or [smallest]
+    best = shown[0]
+    runner_up = next((e for e in fitting if e.mesh != best.mesh), None)
+    why = explain(best, runner_up, dev.gpus_per_node) if best.fits else ""
+    if args.plot:
+        plot(shown, args.plot)
+    if args.json:
+        report = {"recommended": best.to_dict(), "explanation": why, "candidates": [e.to_dict() for e in shown]}
+        print(json.dumps(report, indent=1))
+        return 0
+    title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node), batch {batch}"
+    print(f"{title} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)} meshes fit")
+    print(format_table(shown))
+    print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}\n{format_details(best)}")
+    if why:
+        print(f"\n{why}")
+    return 0

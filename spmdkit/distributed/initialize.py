@@ -1,0 +1,156 @@
+"""Joining one JAX job from inside a process: `initialize_distributed()` (call it before JAX computes anything).
+
+It reads, in order: `SPMDKIT_NUM_PROCESSES` / `SPMDKIT_PROCESS_ID` / `SPMDKIT_COORDINATOR` (what `spmdkit launch`
+sets); srun's `SLURM_PROCID` / `SLURM_NTASKS` (coordinator: `SPMDKIT_COORDINATOR`, else the first node of the node
+list); Open MPI's `OMPI_COMM_WORLD_RANK` / `_SIZE` (coordinator: `SPMDKIT_COORDINATOR`). None of them: a single
+process. `SPMDKIT_CPU_DEVICES=M` gives the process M simulated CPU devices. A process that sends no heartbeat for
+`SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+from collections.abc import Mapping
+
+from spmdkit.distributed.slurm import COORDINATOR
+from spmdkit.errors import SpmdkitError
+
+NUM_PROCESSES, PROCESS_ID = "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID"
+CPU_DEVICES, LOCAL_DEVICE_IDS = "SPMDKIT_CPU_DEVICES", "SPMDKIT_LOCAL_DEVICE_IDS"
+TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds)
+    "SPMDKIT_INIT_TIMEOUT": ("initialization_timeout", 120),
+    "SPMDKIT_HEARTBEAT_TIMEOUT": ("heartbeat_timeout_seconds", 30),
+    "SPMDKIT_SHUTDOWN_TIMEOUT": ("shutdown_timeout_seconds", 60),
+}
+FORCED_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedEnv:
+    """This process's place in the job; `source` says who described it: "spmdkit", "slurm" or "openmpi"."""
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    source: str
+    local_device_ids: tuple[int, ...] | None = None
+
+
+# ----------------------------------------------------------------------------------------------- joining a job
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compact host list, without scontrol: 'gpu[01-02,07],login' -> gpu01, gpu02, gpu07, login."""
+    hosts = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        parts: list[list[str]] = []
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            parts.append([text])
+            numbers: list[str] = []
+            for part in ranges.split(",") if ranges else ():
+                lo, _, hi = part.partition("-")
+                if not lo.isdigit() or not (hi or lo).isdigit():
+                    raise SpmdkitError(f"cannot read the SLURM node list {nodelist!r}: set {COORDINATOR}=HOST:PORT")
+                numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+            parts += [numbers] if numbers else []
+        hosts += ["".join(p) for p in itertools.product(*parts)]
+    return hosts
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in env and default is not None:
+        return default
+    try:
+        return int(env[name])
+    except KeyError:
+        raise SpmdkitError(f"{name} is not set: a multi-process run needs it (or unset the others)") from None
+    except ValueError:
+        raise SpmdkitError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _local_device_ids(env: Mapping[str, str], local_rank: int, tasks_on_node: int) -> tuple[int, ...] | None:
+    """One GPU per task when several tasks share a node and each sees all its GPUs; else JAX's default (None)."""
+    if env.get(LOCAL_DEVICE_IDS):
+        return tuple(int(x) for x in env[LOCAL_DEVICE_IDS].split(","))
+    cpu = CPU_DEVICES in env or env.get("JAX_PLATFORMS", "").startswith("cpu")
+    one_gpu = len(env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")) == 1
+    return None if cpu or one_gpu or tasks_on_node <= 1 else (local_rank,)
+
+
+def _slurm_coordinator(env: Mapping[str, str]) -> str:
+    """The first host of the step's (else the job's) node list, port SPMDKIT_COORDINATOR_PORT or from the job id."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    port = _int_var(env, "SPMDKIT_COORDINATOR_PORT", 20000 + _int_var(env, "SLURM_JOB_ID", 0) % 20000)
+    hosts = expand_nodelist(nodelist)
+    return f"{hosts[0]}:{port}" if hosts else ""
+
+
+def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """The multi-process set-up the environment describes, or None (a single process)."""
+    env = os.environ if environ is None else environ
+    coordinator = env.get(COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS", "")
+    if NUM_PROCESSES in env:
+        source, count, rank = "spmdkit", _int_var(env, NUM_PROCESSES), _int_var(env, PROCESS_ID)
+        local_rank, per_node = 0, 1
+    elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
+        source, rank, local_rank = "slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_LOCALID", 0)
+        count = _int_var(env, "SLURM_STEP_NUM_TASKS", _int_var(env, "SLURM_NTASKS", 1))
+        per_node = count // max(_int_var(env, "SLURM_STEP_NUM_NODES", _int_var(env, "SLURM_NNODES", 1)), 1)
+        coordinator = coordinator or _slurm_coordinator(env)
+    elif "OMPI_COMM_WORLD_SIZE" in env:
+        source, count, rank = "openmpi", _int_var(env, "OMPI_COMM_WORLD_SIZE"), _int_var(env, "OMPI_COMM_WORLD_RANK")
+        local_rank = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        per_node = _int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    else:
+        return None
+    if not 0 <= rank < count:
+        raise SpmdkitError(f"process id {rank} of {count} processes ({source}) is invalid")
+    if count > 1 and not re.fullmatch(r".+:\d+", coordinator):
+        raise SpmdkitError(
+            f"{source} run of {count} processes without a coordinator (got {coordinator!r}): export "
+            f"{COORDINATOR}=HOST:PORT (process 0's host, a free port) to every process"
+        )
+    return DistributedEnv(coordinator, count, rank, source, _local_device_ids(env, local_rank, per_node))
+
+
+def _cpu_device_count(env: Mapping[str, str]) -> int | None:
+    """SPMDKIT_CPU_DEVICES, checked against a count already forced through XLA_FLAGS (`--cpu-devices`)."""
+    if CPU_DEVICES not in env:
+        return None
+    count, forced = _int_var(env, CPU_DEVICES), FORCED_COUNT.search(env.get("XLA_FLAGS", ""))
+    if count < 1 or (forced and int(forced.group(1)) != count):
+        raise SpmdkitError(
+            f"mismatched device counts: {CPU_DEVICES}={count} (launch --devices-per-process) but --cpu-devices / "
+            f"XLA_FLAGS asks for {forced.group(1) if forced else count}: give the count once, to the launcher"
+        )
+    return count
+
+
+def initialize_distributed(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """Join the job the environment describes; call before JAX computes anything. None: one process, nothing done."""
+    env = os.environ if environ is None else environ
+    cpu_devices, found = _cpu_device_count(env), detect_environment(env)
+    import jax
+
+    try:
+        if cpu_devices is not None:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        if found is None or found.num_processes == 1 or jax.distributed.is_initialized():
+            return found
+        if cpu_devices is not None or env.get("JAX_PLATFORMS", "").startswith("cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=found.coordinator,
+            num_processes=found.num_processes,
+            process_id=found.process_id,
+            local_device_ids=list(found.local_device_ids) if found.local_device_ids else None,
+            cluster_detection_method="deactivate",
+            **{key: _int_var(env, var, default) for var, (key, default) in TIMEOUTS.items()},
+        )
+    except (RuntimeError, ValueError) as error:  # JaxRuntimeError is a RuntimeError
+        where = f"process {found.process_id} of {found.num_processes} at {found.coordinator}" if found else "JAX"
+        raise SpmdkitError(f"could not start {where}: {(str(error).strip() or repr(error)).splitlines()[0]}") from None
+    return found

@@ -1,0 +1,180 @@
+"""The parent side of a local multi-process job: `spmdkit launch --processes N` starts N processes of one JAX job
+on 127.0.0.1 (each told its place through `SPMDKIT_*` variables that `spmdkit.distributed.initialize` reads), copies
+their output prefixed `[i]`, and stops them all when one fails or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import BinaryIO
+
+from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, NUM_PROCESSES, PROCESS_ID
+from spmdkit.distributed.slurm import COORDINATOR
+from spmdkit.errors import SpmdkitError
+
+# ----------------------------------------------------------------------------------------------- local processes
+
+
+def free_port(port: int | None = None) -> int:
+    """`port` if it is free on 127.0.0.1 (else an error); None: a free port the OS picks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port or 0))
+        except OSError as error:
+            raise SpmdkitError(f"port {port} on 127.0.0.1 is in use ({error.strerror}): pick another --port") from None
+        return sock.getsockname()[1]
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """GPU ids this host shows: CUDA_VISIBLE_DEVICES if set, else those `nvidia-smi -L` lists."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in listing.splitlines()))]
+
+
+def resolve_platform(platform: str, env: Mapping[str, str]) -> str:
+    """'auto' -> 'gpu' where GPUs are visible and JAX_PLATFORMS does not say cpu, else 'cpu'."""
+    if platform != "auto":
+        return platform
+    return "cpu" if env.get("JAX_PLATFORMS", "").startswith("cpu") or not visible_gpus(env) else "gpu"
+
+
+def process_environments(
+    processes: int, devices_per_process: int | None, port: int, platform: str, env: Mapping[str, str]
+) -> list[dict[str, str]]:
+    """Each local process's environment: coordinator, count, id, and its devices (a CPU count or GPU ids)."""
+    base = dict(env, PYTHONUNBUFFERED="1", **{COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(processes)})
+    if platform == "cpu":
+        xla_flags = FORCED_COUNT.sub("", base.get("XLA_FLAGS", "")).strip()
+        base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, **{CPU_DEVICES: str(devices_per_process or 1)})
+        return [dict(base, **{PROCESS_ID: str(i)}) for i in range(processes)]
+    gpus = visible_gpus(env)
+    per = devices_per_process or len(gpus) // processes
+    if per < 1 or per * processes > len(gpus) or (devices_per_process is None and len(gpus) % processes):
+        raise SpmdkitError(
+            f"mismatched device counts: {processes} processes x {devices_per_process or 'equal shares of'} GPU(s) "
+            f"do not fit the {len(gpus)} GPU(s) here: use --processes {len(gpus) or 1} (one per GPU), --processes 1, "
+            "or --platform cpu"
+        )
+    return [
+        dict(base, **{PROCESS_ID: str(i), "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])})
+        for i in range(processes)
+    ]
+
+
+def check_command(command: Sequence[str]) -> None:
+    """The command exists and leaves the device count to the launcher."""
+    if not command:
+        raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --processes 2 -- spmdkit train")
+    if not shutil.which(command[0]):
+        raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
+    if any(arg.split("=")[0] == "--cpu-devices" for arg in command):
+        raise SpmdkitError("mismatched device counts: give --devices-per-process to launch, not --cpu-devices")
+
+
+def _pump(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
+    """Copy a child's lines to `sink`, each after `prefix`; of a '\\r'-rewritten line (a progress bar) the last."""
+    for line in iter(source.readline, b""):
+        with lock:
+            sink.write(prefix + line.rstrip(b"\r\n").rsplit(b"\r", 1)[-1] + b"\n")
+            sink.flush()
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    return f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+
+
+def stop_all(children: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM each running child's process group (the trainer saves and stops); SIGKILL it after `grace` s."""
+    deadline = time.monotonic() + grace
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for child in children:
+            if child.poll() is None:
+                try:
+                    os.killpg(child.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(c.poll() is None for c in children):
+            time.sleep(0.1)
+    for child in children:
+        child.wait()
+
+
+def _statuses(children: Sequence[subprocess.Popen], skip: int | None = None) -> str:
+    return "; ".join(f"process {i} {_describe(c.returncode)}" for i, c in enumerate(children) if i != skip)
+
+
+def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str]:
+    """Wait for all children: (0, ''), or on the first failure stop the others and say who failed (status, text)."""
+    try:
+        while (codes := [c.poll() for c in children]) != [0] * len(children):
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                stop_all(children, grace=5.0)
+                text = f"process {failed} {_describe(codes[failed])}; then {_statuses(children, failed)}"
+                return codes[failed] if codes[failed] > 0 else 128 - codes[failed], text
+            time.sleep(0.1)
+        return 0, ""
+    except KeyboardInterrupt:
+        print(f"spmdkit launch: stopping all processes ({grace:g} s to save; Ctrl-C again kills)", file=sys.stderr)
+        try:
+            stop_all(children, grace=grace)
+        except KeyboardInterrupt:
+            stop_all(children, grace=0)
+        return 130, f"interrupted: {_statuses(children)}"
+
+
+def launch_local(
+    command: Sequence[str],
+    processes: int,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    platform: str = "auto",
+    grace: float = 60.0,
+) -> int:
+    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status."""
+    if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
+        raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
+    platform = resolve_platform(platform, os.environ)
+    check_command(command)
+    port = free_port(port)
+    environments = process_environments(processes, devices_per_process, port, platform, os.environ)
+    children: list[subprocess.Popen] = []
+    lock, pumps = threading.Lock(), []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    try:
+        for i, env in enumerate(environments):
+            child = subprocess.Popen(
+                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+            )
+            children.append(child)
+            for source, sink in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
+                pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
+                pumps[-1].start()
+        pids = ", ".join(str(c.pid) for c in children)
+        print(f"spmdkit launch: {processes} process(es) at 127.0.0.1:{port} ({platform}), pids {pids}", file=sys.stderr)
+        code, text = supervise(children, grace)
+    finally:
+        stop_all(children, grace=0)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        for pump in pumps:
+            pump.join(timeout=2)
+    if text:
+        print(f"spmdkit launch: {'failed: ' if code != 130 else ''}{text}", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,1 @@
+"""Context parallelism: the zigzag layout and ring attention over the `context` mesh axis."""
