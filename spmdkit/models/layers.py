@@ -80,17 +80,25 @@ class Attention(nnx.Module):
         )
         self.config = config
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x: [batch, seq, embed] -> [batch, seq, embed]."""
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [batch, seq, embed] -> q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim], with
+        the rotary embedding of `positions` [batch, seq] applied to q and k (heads split over `tensor` under TP)."""
         c, dt = self.config, self.config.dtype
         x = constrain(x, HIDDEN)
         q = constrain(jnp.einsum("bse,ehd->bshd", x, self.q[...].astype(dt)), ("batch", "seq", "heads", None))
         k = constrain(jnp.einsum("bse,ehd->bshd", x, self.k[...].astype(dt)), ("batch", "seq", "kv_heads", None))
         v = constrain(jnp.einsum("bse,ehd->bshd", x, self.v[...].astype(dt)), ("batch", "seq", "kv_heads", None))
-        q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
-        out = attend(q, k, v, c.attention)
-        out = constrain(out, ("batch", "seq", "heads", None))
-        return constrain(jnp.einsum("bshd,hde->bse", out, self.o[...].astype(dt)), RESIDUAL)
+        return rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta), v
+
+    def out(self, attended: jax.Array) -> jax.Array:
+        """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
+        attended = constrain(attended, ("batch", "seq", "heads", None))
+        return constrain(jnp.einsum("bshd,hde->bse", attended, self.o[...].astype(self.config.dtype)), RESIDUAL)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`."""
+        q, k, v = self.qkv(x, positions)
+        return self.out(attend(q, k, v, self.config.attention))
 
 
 class MLP(nnx.Module):
