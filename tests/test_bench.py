@@ -1,5 +1,6 @@
 """The benchmark driver: one compilation per strategy, the table's columns, and HLO traffic matching the planner."""
 
+import dataclasses
 import json
 
 import jax
@@ -64,6 +65,15 @@ def test_argument_bytes_match_the_planned_state(rows):
         assert row["argument_bytes"] - batch == pytest.approx(row["plan_state_bytes"], rel=0.01)
     dp, fsdp = rows
     assert fsdp["argument_bytes"] < dp["argument_bytes"] / 7  # all but the norm scales sharded 8 ways
+
+
+def test_attention_flag_picks_the_kernel_and_skips_meshes_that_cannot_run_it(rows):
+    assert [row["attention"] for row in rows] == ["blockwise", "blockwise"]  # auto on CPU
+    assert bench.kernel_for(SETUP, {"context": 4, "fsdp": 2}) == "ring"
+    logs = []
+    assert bench.benchmark(["cp"], dataclasses.replace(SETUP, attention="dot"), log=logs.append) == []
+    assert logs == ["skip cp: --attention dot cannot split the sequence over context=4: use ring (or auto), or drop "
+                    "context from the mesh"]  # fmt: skip
 
 
 def test_strategies_fit_only_their_device_count():

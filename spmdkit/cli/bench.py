@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
+from spmdkit.models.attention_choice import KERNELS
 from spmdkit.tools.bench import STRATEGIES, run
 
 HELP = SUMMARIES["bench"]
@@ -25,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (CPU; default 16)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (CPU; default 256)")
     parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches (default 8)")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", *KERNELS],
+        help="attention kernel (default auto: ring under context > 1, else cudnn on an NVIDIA GPU, else blockwise)",
+    )
     return parser
 
 

@@ -1,45 +1,88 @@
 """Attention kernels: softmax(q k^T / sqrt(head_dim)) v with grouped-query heads, and which one runs.
 
 All kernels take q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] (heads = kv_heads x
-group; K/V are never repeated) and return [batch, seq, heads, head_dim] in q's dtype, with scores and softmax in
-float32.
+group; K/V are never repeated) and optional `segment_ids` int32 [batch, seq] (0: padding, 1, 2, ...: the documents
+packed in a row; a query sees keys of its own document only, padding sees nothing and gets output 0). They return
+[batch, seq, heads, head_dim] in q's dtype, with scores and softmax statistics in float32.
 
 - `dot_attention`: the reference; materialises the scores [batch, kv_heads, group, seq, seq].
+- `blockwise_attention` (`spmdkit.kernels.blockwise_attention`): online softmax over key blocks with a
+  recomputing custom VJP; O(seq) memory per head, causal blocks above the diagonal skipped.
+- `cudnn_attention`: cuDNN's fused kernel, `jax.nn.dot_product_attention(implementation="cudnn")`, run per device
+  inside a `shard_map` over the batch and head axes of the active rules (its partitioner refuses a sharded
+  sequence or head dim). Segment ids become a dense [seq, seq] mask there (cuDNN's public API has no packed
+  documents): O(seq^2) bytes per sequence, where `blockwise` keeps O(seq).
 - `context_attention`: ring attention (`spmdkit.parallel.context`) over the `context` mesh axis of the active
   rules, in the zigzag layout (the data path permutes every per-token array of a batch once, `zigzag_batch`, and
   RoPE positions travel with their tokens; the token-mean loss does not depend on token order).
 
-`attend(q, k, v, kind)` picks by the model's `attention` setting: "ring" runs ring attention when the active mesh
-has a context axis of size > 1, else the dot kernel.
+`attend(q, k, v, kind, segment_ids)` runs the kernel `spmdkit.models.attention_choice.choose_attention` picks for
+the model's `attention` setting (auto, dot, blockwise, cudnn, ring) on the mesh and platform in force.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from spmdkit.errors import SpmdkitError
+from spmdkit.kernels.attention_block import visible
+from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
+from spmdkit.models.attention_choice import choose_attention
 from spmdkit.parallel.context.ring_attention import ring_attention
 from spmdkit.sharding.logical import active_rules
+
+__all__ = ["attend", "blockwise_attention", "context_attention", "cudnn_attention", "dot_attention", "platform"]
 
 KEY_TILE = 512  # keys per tile inside a ring chunk pair: bounds attention scratch at long context
 
 
-def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
+def _document_mask(segment_ids: jax.Array, causal: bool) -> jax.Array:
+    """bool [batch, seq, seq]: query i sees key j (same document, not padding; causal: j <= i)."""
+    pos = jnp.arange(segment_ids.shape[1])
+    return visible(pos, pos, causal=causal, q_seg=segment_ids, k_seg=segment_ids)
+
+
+def dot_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v with grouped-query heads, K/V never repeated.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group.
-    Scores and softmax in float32. Returns [batch, seq, heads, head_dim] in q's dtype.
+    Scores and softmax in float32. Returns [batch, seq, heads, head_dim] in q's dtype. With `segment_ids`
+    [batch, seq], rows that see no key (padding) give 0 and pass no gradient.
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, s, kv, h // kv, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    if causal:
-        mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
+    if segment_ids is None:
+        if causal:
+            mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
+            scores = jnp.where(mask, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:
+        mask = _document_mask(segment_ids, causal)[:, None, None]
         scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        top = jax.lax.stop_gradient(scores.max(-1, keepdims=True))
+        weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exp(-inf) = 0
+        total = weights.sum(-1, keepdims=True)
+        probs = (weights / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, s, h, d)
+
+
+def platform() -> str:
+    """Where the model runs: "cuda" on an NVIDIA GPU, else JAX's platform name ("cpu", "gpu", "tpu")."""
+    active = active_rules()
+    device = active[1].devices.flat[0] if active else jax.devices()[0]
+    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
+        return "cuda"
+    return device.platform
 
 
 def context_size() -> int:
@@ -48,14 +91,20 @@ def context_size() -> int:
     return 1 if active is None else active[1].shape.get("context", 1)
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _free_axes(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """The mesh axes of `axes` that split something: size > 1 and not already manual (inside a shard_map)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in manual)
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
-    seq is sharded over `context` in the zigzag layout. Requires `use_rules` to be active with a context axis > 1.
+    seq is sharded over `context` in the zigzag layout (segment ids too). Requires `use_rules` to be active with a
+    context axis > 1.
     """
     rules, mesh = active_rules()
-    sized = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1)  # noqa: E731
-    heads = sized(rules.params["heads"])
+    heads = _free_axes(rules.params["heads"], mesh)
     chunk = q.shape[1] // (2 * mesh.shape["context"])
     tile = KEY_TILE if chunk % KEY_TILE == 0 and chunk > KEY_TILE else None
     return ring_attention(
@@ -66,14 +115,84 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         axis_name="context",
         causal=True,
         load_balance="zigzag",
-        batch_axes=sized(rules.params["batch"]),
+        batch_axes=_free_axes(rules.params["batch"], mesh),
         heads_axis=heads[0] if heads else None,
         key_tile=tile,
+        segment_ids=segment_ids,
     )
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, kind: str) -> jax.Array:
-    """Causal attention with the kernel `kind` asks for ("dot", or "ring" where the mesh has context > 1)."""
-    if kind == "ring" and context_size() > 1:
-        return context_attention(q, k, v)
-    return dot_attention(q, k, v)
+def _fused_local(q, k, v, segment_ids, *, causal: bool, implementation: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` on one device's shard; segment ids become a [batch, 1, seq, seq] mask."""
+    mask = None if segment_ids is None else _document_mask(segment_ids, False)[:, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
+    if segment_ids is not None:  # a fully masked row is a uniform average there: padding gives 0, no gradient
+        out = jnp.where((segment_ids != 0)[..., None, None], out, jnp.zeros((), out.dtype))
+    return out
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """cuDNN's fused attention, per device: a `shard_map` over the batch and head axes of the active rules.
+
+    Shapes as `dot_attention`. The sequence is whole on every device (context parallelism runs ring attention);
+    when the kv heads do not split over the head axes (kv_heads < tensor), K/V are repeated to the query heads
+    first. `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
+    """
+    kernel = functools.partial(_fused_local, causal=causal, implementation=implementation)
+    active = active_rules()
+    if active is None:
+        return kernel(q, k, v, segment_ids)
+    rules, mesh = active
+    batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
+    for what, size, axes in (("batch", q.shape[0], batch), ("heads", q.shape[2], heads)):
+        if size % math.prod(mesh.shape[a] for a in axes):
+            raise SpmdkitError(f"cuDNN attention: {what}={size} does not split over mesh axes {axes}: change it")
+    if not batch and not heads:
+        return kernel(q, k, v, segment_ids)
+    if k.shape[2] % math.prod(mesh.shape[a] for a in heads):
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    tokens = PartitionSpec(batch or None, None, heads or None, None)
+    args, specs = (q, k, v), (tokens, tokens, tokens)
+    if segment_ids is not None:
+        args, specs = (*args, segment_ids), (*specs, PartitionSpec(batch or None, None))
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, *segments: jax.Array) -> jax.Array:
+        return kernel(q, k, v, segments[0] if segments else None)
+
+    # check_vma=False: no collective runs inside, and the cuDNN custom call does not declare how it varies.
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=set(batch + heads), check_vma=False
+    )(*args)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kind: str,
+    segment_ids: jax.Array | None = None,
+    *,
+    block: int = BLOCK_Q,
+) -> jax.Array:
+    """Causal attention with the kernel `choose_attention` picks for the setting `kind` here (mesh, platform,
+    dtype, head_dim); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise kernel's query
+    and key block size."""
+    kernel = choose_attention(
+        kind, context=context_size(), platform=platform(), dtype=q.dtype.name, head_dim=q.shape[3]
+    )
+    if kernel == "ring":
+        return context_attention(q, k, v, segment_ids)
+    if kernel == "cudnn":
+        return cudnn_attention(q, k, v, segment_ids=segment_ids)
+    if kernel == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids=segment_ids, block_q=block, block_k=block)
+    return dot_attention(q, k, v, segment_ids=segment_ids)

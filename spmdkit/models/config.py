@@ -13,7 +13,7 @@ from typing import Any, Literal
 from spmdkit.errors import SpmdkitError
 
 Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
-Attention = Literal["dot", "ring"]
+Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring"]
 Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 REMAT_POLICIES: tuple[str, ...] = typing.get_args(Remat)
@@ -59,7 +59,14 @@ class TransformerConfig:
     dtype: Dtype = _field("bfloat16", "compute dtype (parameters stay param_dtype)")
     param_dtype: Dtype = _field("float32", "dtype the parameters are stored and updated in")
     remat: Remat = _field("none", "what the backward pass recomputes")
-    attention: Attention = _field("dot", "attention kernel: dot (the reference) or ring (context parallelism)")
+    attention: Attention = _field(
+        "auto",
+        "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot (the "
+        "reference), blockwise (O(seq) memory), cudnn, ring (context parallelism)",
+    )
+    attention_block: int = _field(512, "positions per query and key block of the blockwise attention kernel")
+    loss_chunk: int = _field(512, "sequence positions per chunk of the LM head + cross-entropy (0: one chunk)")
+    z_loss: float = _field(0.0, "weight of the z-loss mean(log(Z)^2) on the LM head's logits (0: off)")
     experts: int = _field(0, "mixture of experts: routed experts per MoE block (0: a dense model)")
     top_k: int = _field(2, "mixture of experts: experts each token is routed to")
     moe_every: int = _field(1, "mixture of experts: every k-th block is an MoE block")
@@ -85,6 +92,10 @@ class TransformerConfig:
             raise SpmdkitError(f"unknown remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_KINDS:
             raise SpmdkitError(f"unknown attention {self.attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+        if self.loss_chunk < 0 or not (math.isfinite(self.z_loss) and self.z_loss >= 0):
+            raise SpmdkitError(f"loss_chunk={self.loss_chunk} and z_loss={self.z_loss} must be >= 0")
+        if self.attention_block < 1:
+            raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
         if self.experts:
             self._check_experts()
         for name in ("dtype", "param_dtype"):
@@ -133,6 +144,16 @@ class TransformerConfig:
         matmul_params = self.num_params(active=True) - self.vocab_size * self.embed - (2 * self.layers + 1) * self.embed
         attention = 12 * self.layers * self.heads * self.head_dim * seq_len
         return 6 * matmul_params + (attention / 2 if causal else attention)
+
+
+def loss_chunks(seq_len: int, chunk: int, shards: int = 1) -> int:
+    """How many chunks the loss cuts a sequence into: the fewest n with at most `chunk` positions each (chunk 0:
+    one chunk) that divide each of the `shards` equal pieces a sharded sequence is cut into. Chunk i holds
+    positions i, i + n, i + 2n, ... (strided: every device keeps its share of every chunk)."""
+    if chunk <= 0 or seq_len <= chunk or seq_len % shards:
+        return 1
+    local = seq_len // shards
+    return next((n for n in range(math.ceil(seq_len / chunk), local + 1) if local % n == 0), local)
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -95,10 +95,11 @@ class Attention(nnx.Module):
         attended = constrain(attended, ("batch", "seq", "heads", None))
         return constrain(jnp.einsum("bshd,hde->bse", attended, self.o[...].astype(self.config.dtype)), RESIDUAL)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`."""
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`.
+        segment_ids: int32 [batch, seq] (0 padding, 1, 2, ... documents packed in a row) or None (one document)."""
         q, k, v = self.qkv(x, positions)
-        return self.out(attend(q, k, v, self.config.attention))
+        return self.out(attend(q, k, v, self.config.attention, segment_ids, block=self.config.attention_block))
 
 
 class MLP(nnx.Module):

@@ -17,7 +17,9 @@ import optax
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_tokens, normal_param, rms_norm
+from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_tokens, normal_param
+from spmdkit.models.loss import head_logits as loss_head_logits
+from spmdkit.models.loss import lm_loss
 from spmdkit.models.moe import MoE
 from spmdkit.sharding.logical import constrain
 
@@ -31,9 +33,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config)
         self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, seq, embed] -> (x, aux); aux holds the MoE layer's losses and loads ({} for a dense MLP)."""
-        x = constrain(x + self.attention(self.attention_norm(x), positions), RESIDUAL)
+        x = constrain(x + self.attention(self.attention_norm(x), positions, segment_ids), RESIDUAL)
         out = self.mlp(self.mlp_norm(x))
         out, aux = out if isinstance(out, tuple) else (out, {})
         return constrain(x + out, RESIDUAL), aux
@@ -74,42 +78,64 @@ class Transformer(nnx.Module):
         """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
         return embed_tokens(self.embedding[...], tokens, self.config.dtype)
 
-    def run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def run_blocks(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Apply every block in order with a scan; remat per block as the config says."""
-        return self.run_layers(x, positions)[0]
+        return self.run_layers(x, positions, segment_ids)[0]
 
-    def run_layers(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def run_layers(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every block in order: (x, aux of the MoE layers, each stacked on a leading [moe_layers] dim).
 
         Dense: one scan. Mixture of experts every k-th block: per group, a scan over its k-1 dense blocks
         then its MoE block (MoE blocks at 0-based layers k-1, 2k-1, ...).
         """
-        c = self.config
+        c, seg = self.config, segment_ids
         if not c.moe_layers:
-            return scan_blocks(self.blocks, x, positions, c.remat)
+            return scan_blocks(self.blocks, x, positions, c.remat, seg)
         if c.moe_every == 1:
-            return scan_blocks(self.moe_blocks, x, positions, c.remat)
+            return scan_blocks(self.moe_blocks, x, positions, c.remat, seg)
         auxes = []
         for group in range(c.moe_layers):
             dense = _layer_slice(self.blocks, group * (c.moe_every - 1), (group + 1) * (c.moe_every - 1))
-            x = scan_blocks(dense, x, positions, c.remat)[0]
-            x, aux = scan_blocks(_layer_slice(self.moe_blocks, group, group + 1), x, positions, c.remat)
+            x = scan_blocks(dense, x, positions, c.remat, seg)[0]
+            x, aux = scan_blocks(_layer_slice(self.moe_blocks, group, group + 1), x, positions, c.remat, seg)
             auxes.append(aux)
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
-    def forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """(logits [batch, seq, vocab], aux of the MoE layers) for tokens [batch, seq]."""
+    def hidden(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        """(the last block's output [batch, seq, embed], aux of the MoE layers) for tokens [batch, seq];
+        segment_ids int32 [batch, seq]: documents packed in a row (0: padding), None: one document per row."""
         if positions is None:
             positions = default_positions(tokens.shape)
-        x, aux = self.run_layers(self.embed(tokens), positions)
+        return self.run_layers(self.embed(tokens), positions, segment_ids)
+
+    def forward(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        """(logits [batch, seq, vocab], aux of the MoE layers) for tokens [batch, seq] (see `hidden`)."""
+        x, aux = self.hidden(tokens, positions, segment_ids)
         return self.head(x), aux
+
+    def lm_head_weight(self) -> jax.Array:
+        """The LM head [embed, vocab]: the logits and the loss both read it here."""
+        return self.lm_head[...]
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
-        return head_logits(x, self.final_norm.scale[...], self.lm_head[...], self.config)
+        return head_logits(x, self.final_norm.scale[...], self.lm_head_weight(), self.config)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        return self.forward(tokens, positions)[0]
+    def loss(self, x: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(cross-entropy, z-loss) of the last block's output x [batch, seq, embed] against targets [batch, seq],
+        means over the tokens `mask` weights; chunked over the sequence (`spmdkit.models.loss.lm_loss`)."""
+        return lm_loss(x, self.final_norm.scale[...], self.lm_head_weight(), targets, self.config, mask)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        return self.forward(tokens, positions, segment_ids)[0]
 
 
 # The three stages of the forward pass as functions of arrays, so that the pipeline can run them apart.
@@ -137,35 +163,43 @@ def _layer_slice(blocks: Block, start: int, stop: int) -> Block:
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
 
 
-def apply_blocks(blocks: Block, x: jax.Array, positions: jax.Array, remat: str) -> jax.Array:
+def apply_blocks(
+    blocks: Block, x: jax.Array, positions: jax.Array, remat: str, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """Run a stack of blocks (parameters with a leading layer dim) over x [batch, seq, embed] with a scan."""
-    return scan_blocks(blocks, x, positions, remat)[0]
+    return scan_blocks(blocks, x, positions, remat, segment_ids)[0]
 
 
-def scan_blocks(blocks: Block, x: jax.Array, positions: jax.Array, remat: str) -> tuple[jax.Array, dict]:
+def scan_blocks(
+    blocks: Block, x: jax.Array, positions: jax.Array, remat: str, segment_ids: jax.Array | None = None
+) -> tuple[jax.Array, dict]:
     """`apply_blocks`, also returning each block's aux stacked on a leading layer dim."""
 
-    def body(x: jax.Array, block: Block, positions: jax.Array) -> tuple[jax.Array, dict]:
-        return block(x, positions)
+    def body(x: jax.Array, block: Block, positions: jax.Array, segment_ids: jax.Array | None):
+        return block(x, positions, segment_ids)
 
     if remat != "none":
         body = nnx.remat(body, policy=_remat_policy(remat))
     scan = nnx.scan(
         body,
-        in_axes=(nnx.Carry, 0, None),
+        in_axes=(nnx.Carry, 0, None, None),
         out_axes=(nnx.Carry, 0),
         transform_metadata={nnx.PARTITION_NAME: "layers"},
     )
-    return scan(x, blocks, positions)
+    return scan(x, blocks, positions, segment_ids)
 
 
 def head_logits(x: jax.Array, norm_scale: jax.Array, lm_head: jax.Array, config: TransformerConfig) -> jax.Array:
-    """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
-    x = rms_norm(x, norm_scale, config.norm_eps)
-    logits = jnp.einsum("bse,ev->bsv", x, lm_head.astype(config.dtype))
-    return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+    """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab] (all of them: the
+    loss runs chunked, `Transformer.loss`)."""
+    return loss_head_logits(x, norm_scale, lm_head, config.norm_eps, config.dtype)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32. logits [batch, seq, vocab], targets [batch, seq]."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """The reference next-token cross-entropy in float32 on full logits [batch, seq, vocab], targets [batch, seq]:
+    the mean over the tokens `mask` (0/1 [batch, seq]) weights, or over all tokens."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    if mask is None:
+        return losses.mean()
+    mask = mask.astype(jnp.float32)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)

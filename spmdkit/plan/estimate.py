@@ -14,10 +14,14 @@ embed -> fsdp for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gr
   compute-dtype copies (one layer cast at use, a != p); communication buffers (two gathered layers under ZeRO-3);
   activations = tokens in flight x bytes per token (below).
 Activation bytes per token per layer (r = a E, divided by T under SP; heads and mlp widths divided by T):
-  none:   4r + a(H+2K)d + aHd + 3aF + (4+a) H S  [the last term: `dot` attention keeps the float32 softmax and
-          its compute-dtype copy, [H, S] per query; ring attention (C > 1) keeps out + lse instead]
-  dots_with_no_batch_dims_saveable: 3r + a(H+2K)d + 2aF    dots_saveable: that + aHd + 4 H S (the f32 scores)
+  none:   4r + a(H+2K)d + aHd + 3aF + (4+a) H S  [the last term: the `dot` kernel keeps the float32 softmax and
+          its compute-dtype copy, [H, S] per query; the O(S) kernels (blockwise, cudnn, ring) keep the float32
+          log-sum-exp instead, 4H; the kernel is `choose_attention`'s for the device's platform]
+  dots_with_no_batch_dims_saveable: 3r + a(H+2K)d + 2aF    dots_saveable: that + aHd (+ 4 H S, dot's f32 scores)
   full:   r (the block input), plus one layer's "none" set while it is recomputed.
+  The loss (`spmdkit.models.loss`) runs over n = `loss_chunks` sequence chunks: one chunk's float32 logits and
+  their gradient, 8V/(T n) per token, plus the embeddings aE and the float32 log-sum-exp, 4. The blockwise
+  kernel adds, while a layer runs, 3 float32 score arrays of its widest step (`attention_scratch`).
   An MoE layer (roughly): its routed MLP's per-token terms (3aF, 2aF) give way to Q/S slots per token of
   4aE + 3aF/T (none: dispatch and returned buffers on both sides of the all-to-alls, gate, up, hidden) or
   aE + 2aF/T (dots_saveable: the expert matmuls' outputs); the others keep nothing per slot (the expert
@@ -48,8 +52,9 @@ Wire bytes (ring): all-reduce 2(n-1)/n x operand, reduce-scatter and all-to-all 
 (n-1) x operand (the operand is the shard), ppermute 1 x; on NVLink when the axes stay in a node, else InfiniBand.
 Time: compute = FLOPs / (devices x peak x efficiency); FLOPs = model FLOPs (6N + attention) + recomputation (full
 remat, and spmdkit's 1F1B/interleaved chunk recompute: a forward each, +1/3; dots_with_no_batch_dims_saveable: the
-attention forward; MoE: expert FLOPs on Q slots per sequence instead of top_k S tokens, the capacity padding);
-float32 runs at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
+attention forward; the loss's logits, 2EV per token; the O(S) attention kernels' q k^T, half the attention
+forward; MoE: expert FLOPs on Q slots per sequence instead of top_k S tokens, the capacity padding); float32 runs
+at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
 (exposed: the excess over compute, at least one layer's share); activation traffic (TP/SP, PP) is exposed. Bubble
 b = (P-1)/(M+P-1), interleaved (P-1)/(vM+P-1), adds (compute + exposed) b/(1-b). Step = compute + exposed +
 bubble; tokens/s = B S / step; MFU = model FLOPs / (step x devices x peak bf16).
@@ -63,15 +68,17 @@ import math
 from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
+from spmdkit.kernels.block_plan import BlockPlan
+from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.config import PRESETS, TransformerConfig, loss_chunks, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
 from spmdkit.plan.devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
 from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, check_layout
 
 __all__ = [
-    "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "collectives", "estimate", "evaluate",
-    "memory", "pipeline_schedule",
+    "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "attention_kernel", "attention_scratch",
+    "collectives", "estimate", "evaluate", "memory", "pipeline_schedule", "planner_platform",
 ]  # fmt: skip
 REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
 
@@ -132,20 +139,43 @@ def pipeline_schedule(kind: str, stages: int, microbatches: int, virtual_stages:
     return make_schedule(kind, stages, microbatches, virtual_stages)
 
 
-def activation_bytes(m: TransformerConfig, T: int, sp: bool, C: int, seq: int) -> tuple[float, float]:
+def planner_platform(dev: Device) -> str:
+    """The platform `choose_attention` sees on `dev` (the device table's GPUs are NVIDIA: "cuda")."""
+    return "cuda" if dev.backend == "gpu" else dev.backend
+
+
+def attention_kernel(m: TransformerConfig, C: int, platform: str | None) -> str:
+    """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`)."""
+    return choose_attention(m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim)
+
+
+def activation_bytes(
+    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None
+) -> tuple[float, float]:
     """(bytes kept per token per layer under `m.remat`, per token of one layer's recompute); see the module doc."""
     a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
     K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
     r = a * E / (T if sp else 1)
     qkv, out = a * (H + 2 * K) * d, a * H * d
-    none = 4 * r + qkv + out + 3 * a * F + ((4 + a) * H * seq if C == 1 else 4 * H)
+    dot = attention_kernel(m, C, platform) == "dot"
+    none = 4 * r + qkv + out + 3 * a * F + ((4 + a) * H * seq if dot else 4 * H)
     kept = {
         "none": none,
         "dots_with_no_batch_dims_saveable": 3 * r + qkv + 2 * a * F,
-        "dots_saveable": 3 * r + qkv + 2 * a * F + out + (4 * H * seq if C == 1 else 0),
+        "dots_saveable": 3 * r + qkv + 2 * a * F + out + (4 * H * seq if dot else 0),
         "full": r,
     }[m.remat]
     return kept, (0.0 if m.remat == "none" else none)
+
+
+def attention_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float, platform: str | None) -> float:
+    """Bytes the blockwise kernel holds while one layer runs: 3 float32 score arrays (P, dP, dS) of its widest step
+    (`spmdkit.kernels.block_plan`), for `seqs` sequences per device and the local heads; 0 for the other kernels."""
+    if attention_kernel(m, C, platform) != "blockwise":
+        return 0.0
+    block = min(m.attention_block, seq)
+    pairs = BlockPlan(seq, block, block, True, 1.0).widest_step()
+    return 3 * 4 * pairs * block * block * m.heads / T * seqs
 
 
 def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:
@@ -233,8 +263,9 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
     return out
 
 
-def memory(s: Layout) -> dict[str, float]:
-    """Per-device bytes by component (formulas in the module docstring)."""
+def memory(s: Layout, platform: str | None = None) -> dict[str, float]:
+    """Per-device bytes by component (formulas in the module docstring); `platform` decides what attention
+    "auto" runs (None: an O(seq) kernel)."""
     m, a, E, T, P, M = s.model, s.a, s.model.embed, s["tensor"], s["pipeline"], s.microbatches
     gathers = s.zero == 3 and s["fsdp"] > 1
     used = {p.name: s.local(p, "params", gathered=gathers) for p in s.params}  # as the math sees it
@@ -243,11 +274,13 @@ def memory(s: Layout) -> dict[str, float]:
         sum(used[p.name] for p in s.params if p.stack == stack) * P / count for stack, count in counts.items() if count
     )
     mb, seq_split = s.tokens / M, T if s.sequence_parallel else 1
-    kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len)
+    kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len, platform)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
         moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
         kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
-    acts = mb * recompute + mb * (m.vocab_size / T * 4 * 2 + E * a)  # + f32 logits and their gradient, embeddings
+    chunks = loss_chunks(s.seq_len, m.loss_chunk, s["context"])  # + one loss chunk's f32 logits and gradient
+    acts = mb * recompute + mb * (m.vocab_size / T * 4 * 2 / chunks + E * a + 4)
+    acts += attention_scratch(m, T, s["context"], s.seq_len, mb / s.seq_len, platform)
     if P == 1:
         acts += s.stage_layers * mb * kept
     elif s.schedule == "gpipe":  # autodiff through the forward loop keeps every microbatch
@@ -329,6 +362,10 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
     extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
+    # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
+    extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
+    if attention_kernel(m, sizes["context"], planner_platform(dev)) != "dot":
+        extra += attention_forward / 2
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
@@ -341,7 +378,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     return Estimate(
         model=model_name(m), mesh=sizes, device=dev.name, batch_size=s.batch_size, seq_len=s.seq_len,
         dtype=m.dtype, remat=m.remat, zero=s.zero, sequence_parallel=s.sequence_parallel and sizes["tensor"] > 1,
-        microbatches=s.microbatches, schedule=s.schedule, virtual_stages=s.virtual_stages, memory=memory(s),
+        microbatches=s.microbatches, schedule=s.schedule, virtual_stages=s.virtual_stages,
+        memory=memory(s, planner_platform(dev)),
         hbm_bytes=dev.hbm_bytes, collective_bytes=by_opcode, traffic=traffic, bubble=bubble, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble_s, step_s=step, tokens_per_s=s.batch_size * s.seq_len / step,
         mfu=model_flops / (step * devices * dev.peak_flops),

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.plan.devices import Device
-from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, memory
+from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, memory, planner_platform
 from spmdkit.plan.layout import Layout, check_layout
 
 LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
@@ -105,7 +105,7 @@ def search(
                         check_layout(layout)
                     except SpmdkitError:
                         continue
-                    need = sum(memory(layout).values())
+                    need = sum(memory(layout, planner_platform(dev)).values())
                     if need <= dev.hbm_bytes:
                         fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
                     smallest = min(smallest, (need, layout), key=lambda x: x[0])

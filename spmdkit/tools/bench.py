@@ -30,13 +30,16 @@ import numpy as np
 
 from spmdkit.data.sources import SyntheticSource
 from spmdkit.distributed.initialize import FORCED_COUNT
+from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
+from spmdkit.models.attention import platform
+from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, model_preset
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.plan.devices import DEVICES, device_for_kind
 from spmdkit.plan.estimate import estimate
 from spmdkit.sharding.mesh import make_mesh
-from spmdkit.sharding.mesh_config import format_sizes
+from spmdkit.sharding.mesh_config import MeshConfig, format_sizes
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import OptimizerConfig
 from spmdkit.train.metrics import peak_flops, throughput
@@ -138,6 +141,7 @@ class Setup:
     warmup: int = 2
     microbatches: int = 8  # pipeline microbatches (PP only)
     device: str = "cpu"  # planner device name, for the predicted traffic and memory
+    attention: str = "auto"  # the model's attention setting (auto, dot, blockwise, cudnn, ring)
 
 
 def _batches(setup: Setup, context: int, count: int) -> list[dict]:
@@ -175,10 +179,20 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
 
 
 def model_for(setup: Setup, sizes: Any) -> Any:
-    """The benchmark model on a mesh: ring attention under context > 1; under expert > 1 every MLP becomes 8
-    experts of the same width, top-2 (so a token's FLOPs double, and the MFU counts only those)."""
-    model = setup.model.replace(attention="ring" if sizes.get("context", 1) > 1 else "dot")
+    """The benchmark model on a mesh, with the setup's attention setting ("auto": ring attention under context > 1);
+    under expert > 1 every MLP becomes 8 experts of the same width, top-2 (so a token's FLOPs double, and the MFU
+    counts only those)."""
+    model = setup.model.replace(attention=setup.attention)
     return model.replace(experts=8, top_k=2, moe_every=1) if sizes.get("expert", 1) > 1 else model
+
+
+def kernel_for(setup: Setup, sizes: Any) -> str:
+    """The attention kernel the strategy runs (SpmdkitError when the setup's choice cannot run on its mesh)."""
+    model = model_for(setup, sizes)
+    return choose_attention(
+        model.attention, context=sizes.get("context", 1), platform=platform(), dtype=model.dtype,
+        head_dim=model.head_dim,
+    )  # fmt: skip
 
 
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
@@ -218,6 +232,7 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     return {
         "strategy": name,
         "mesh": format_sizes(dict(mesh.shape)),
+        "attention": kernel_for(setup, dict(mesh.shape)),
         "devices": devices,
         "compile_s": compile_s,
         "compiles": len(compiles),  # XLA compilations from lowering to the last step: 1 (no retracing)
@@ -253,6 +268,12 @@ def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str
         if not fits(name, jax.device_count()):
             log(f"skip {name}: mesh {STRATEGIES[name][0]} needs a different device count than {jax.device_count()}")
             continue
+        try:
+            devices = 1 if name == "one_device" else jax.device_count()
+            kernel_for(setup, MeshConfig.parse(STRATEGIES[name][0]).resolve(devices))
+        except SpmdkitError as error:
+            log(f"skip {name}: {error}")
+            continue
         log(f"{name} ({STRATEGIES[name][0]}) ...")
         rows.append(run_strategy(name, setup))
         log(f"  compile {rows[-1]['compile_s']:.1f} s, step {rows[-1]['step_ms']:.1f} ms")
@@ -260,10 +281,11 @@ def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str
 
 
 COLUMNS = (
-    ("strategy", "strategy"), ("mesh", "mesh"), ("compile s", "compile_s"), ("step ms (min-max)", "step_ms"),
-    ("tokens/s", "tokens_per_s"), ("TFLOP/s/dev", "tflops_per_device"), ("MFU", "mfu"), ("arg MiB", "argument_bytes"),
-    ("temp MiB", "temp_bytes"), ("plan state MiB", "plan_state_bytes"), ("HLO coll. MiB", "hlo_collective_bytes"),
-    ("plan coll. MiB", "plan_collective_bytes"), ("HLO/plan", "traffic_ratio"),
+    ("strategy", "strategy"), ("mesh", "mesh"), ("attention", "attention"), ("compile s", "compile_s"),
+    ("step ms (min-max)", "step_ms"), ("tokens/s", "tokens_per_s"), ("TFLOP/s/dev", "tflops_per_device"),
+    ("MFU", "mfu"), ("arg MiB", "argument_bytes"), ("temp MiB", "temp_bytes"), ("plan state MiB", "plan_state_bytes"),
+    ("HLO coll. MiB", "hlo_collective_bytes"), ("plan coll. MiB", "plan_collective_bytes"),
+    ("HLO/plan", "traffic_ratio"),
 )  # fmt: skip
 
 
@@ -335,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         steps = args.steps or (5 if args.quick else 10)
         setup = Setup(model, args.batch_size, seq, steps=steps, warmup=1 if args.quick else args.warmup)
         names, stem = DEFAULT_STRATEGIES, "quick" if args.quick else "benchmark"
-    setup = dataclasses.replace(setup, microbatches=args.microbatches)
+    setup = dataclasses.replace(setup, microbatches=args.microbatches, attention=args.attention)
     names = args.strategies or names
     start = time.perf_counter()
     rows = benchmark(names, setup, log=lambda text: print(text, flush=True))

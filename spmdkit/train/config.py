@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from spmdkit.data.config import DataConfig
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import Dtype, Remat, TransformerConfig, model_preset
+from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig, model_preset
 
 __all__ = [
     "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
@@ -78,8 +78,13 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
         ("remat", Remat, _field("none", "what the backward pass recomputes", "--remat")),
         (
             "attention",
-            Literal["auto", "dot", "ring"],
-            _field("auto", "attention kernel: auto (ring when context > 1, else dot), dot or ring", "--attention"),
+            Attention,
+            _field(
+                "auto",
+                "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot, "
+                "blockwise, cudnn or ring",
+                "--attention",
+            ),
         ),
     ]
     hints = typing.get_type_hints(TransformerConfig)
@@ -97,8 +102,9 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
 
 def _build(self: Any, context: int = 1) -> TransformerConfig:
     """The `TransformerConfig` these settings describe (the preset, with every override given); `context` is the
-    mesh's context-axis size, which decides what `attention="auto"` means."""
-    attention = ("ring" if context > 1 else "dot") if self.attention == "auto" else self.attention
+    mesh's context-axis size: with context > 1, `attention="auto"` is ring attention. Elsewhere "auto" stays, to be
+    resolved where the model runs (`spmdkit.models.attention_choice.choose_attention`: platform, dtype, shape)."""
+    attention = "ring" if self.attention == "auto" and context > 1 else self.attention
     changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "attention")}
     changes = {name: value for name, value in changes.items() if value is not None}
     return model_preset(self.name).replace(**changes, attention=attention)

@@ -24,7 +24,9 @@ from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes, parameter_rows
-from spmdkit.models.config import TransformerConfig
+from spmdkit.models.attention import platform
+from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.config import TransformerConfig, loss_chunks
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
@@ -63,6 +65,10 @@ class Trainer:
         self.rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
         run = config.run
         check_layout(self.layout())  # everything the mesh, model and batch must agree on, before anything is built
+        cfg = self.model_config
+        self.attention = choose_attention(  # the kernel that will run (an explicit one that cannot: an error now)
+            cfg.attention, context=self.context, platform=platform(), dtype=cfg.dtype, head_dim=cfg.head_dim
+        )
         self.pipeline = self._pipeline_schedule()
         # The data first: a missing or unreadable file is reported before any compilation.
         self.data = make_data(
@@ -125,12 +131,22 @@ class Trainer:
                 + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
                 f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
                 f"compute {cfg.dtype}, remat {cfg.remat}",
+                self._describe_kernels(),
                 *([self._describe_experts()] if cfg.experts else []),
                 f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
                 f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
                 *([self._describe_pipeline()] if self.pipeline else []),
             ]
         )
+
+    def _describe_kernels(self) -> str:
+        cfg, seq = self.model_config, self.config.run.seq_len
+        chunks = loss_chunks(seq, cfg.loss_chunk, self.context)
+        return (
+            f"kernels      attention {self.attention}" + (" (auto)" if cfg.attention == "auto" else "")
+            + f"; loss over {chunks} chunk(s) of {seq // chunks} positions"
+            + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else "")
+        )  # fmt: skip
 
     def _describe_experts(self) -> str:
         c = self.model_config

@@ -22,14 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdkit.models.transformer import (
-    Transformer,
-    apply_blocks,
-    cross_entropy,
-    default_positions,
-    embed_tokens,
-    head_logits,
-)
+from spmdkit.models.loss import lm_loss
+from spmdkit.models.transformer import Transformer, apply_blocks, default_positions, embed_tokens
 from spmdkit.parallel.pipeline.program import (
     deinterleave_layers,
     interleave_layers,
@@ -90,7 +84,7 @@ def pipeline_loss_and_grads(
     (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
     """
     config = model.config
-    check_pipelinable(config.moe_layers, mesh.shape["context"] if config.attention == "ring" else 1)
+    check_pipelinable(config.moe_layers, mesh.shape["context"])
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)
@@ -106,10 +100,11 @@ def pipeline_loss_and_grads(
         return y.astype(BOUNDARY_DTYPE)
 
     def loss_fn(head: dict[str, jax.Array], y: jax.Array, targets: jax.Array) -> jax.Array:
-        return cross_entropy(head_logits(y, head["norm"], head["lm_head"], config), targets)
+        ce, z_loss = lm_loss(y, head["norm"], head["lm_head"], targets, config)  # chunked over the sequence
+        return ce + config.z_loss * z_loss if config.z_loss else ce
 
     stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
-    head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head[...]}
+    head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head_weight()}
     loss, (d_stages, d_head, d_table) = pipeline_value_and_grad(
         stage_fn,
         loss_fn,

@@ -17,13 +17,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdkit.models.transformer import cross_entropy
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
 from spmdkit.train.state import TrainState
 
-Batch = dict[str, jax.Array]  # inputs, targets, positions: int32 [batch, seq]
+# inputs, targets, positions: int32 [batch, seq]; optional segment_ids (int32, documents packed in a row, 0 padding)
+# and loss_mask (0/1 weights of the tokens the loss counts), both [batch, seq]
+Batch = dict[str, jax.Array]
 StepFn = Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]
 
 
@@ -52,18 +53,24 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
 def objective(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective of one batch and its metrics.
 
-    objective = cross-entropy + load_balance_weight x load-balancing loss + router_z_weight x z-loss (the aux
-    terms are means over the MoE layers; a dense model has none). metrics: `loss` (the cross-entropy alone,
-    comparable with eval loss) and, for MoE, the aux losses, `dropped` (share of token->expert assignments
-    over capacity) and `expert_load` [experts] (share of assignments per expert), averaged over MoE layers.
+    objective = cross-entropy (+ z_loss x the LM head's z-loss) + load_balance_weight x load-balancing loss +
+    router_z_weight x router z-loss (the aux terms are means over the MoE layers; a dense model has none). The
+    cross-entropy is the chunked one (`Transformer.loss`: the full logits never exist), a mean over the tokens
+    the batch's `loss_mask` weights (all without one). metrics: `loss` (the cross-entropy alone, comparable with
+    eval loss), `z_loss` when weighted, and, for MoE, the aux losses, `dropped` (share of token->expert
+    assignments over capacity) and `expert_load` [experts] (share of assignments per expert), averaged over MoE
+    layers.
     """
-    logits, aux = model.forward(batch["inputs"], batch["positions"])
-    loss = cross_entropy(logits, batch["targets"])
-    if not aux:
-        return loss, {"loss": loss}
-    metrics = {"loss": loss, **{name: jnp.mean(value, axis=0) for name, value in aux.items()}}
+    x, aux = model.hidden(batch["inputs"], batch["positions"], batch.get("segment_ids"))
+    loss, z_loss = model.loss(x, batch["targets"], batch.get("loss_mask"))
     c = model.config
-    total = loss + c.load_balance_weight * metrics["load_balance_loss"] + c.router_z_weight * metrics["router_z_loss"]
+    metrics, total = {"loss": loss}, loss
+    if c.z_loss:
+        metrics["z_loss"], total = z_loss, total + c.z_loss * z_loss
+    if not aux:
+        return total, metrics
+    metrics.update({name: jnp.mean(value, axis=0) for name, value in aux.items()})
+    total += c.load_balance_weight * metrics["load_balance_loss"] + c.router_z_weight * metrics["router_z_loss"]
     return total, metrics
 
 
@@ -179,13 +186,14 @@ def make_train_step(
 
 
 def make_eval_step(train_state: TrainState, mesh: Mesh, rules: Rules) -> Callable[[nnx.State, Batch], jax.Array]:
-    """The jitted forward-only `eval(state, batch) -> mean loss`."""
+    """The jitted forward-only `eval(state, batch) -> mean loss` (the chunked cross-entropy, as in training)."""
     graphdef = train_state.graphdef
 
     def evaluate(state: nnx.State, batch: Batch) -> jax.Array:
         with use_rules(rules, mesh):
             model = nnx.merge(graphdef, state)[0]
-            return cross_entropy(model(batch["inputs"], batch["positions"]), batch["targets"])
+            x, _ = model.hidden(batch["inputs"], batch["positions"], batch.get("segment_ids"))
+            return model.loss(x, batch["targets"], batch.get("loss_mask"))[0]
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(

@@ -1,10 +1,11 @@
-"""The math of one (query chunk, key chunk) pair of ring attention, per device, in float32 accumulators.
+"""One (query chunk, key chunk) pair of ring attention, per device: the chunk layouts and the key-tile loop.
 
 Layouts (inside the shard_map, local shapes): queries as [2 (slot), B, kv_heads, group, c, D] so grouped-query heads
-never repeat K/V; keys and values as [2 (slot), B, kv_heads, c, D]; per-row statistics [2, B, kv_heads, group, c].
-`fwd_pair` folds one key chunk into the online-softmax state (o, m, l) of one query chunk; `bwd_pair` adds one
-pair's contributions to dq, dk, dv. Keys are scanned in tiles of `key_tile`, bounding the scratch per pair to
-[heads, c, key_tile]. The formulas are in `spmdkit.parallel.context.ring_attention`'s docstring.
+never repeat K/V; keys and values as [2 (slot), B, kv_heads, c, D]; per-row statistics [2, B, kv_heads, group, c];
+segment ids [2 (slot), B, c]. `fwd_pair` folds one key chunk into the online-softmax state (o, m, l) of one query
+chunk; `bwd_pair` adds one pair's contributions to dq, dk, dv. Keys are scanned in tiles of `key_tile`, bounding
+the scratch per pair to [heads, c, key_tile]. The math of each tile is `spmdkit.kernels.attention_block` (`fold`,
+`block_grads`): the same functions the blockwise kernel runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-F32 = jnp.float32
+from spmdkit.kernels.attention_block import F32, block_grads, fold, visible
+
+__all__ = ["F32", "bwd_pair", "fwd_pair", "merge_kv", "merge_q", "merge_rows", "split_kv", "split_q", "split_rows"]
+__all__ += ["split_seg"]
 
 
 def split_q(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -58,59 +62,62 @@ def key_tiles(x: jax.Array, tile: int) -> jax.Array:
     return x.reshape(b, hk, c // tile, tile, d).transpose(2, 0, 1, 3, 4)
 
 
+def seg_tiles(x: jax.Array | None, tile: int) -> jax.Array | None:
+    """Segment ids [B, c] -> [c / tile, B, tile] (None stays None)."""
+    if x is None:
+        return None
+    b, c = x.shape
+    return x.reshape(b, c // tile, tile).transpose(1, 0, 2)
+
+
+def split_seg(x: jax.Array) -> jax.Array:
+    """Segment ids [B, 2c] -> [2 (slot), B, c]."""
+    b, s2 = x.shape
+    return x.reshape(b, 2, s2 // 2).transpose(1, 0, 2)
+
+
 def merge_tiles(x: jax.Array) -> jax.Array:
     """[c / tile, B, kv_heads, tile, D] -> [B, kv_heads, c, D]."""
     nt, b, hk, tile, d = x.shape
     return x.transpose(1, 2, 0, 3, 4).reshape(b, hk, nt * tile, d)
 
 
-def scores(q: jax.Array, k: jax.Array, tile_index: jax.Array, diagonal: bool, scale: float) -> jax.Array:
-    """s = q k^T * scale, [B, kv_heads, group, c, tile] float32; on the diagonal pair keys after the query
-    are set to -inf (both chunks are the same chunk, so local offsets compare positions)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=F32) * scale
-    if diagonal:
-        tile = k.shape[2]
-        q_pos = jnp.arange(q.shape[3])[:, None]
-        k_pos = tile_index * tile + jnp.arange(tile)[None, :]
-        s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
-    return s
+def _tile_mask(c: int, index: jax.Array, tile: int, diagonal: bool, q_seg, k_seg) -> jax.Array | None:
+    """Which keys of tile `index` each of the c queries sees: on the diagonal pair (the same chunk: local offsets
+    compare positions) keys after the query are hidden; with segment ids, keys of other documents."""
+    q_pos = jnp.arange(c)
+    k_pos = index * tile + jnp.arange(tile)
+    return visible(q_pos, k_pos, causal=diagonal, q_seg=q_seg, k_seg=k_seg)
 
 
-def fwd_pair(q, k, v, acc, *, diagonal: bool, scale: float, key_tile: int):
-    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk."""
+def _tiles(k, v, k_seg, tile: int) -> tuple:
+    """The scanned inputs of a key chunk: tile indices, K, V and segment-id tiles (None without segments)."""
+    return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(k_seg, tile)
+
+
+def fwd_pair(q, k, v, acc, *, diagonal: bool, scale: float, key_tile: int, q_seg=None, k_seg=None):
+    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk, a tile at a time.
+    q_seg [B, c], k_seg [B, c]: segment ids of the query and key chunks (None: one document)."""
 
     def tile_step(acc, xs):
-        o, m, denom = acc
-        index, kt, vt = xs
-        s = scores(q, kt, index, diagonal, scale)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vt.dtype), vt, preferred_element_type=F32)
-        return (o * corr[..., None] + pv, m_new, denom * corr + p.sum(-1)), None
+        index, kt, vt, st = xs
+        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st)
+        return fold(acc, q, kt, vt, mask, scale), None
 
-    tiles = k.shape[2] // key_tile
-    xs = (jnp.arange(tiles), key_tiles(k, key_tile), key_tiles(v, key_tile))
-    return lax.scan(tile_step, acc, xs)[0]
+    return lax.scan(tile_step, acc, _tiles(k, v, k_seg, key_tile))[0]
 
 
-def bwd_pair(rows, k, v, grads, *, diagonal: bool, scale: float, key_tile: int):
+def bwd_pair(rows, k, v, grads, *, diagonal: bool, scale: float, key_tile: int, q_seg=None, k_seg=None):
     """Gradient contributions of one chunk pair. rows = (q, dO, lse, D) of the query chunk;
     grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk."""
     q, do, lse, delta = rows
     dq, dk, dv = grads
 
     def tile_step(dq, xs):
-        index, kt, vt = xs
-        p = jnp.exp(scores(q, kt, index, diagonal, scale) - lse[..., None])
-        dv_t = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=F32)
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, vt, preferred_element_type=F32)
-        ds = p * (dp - delta[..., None])
-        dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kt.dtype), kt, preferred_element_type=F32) * scale
-        dk_t = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=F32) * scale
-        return dq, (dk_t, dv_t)
+        index, kt, vt, st = xs
+        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st)
+        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, scale)
+        return dq + dq_t, (dk_t, dv_t)
 
-    tiles = k.shape[2] // key_tile
-    xs = (jnp.arange(tiles), key_tiles(k, key_tile), key_tiles(v, key_tile))
-    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, xs)
+    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, _tiles(k, v, k_seg, key_tile))
     return dq, dk + merge_tiles(dk_t), dv + merge_tiles(dv_t)

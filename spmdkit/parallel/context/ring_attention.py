@@ -24,8 +24,10 @@ Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device). With 
     dQ += dS K / sqrt(head_dim)           dK += dS^T Q / sqrt(head_dim)
 
 dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
-last step one more hop brings dK, dV home. `key_tile` scans the keys of a chunk pair in tiles, bounding the
-scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
+last step one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel
+with K/V (one more small hop) and every pair masks keys of other documents. The per-tile math (`fold`,
+`block_grads`) is `spmdkit.kernels.attention_block`, shared with the blockwise kernel. `key_tile` scans the keys
+of a chunk pair in tiles, bounding the scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.kernels.attention_block import F32, finish, initial_state, row_delta
 from spmdkit.parallel.context.chunk_pair import (
-    F32,
     bwd_pair,
     fwd_pair,
     merge_kv,
@@ -52,6 +53,7 @@ from spmdkit.parallel.context.chunk_pair import (
     split_kv,
     split_q,
     split_rows,
+    split_seg,
 )
 from spmdkit.parallel.context.zigzag import (
     causal_work_balance,
@@ -67,8 +69,6 @@ from spmdkit.parallel.context.zigzag import (
 # The layout helpers live in spmdkit.parallel.context.zigzag and are re-exported here.
 __all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
 __all__ += ["ring_attention", "ring_attention_with_lse"]
-
-_INIT_MAX = float(np.finfo(np.float32).min)  # finite, so fully masked key tiles never give exp(-inf + inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +106,15 @@ class _Ring:
         """[batch, heads, seq]."""
         return P(self.batch_spec, self.heads_axis, self.axis_name)
 
+    def segment_spec(self, seg: jax.Array | None) -> P | None:
+        """[batch, seq] segment ids, or None without them."""
+        return None if seg is None else P(self.batch_spec, self.axis_name)
 
-def _hop(x: jax.Array, ring: _Ring) -> jax.Array:
-    """Send `x` one step around the ring: device r -> r + 1."""
-    return lax.ppermute(x, ring.axis_name, perm=[(j, (j + 1) % ring.n) for j in range(ring.n)])
+
+def _hop(x, ring: _Ring):
+    """Send `x` (an array or a tuple of them) one step around the ring: device r -> r + 1."""
+    perm = [(j, (j + 1) % ring.n) for j in range(ring.n)]
+    return jax.tree.map(lambda a: lax.ppermute(a, ring.axis_name, perm=perm), x)
 
 
 # ---------------------------------------------------------------- one ring step: the 4 chunk pairs
@@ -172,46 +177,51 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
 # ---------------------------------------------------------------- forward and backward programs (per device)
 
 
-def _forward_local(ring: _Ring, q, k, v):
-    """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] -> out [B, 2c, H, D], lse [B, H, 2c] float32.
-    State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32."""
+def _segments(seg, i):
+    """Slot i of segment ids [2, B, c], or None without segment ids."""
+    return None if seg is None else _take(seg, i)
+
+
+def _forward_local(ring: _Ring, q, k, v, seg):
+    """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] (seg [B, 2c] or None) -> out [B, 2c, H, D], lse [B, H, 2c]
+    float32. State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32. The
+    segment ids of the keys travel the ring with them."""
     qs = split_q(q, k.shape[2])
-    o = jnp.zeros_like(qs, dtype=F32)
-    state = (o, jnp.full_like(o[..., 0], _INIT_MAX), jnp.zeros_like(o[..., 0]))
+    q_seg = None if seg is None else split_seg(seg)
+    state = initial_state(qs)
 
     def pair(state, kv, i, j, diagonal):
+        (kv, k_seg) = kv
         acc = tuple(_take(s, i) for s in state)
         new = fwd_pair(
-            _take(qs, i),
-            _take(kv[0], j),
-            _take(kv[1], j),
-            acc,
-            diagonal=diagonal,
-            scale=ring.scale,
-            key_tile=ring.key_tile,
-        )
+            _take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, diagonal=diagonal, scale=ring.scale,
+            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j),
+        )  # fmt: skip
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
-    o, m, denom = _ring_loop(pair, state, jnp.stack([split_kv(k), split_kv(v)]), ring)
-    return merge_q((o / denom[..., None]).astype(q.dtype)), merge_rows(m + jnp.log(denom))
+    state = _ring_loop(pair, state, (jnp.stack([split_kv(k), split_kv(v)]), q_seg), ring)
+    out, lse = finish(state)
+    return merge_q(out.astype(q.dtype)), merge_rows(lse)
 
 
-def _backward_local(ring: _Ring, q, k, v, out, lse, dout, dlse):
+def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
     """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
     State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
     kv_heads = k.shape[2]
     qs, dos = split_q(q, kv_heads), split_q(dout, kv_heads)
-    delta = jnp.sum(dos.astype(F32) * split_q(out, kv_heads).astype(F32), -1) - split_rows(dlse, kv_heads)
+    delta = row_delta(dos, split_q(out, kv_heads)) - split_rows(dlse, kv_heads)
     rows = (qs, dos, split_rows(lse, kv_heads), delta)
+    q_seg = None if seg is None else split_seg(seg)
     kv = jnp.stack([split_kv(k), split_kv(v)])
 
     def pair(state, kv, i, j, diagonal):
-        dq, dk, dv = state
+        (kv, k_seg), (dq, dk, dv) = kv, state
         grads = (_take(dq, i), _take(dk, j), _take(dv, j))
         kj, vj = _take(kv[0], j), _take(kv[1], j)
         dqi, dkj, dvj = bwd_pair(
-            tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, scale=ring.scale, key_tile=ring.key_tile
-        )
+            tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, scale=ring.scale,
+            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j),
+        )  # fmt: skip
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
     def send_back(state):  # dK, dV travel packed in one buffer
@@ -219,7 +229,7 @@ def _backward_local(ring: _Ring, q, k, v, out, lse, dout, dlse):
         return state[0], dkv[0], dkv[1]
 
     dkv = jnp.zeros_like(kv, dtype=F32)
-    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), kv, ring, send_back)
+    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), (kv, q_seg), ring, send_back)
     return merge_q(dq).astype(q.dtype), merge_kv(dk).astype(k.dtype), merge_kv(dv).astype(v.dtype)
 
 
@@ -234,25 +244,25 @@ def _shard_map(ring: _Ring, fn, in_specs, out_specs):
     )
 
 
-def _forward(ring: _Ring, q, k, v):
-    tok = ring.token_spec
-    return _shard_map(ring, _forward_local, (tok, tok, tok), (tok, ring.lse_spec))(q, k, v)
+def _forward(ring: _Ring, q, k, v, seg):
+    tok, seg_spec = ring.token_spec, ring.segment_spec(seg)
+    return _shard_map(ring, _forward_local, (tok, tok, tok, seg_spec), (tok, ring.lse_spec))(q, k, v, seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(ring: _Ring, q, k, v):
-    return _forward(ring, q, k, v)
+def _attention(ring: _Ring, q, k, v, seg):
+    return _forward(ring, q, k, v, seg)
 
 
-def _attention_fwd(ring: _Ring, q, k, v):
-    out, lse = _forward(ring, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(ring: _Ring, q, k, v, seg):
+    out, lse = _forward(ring, q, k, v, seg)
+    return (out, lse), (q, k, v, seg, out, lse)
 
 
 def _attention_bwd(ring: _Ring, residuals, cotangents):
-    tok, lse = ring.token_spec, ring.lse_spec
-    backward = _shard_map(ring, _backward_local, (tok, tok, tok, tok, lse, tok, lse), (tok, tok, tok))
-    return backward(*residuals, *cotangents)
+    tok, lse, seg = ring.token_spec, ring.lse_spec, ring.segment_spec(residuals[3])
+    backward = _shard_map(ring, _backward_local, (tok, tok, tok, seg, tok, lse, tok, lse), (tok, tok, tok))
+    return (*backward(*residuals, *cotangents), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -277,6 +287,12 @@ def _check_shapes(q, k, v) -> None:
         raise SpmdkitError(
             f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
         )
+
+
+def _check_segments(segment_ids: jax.Array | None, q: jax.Array) -> jax.Array | None:
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
+    return segment_ids
 
 
 def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> None:
@@ -322,11 +338,13 @@ def ring_attention_with_lse(
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`ring_attention` that also returns lse [batch, heads, seq] float32 (the log-sum-exp of each query
-    row's scaled scores, seq in the same layout as q), differentiable like `out`."""
+    row's scaled scores, seq in the same layout as q; -inf for a row that sees no key), differentiable like
+    `out`."""
     ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
-    return _attention(ring, q, k, v)
+    return _attention(ring, q, k, v, _check_segments(segment_ids, q))
 
 
 def ring_attention(
@@ -341,6 +359,7 @@ def ring_attention(
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention (scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
 
@@ -356,7 +375,10 @@ def ring_attention(
     zigzag layout with `to_zigzag(x, n=N)`, so device r holds chunks r and 2N-1-r and causal work is
     balanced. `None` (or `"none"`, `"contiguous"`): the natural order. The layout only matters when `causal`.
     `key_tile` (a divisor of seq / 2N, default the whole chunk) bounds the per-pair scratch memory.
+    `segment_ids` int32 [batch, seq], in the same layout as q (they travel the ring with K/V): 0 is padding,
+    1, 2, ... the documents packed in a row; a query sees only keys of its own document (padding rows see
+    nothing: output 0, no gradient). None: one document per row.
     Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse.
     """
     ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
-    return _attention(ring, q, k, v)[0]
+    return _attention(ring, q, k, v, _check_segments(segment_ids, q))[0]

@@ -1,0 +1,123 @@
+"""The math of one (query block, key block) pair of attention, in float32 accumulators.
+
+Every function takes any leading dims `...` (ring attention: [batch]; the blockwise kernel: [pairs, batch]):
+queries and their output gradient [..., kv_heads, group, bq, head_dim] (grouped-query heads viewed as
+[kv_heads, group], so K/V are never repeated), keys and values [..., kv_heads, bk, head_dim], per-row statistics
+[..., kv_heads, group, bq], and a visibility mask [..., bq, bk] (True: the query sees the key) or None (all see
+all). With scores s = q k^T * scale (masked to -inf), the forward pass keeps per query row
+
+    m' = max(m, rowmax(s))        l' = l exp(m - m') + rowsum(exp(s - m'))
+    o' = o exp(m - m') + exp(s - m') v
+    out = o / l                   lse = m + log(l)
+
+(`fold` for one key block, `finish` at the end), and the backward pass, with D = rowsum(dO * out) (less the
+cotangent of lse, if any), recomputes P from the saved lse (`block_grads`):
+
+    P = exp(s - lse)     dV = P^T dO     dP = dO V^T     dS = P * (dP - D)
+    dQ = dS K * scale    dK = dS^T Q * scale
+
+A query row that sees no key at all (padding: segment id 0) gets out = 0, lse = -inf and zero gradients: its
+running max starts at the finite float32 minimum, so a fully masked block gives exp(-inf) = 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+INIT_MAX = float(np.finfo(np.float32).min)  # finite, so fully masked blocks never give exp(-inf + inf)
+
+State = tuple[jax.Array, jax.Array, jax.Array]  # o [..., bq, D], m [..., bq], l [..., bq]: float32
+
+
+def _and(a: jax.Array | None, b: jax.Array) -> jax.Array:
+    return b if a is None else a & b
+
+
+def visible(
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    *,
+    causal: bool,
+    q_seg: jax.Array | None = None,
+    k_seg: jax.Array | None = None,
+    k_len: int | None = None,
+) -> jax.Array | None:
+    """Which keys each query sees: bool [..., bq, bk], or None when every query sees every key.
+
+    q_pos [..., bq], k_pos [..., bk]: sequence positions (causal: a key is seen when k_pos <= q_pos);
+    q_seg [..., bq], k_seg [..., bk]: segment ids (a key is seen when its id equals the query's and the query's
+    is not 0, padding); k_len: keys at positions >= k_len are padding added to fill the last block.
+    """
+    mask = None
+    if causal:
+        mask = k_pos[..., None, :] <= q_pos[..., :, None]
+    if k_len is not None:
+        mask = _and(mask, (k_pos < k_len)[..., None, :])
+    if q_seg is not None:
+        same = (q_seg[..., :, None] == k_seg[..., None, :]) & (q_seg[..., :, None] != 0)
+        mask = _and(mask, same)
+    return mask
+
+
+def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
+    """s = q k^T * scale, float32 [..., kv_heads, group, bq, bk]; keys the mask hides are -inf."""
+    s = jnp.einsum("...hgqd,...hkd->...hgqk", q, k, preferred_element_type=F32) * scale
+    if mask is not None:
+        s = jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
+    return s
+
+
+def initial_state(q: jax.Array) -> State:
+    """The online-softmax state of query rows q [..., bq, D] before any key: o = 0, m = INIT_MAX, l = 0."""
+    o = jnp.zeros_like(q, dtype=F32)  # *_like: inside a shard_map the state varies over the axes q varies over
+    return o, jnp.full_like(o[..., 0], INIT_MAX), jnp.zeros_like(o[..., 0])
+
+
+def fold(state: State, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> State:
+    """Fold one key block (k, v [..., kv_heads, bk, D]) into the state of the query block q."""
+    o, m, denom = state
+    s = scores(q, k, mask, scale)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("...hgqk,...hkd->...hgqd", p.astype(v.dtype), v, preferred_element_type=F32)
+    return o * corr[..., None] + pv, m_new, denom * corr + p.sum(-1)
+
+
+def finish(state: State) -> tuple[jax.Array, jax.Array]:
+    """(out float32 [..., bq, D], lse float32 [..., bq]) of a state that has seen every key; rows that saw no
+    key get out = 0 and lse = -inf."""
+    o, m, denom = state
+    seen = denom > 0
+    safe = jnp.where(seen, denom, 1.0)
+    return o / safe[..., None], jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def row_delta(do: jax.Array, out: jax.Array) -> jax.Array:
+    """D = rowsum(dO * out) in float32: [..., bq, D] -> [..., bq]."""
+    return jnp.sum(do.astype(F32) * out.astype(F32), -1)
+
+
+def block_grads(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    do: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    mask: jax.Array | None,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Float32 (dq [..., kv_heads, group, bq, D], dk, dv [..., kv_heads, bk, D]) of one block pair, P recomputed
+    from the rows' lse. Rows with lse = -inf (they saw no key) have every score -inf: P = 0 there."""
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    p = jnp.exp(scores(q, k, mask, scale) - lse[..., None])
+    dv = jnp.einsum("...hgqk,...hgqd->...hkd", p.astype(do.dtype), do, preferred_element_type=F32)
+    dp = jnp.einsum("...hgqd,...hkd->...hgqk", do, v, preferred_element_type=F32)
+    ds = p * (dp - delta[..., None])
+    dq = jnp.einsum("...hgqk,...hkd->...hgqd", ds.astype(k.dtype), k, preferred_element_type=F32) * scale
+    dk = jnp.einsum("...hgqk,...hgqd->...hkd", ds.astype(q.dtype), q, preferred_element_type=F32) * scale
+    return dq, dk, dv

@@ -1,0 +1,58 @@
+"""Which attention kernel runs: the rules, in one place (pure Python: the trainer, the model and the planner read it).
+
+`choose_attention(kind, ...)` turns the model's `attention` setting into the kernel that runs:
+
+- `auto`: ring attention when the mesh has a context axis > 1; else cuDNN's fused kernel on an NVIDIA GPU where
+  cuDNN supports the shape (bfloat16 or float16, head_dim a multiple of 8 up to 128); else the blockwise kernel.
+  On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
+  (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
+- `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
+  SpmdkitError saying why it cannot run here.
+"""
+
+from __future__ import annotations
+
+from spmdkit.errors import SpmdkitError
+
+KERNELS = ("dot", "blockwise", "cudnn", "ring")
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention: <= 128 before Hopper (256 on Hopper); kept to what all run
+
+
+def cudnn_refusal(dtype: str, head_dim: int) -> str | None:
+    """Why cuDNN's fused kernel cannot take this shape, or None when it can."""
+    if dtype not in CUDNN_DTYPES:
+        return f"cuDNN attention needs a bfloat16 or float16 compute dtype, not {dtype}: set --dtype bfloat16"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return f"cuDNN attention needs head_dim a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}"
+    return None
+
+
+def choose_attention(kind: str, *, context: int, platform: str | None, dtype: str, head_dim: int) -> str:
+    """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
+
+    context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
+    or None (unknown: the platform rules are not checked); dtype: the compute dtype's name. Raises SpmdkitError
+    when an explicit choice cannot run.
+    """
+    if kind == "auto":
+        if context > 1:
+            return "ring"
+        if platform == "cuda" and cudnn_refusal(dtype, head_dim) is None:
+            return "cudnn"
+        return "blockwise"
+    if kind not in KERNELS:
+        raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
+    if kind == "ring" and context <= 1:
+        raise SpmdkitError("--attention ring needs a context axis > 1 in the mesh (e.g. --mesh context=2,fsdp=4)")
+    if kind != "ring" and context > 1:
+        raise SpmdkitError(
+            f"--attention {kind} cannot split the sequence over context={context}: use ring (or auto), or drop "
+            "context from the mesh"
+        )
+    if kind == "cudnn":
+        if platform is not None and platform != "cuda":
+            raise SpmdkitError(f"--attention cudnn needs an NVIDIA GPU, not {platform}: use blockwise (or auto)")
+        if reason := cudnn_refusal(dtype, head_dim):
+            raise SpmdkitError(reason)
+    return kind

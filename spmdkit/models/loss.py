@@ -1,0 +1,174 @@
+"""The LM head and the next-token loss over sequence chunks: the float32 logits [batch, seq, vocab] never exist.
+
+`lm_loss(x, norm_scale, head, targets, config, mask)` cuts the sequence into `loss_chunks(seq, config.loss_chunk)`
+strided chunks (chunk i holds positions i, i + n, ...: a sequence sharded over `context` stays sharded the same way
+in every chunk) and, chunk by chunk, runs the final RMSNorm, the LM head [embed, vocab] and the float32
+log-softmax. A `jax.custom_vjp` keeps only the per-token log-sum-exp [batch, seq] for the backward pass, which
+recomputes each chunk's logits and sends d logits = g (softmax - one_hot) (+ the z-loss term) back through the
+head. Memory: one chunk's logits [batch, seq / n, vocab] float32 (and their gradient), not the sequence's.
+
+Loss: the mean over the tokens `mask` weights (0/1, [batch, seq]; None: all) of -log p(target); z-loss: the mean
+of log(Z)^2 over the same tokens (Z the softmax normaliser), weighted by `config.z_loss` in the objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from spmdkit.models.config import TransformerConfig, loss_chunks
+from spmdkit.models.layers import HIDDEN, rms_norm
+from spmdkit.sharding.logical import active_rules, constrain
+
+F32 = jnp.float32
+LOGITS = ("batch", "seq", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The static part of the head (a custom_vjp non-differentiable argument)."""
+
+    norm_eps: float
+    dtype: str
+
+
+def head_logits(x: jax.Array, norm_scale: jax.Array, head: jax.Array, norm_eps: float, dtype: str) -> jax.Array:
+    """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab] (vocab split over
+    `tensor` under TP)."""
+    x = rms_norm(x, norm_scale, norm_eps)
+    logits = jnp.einsum("bse,ev->bsv", x, head.astype(dtype))
+    return constrain(logits.astype(F32), LOGITS)
+
+
+def _token_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes (size > 1, not already manual) that the active rules split logical axis `name` over."""
+    active = active_rules()
+    if active is None:
+        return ()
+    rules, mesh = active
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in rules.params[name] if mesh.shape.get(a, 1) > 1 and a not in manual)
+
+
+def _strided(x: jax.Array, n: int) -> jax.Array:
+    """[batch, seq, ...] -> [n, batch, seq / n, ...]: chunk i holds positions i, i + n, ..."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // n, n, *x.shape[2:]), 2, 0)
+
+
+def _take(x: jax.Array, i) -> jax.Array:
+    return lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _chunk_stats(spec: _Head, xs, scale, head, ts, ws, i):
+    """(sum of w (lse - logit of the target), sum of w lse^2, lse [batch, c]) of chunk i."""
+    logits = head_logits(_take(xs, i), scale, head, spec.norm_eps, spec.dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, _take(ts, i)[..., None], axis=-1)[..., 0]
+    w = _take(ws, i)
+    return jnp.sum(w * (lse - target)), jnp.sum(w * lse * lse), lse
+
+
+def _forward(spec: _Head, xs, scale, head, ts, ws):
+    """Loop over the chunks; the first runs outside the loop, so the carry takes its types (inside a shard_map the
+    sums vary over the axes the activations vary over)."""
+    ce, z, lse0 = _chunk_stats(spec, xs, scale, head, ts, ws, 0)
+    lses = lax.dynamic_update_index_in_dim(jnp.zeros_like(ts, dtype=F32), lse0, 0, axis=0)
+
+    def body(i, carry):
+        ce, z, lses = carry
+        ce_i, z_i, lse_i = _chunk_stats(spec, xs, scale, head, ts, ws, i)
+        return ce + ce_i, z + z_i, lax.dynamic_update_index_in_dim(lses, lse_i, i, axis=0)
+
+    return lax.fori_loop(1, xs.shape[0], body, (ce, z, lses))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss_sums(spec: _Head, xs, scale, head, ts, ws):
+    return _forward(spec, xs, scale, head, ts, ws)[:2]
+
+
+def _loss_sums_fwd(spec: _Head, xs, scale, head, ts, ws):
+    ce, z, lses = _forward(spec, xs, scale, head, ts, ws)
+    return (ce, z), (xs, scale, head, ts, ws, lses)
+
+
+def _loss_sums_bwd(spec: _Head, residuals, cotangents):
+    xs, scale, head, ts, ws, lses = residuals
+    g_ce, g_z = cotangents
+
+    logits_of = functools.partial(head_logits, norm_eps=spec.norm_eps, dtype=spec.dtype)
+
+    def chunk_grads(i):
+        logits, vjp = jax.vjp(logits_of, _take(xs, i), scale, head)
+        lse, w = _take(lses, i)[..., None], _take(ws, i)[..., None]
+        probs = jnp.exp(logits - lse)
+        vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        d_ce = jnp.where(vocab == _take(ts, i)[..., None], probs - 1.0, probs)  # softmax - one_hot
+        d_logits = w * (g_ce * d_ce + g_z * 2.0 * lse * probs)
+        return vjp(constrain(d_logits, LOGITS))
+
+    dx0, d_scale, d_head = chunk_grads(0)
+    dxs = lax.dynamic_update_index_in_dim(jnp.zeros_like(xs), dx0, 0, axis=0)
+
+    def body(i, carry):
+        dxs, d_scale, d_head = carry
+        dx, ds, dh = chunk_grads(i)
+        return lax.dynamic_update_index_in_dim(dxs, dx, i, axis=0), d_scale + ds, d_head + dh
+
+    dxs, d_scale, d_head = lax.fori_loop(1, xs.shape[0], body, (dxs, d_scale, d_head))
+    return dxs, d_scale, d_head, None, None
+
+
+_loss_sums.defvjp(_loss_sums_fwd, _loss_sums_bwd)
+
+
+def lm_loss(
+    x: jax.Array,
+    norm_scale: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    config: TransformerConfig,
+    mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy, z-loss): float32 means over the tokens `mask` weights, of the final norm + LM head on x.
+
+    x: [batch, seq, embed] (the last block's output); norm_scale: [embed]; head: [embed, vocab]; targets: int
+    [batch, seq]; mask: 0/1 weights [batch, seq] or None (every token). The z-loss is mean(log(Z)^2), for the
+    objective to weight by `config.z_loss`. Differentiable in x, norm_scale and head.
+    """
+    x = constrain(x, HIDDEN)
+    batch, seq = _token_axes("batch"), _token_axes("seq")
+    n = loss_chunks(x.shape[1], config.loss_chunk, math.prod(active_rules()[1].shape[a] for a in seq))
+    weights = jnp.ones(targets.shape, F32) if mask is None else mask.astype(F32)
+    spec = _Head(config.norm_eps, config.dtype)
+
+    def sums(x, scale, head, targets, weights):
+        return _loss_sums(spec, _strided(x, n), scale, head, _strided(targets, n), _strided(weights, n))
+
+    if n > 1 and batch + seq:
+        sums = _per_device(sums, batch, seq)
+    ce, z = sums(x, norm_scale, head, targets, weights)
+    count = jnp.maximum(weights.sum(), 1.0)
+    return ce / count, z / count
+
+
+def _per_device(sums, batch: tuple[str, ...], seq: tuple[str, ...]):
+    """`sums` in a shard_map manual over the axes that split the tokens: each device accumulates its own
+    gradient of the head and norm over the chunks, reduced once by the transpose of the pcast below (under
+    automatic sharding XLA would reduce the head's gradient after every chunk)."""
+    mesh, axes = active_rules()[1], (*batch, *seq)
+    tokens = PartitionSpec(batch or None, seq or None)
+
+    def local(x, scale, head, targets, weights):
+        scale, head = jax.lax.pcast((scale, head), axes, to="varying")
+        return jax.tree.map(lambda a: jax.lax.psum(a, axes), sums(x, scale, head, targets, weights))
+
+    specs = (PartitionSpec(batch or None, seq or None, None), PartitionSpec(), PartitionSpec(), tokens, tokens)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), axis_names=set(axes))
