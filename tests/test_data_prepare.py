@@ -12,8 +12,10 @@ from support import error_lines, run_spmdkit
 from tokenizers import models, pre_tokenizers
 
 from spmdkit.cli import main
+from spmdkit.data.config import DataConfig
 from spmdkit.data.prepare import PrepareOptions, prepare
 from spmdkit.data.store import PreparedDataset
+from spmdkit.data.stream import make_data
 from spmdkit.errors import SpmdkitError
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet, héllo 漢字 " * (1 + i % 5) for i in range(40)]
@@ -275,7 +277,7 @@ def prepared(tmp_path):
 
 def _open_error(path):
     with pytest.raises(SpmdkitError) as info:
-        PreparedDataset(path)
+        make_data(DataConfig(source=str(path)), seq_len=16, global_batch=2, vocab_size=264, seed=0)
     message = str(info.value)
     assert "\n" not in message
     return message
