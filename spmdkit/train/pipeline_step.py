@@ -121,5 +121,7 @@ def pipeline_loss_and_grads(
     )
     if virtual > 1:
         d_stages = deinterleave_layers(d_stages, stages, virtual)
+    if config.tie_embeddings:  # one parameter used twice: the lookup's gradient plus the head's, transposed
+        d_table = d_table + d_head["lm_head"].T
     pieces = {"blocks": d_stages, "final_norm": d_head["norm"], "lm_head": d_head["lm_head"], "embedding": d_table}
     return loss, _assemble(params, pieces)
