@@ -2,6 +2,7 @@
 a lost process ending the others, the sbatch script, and bad input."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -121,6 +122,11 @@ def test_two_processes_train_like_one(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and records[-1]["loss"] < records[0]["loss"]
     assert records[0]["loss"] > 5.0  # starts near uniform over 264 tokens (ln 264 = 5.58)
     assert 0 < records[-1]["eval_loss"] < records[0]["loss"]
+    # byte tokens: a scored target is one byte of text (BOS/EOS between files none), so bits per byte ~ loss / ln 2
+    for record in records:
+        assert record["loss"] / math.log(2) <= record["bits_per_byte"] <= 1.02 * record["loss"] / math.log(2)
+    assert records[-1]["eval_bits_per_byte"] == pytest.approx(records[-1]["eval_loss"] / math.log(2), rel=0.02)
+    assert (run_dir / "checkpoints" / "hf" / "tokenizer.json").is_file()  # the bytes tokenizer travels with the run
     config = json.loads((run_dir / "config.json").read_text())
     assert config["mesh"]["mesh"] == "fsdp=4,tensor=2" and config["run"]["steps"] == 6
     assert (run_dir / "loss.png").stat().st_size > 0 and any((run_dir / "tensorboard").iterdir())

@@ -136,12 +136,15 @@ def lm_loss(
     targets: jax.Array,
     config: TransformerConfig,
     mask: jax.Array | None = None,
+    denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(cross-entropy, z-loss): float32 means over the tokens `mask` weights, of the final norm + LM head on x.
 
     x: [batch, seq, embed] (the last block's output); norm_scale: [embed]; head: [embed, vocab]; targets: int
     [batch, seq]; mask: 0/1 weights [batch, seq] or None (every token). The z-loss is mean(log(Z)^2), for the
-    objective to weight by `config.z_loss`. Differentiable in x, norm_scale and head.
+    objective to weight by `config.z_loss`. Differentiable in x, norm_scale and head. `denominator` replaces the
+    count of weighted tokens: a piece of a batch (a microbatch, one replica's rows) divides its sums by the
+    batch's count over the number of pieces, so the mean over pieces is the batch's token mean.
     """
     x = constrain(x, HIDDEN)
     batch, seq = _token_axes("batch"), _token_axes("seq")
@@ -155,7 +158,7 @@ def lm_loss(
     if n > 1 and batch + seq:
         sums = _per_device(sums, batch, seq)
     ce, z = sums(x, norm_scale, head, targets, weights)
-    count = jnp.maximum(weights.sum(), 1.0)
+    count = jnp.maximum(weights.sum(), 1.0) if denominator is None else denominator
     return ce / count, z / count
 
 

@@ -132,10 +132,18 @@ class Transformer(nnx.Module):
         """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
         return head_logits(x, self.final_norm.scale[...], self.lm_head_weight(), self.config)
 
-    def loss(self, x: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def loss(
+        self,
+        x: jax.Array,
+        targets: jax.Array,
+        mask: jax.Array | None = None,
+        denominator: jax.Array | float | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
         """(cross-entropy, z-loss) of the last block's output x [batch, seq, embed] against targets [batch, seq],
-        means over the tokens `mask` weights; chunked over the sequence (`spmdkit.models.loss.lm_loss`)."""
-        return lm_loss(x, self.final_norm.scale[...], self.lm_head_weight(), targets, self.config, mask)
+        means over the tokens `mask` weights (or sums over `denominator`); chunked over the sequence
+        (`spmdkit.models.loss.lm_loss`)."""
+        head = self.lm_head_weight()
+        return lm_loss(x, self.final_norm.scale[...], head, targets, self.config, mask, denominator)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None

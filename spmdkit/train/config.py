@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spmdkit.data.config import DataConfig
+from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import build_model, resolved_settings
 from spmdkit.models.config import PRESETS, Attention, Dtype, Remat, TransformerConfig
@@ -291,3 +292,18 @@ def checkpoint_directory(config: TrainConfig) -> Path:
 def config_from_json(text: str) -> TrainConfig:
     """Inverse of `TrainConfig.to_json` (used when resuming and inspecting checkpoints)."""
     return apply_overrides(TrainConfig(), json.loads(text))
+
+
+def with_data_vocab(config: TrainConfig) -> TrainConfig:
+    """A model trained from scratch on prepared datasets takes its vocabulary from their tokenizer (rounded up to
+    a multiple of 128, `Tokenizer.model_vocab_size`) unless `--model.vocab-size` sets it; weights from
+    `--init-from` keep theirs (the data stream checks that the tokenizer fits)."""
+    model = config.model
+    if (
+        model.vocab_size is not None
+        or model.init_from
+        or resolve_source(config.data).kind not in ("prepared", "mixture")
+    ):
+        return config
+    vocab = source_tokenizer(config.data).model_vocab_size
+    return dataclasses.replace(config, model=dataclasses.replace(model, vocab_size=vocab))

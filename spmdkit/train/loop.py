@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes, parameter_rows
+from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
 from spmdkit.models.attention import platform
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, loss_chunks
@@ -32,11 +34,12 @@ from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.config import TrainConfig, checkpoint_directory
-from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput, trim_metrics
+from spmdkit.train.config import TrainConfig, checkpoint_directory, with_data_vocab
+from spmdkit.train.metrics import MetricsWriter, peak_flops, throughput, trim_metrics
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.preemption import StopRequest
+from spmdkit.train.report import Progress, summary
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
 
@@ -58,6 +61,7 @@ class Trainer:
         # The saved config names the model's full shape (not a preset or a path that may move) and its learning rate
         # (the fine-tuning defaults when it starts from --init-from weights).
         fine_tuning = bool(config.model.init_from)
+        config = with_data_vocab(config)
         config = dataclasses.replace(
             config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning)
         )
@@ -81,6 +85,7 @@ class Trainer:
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
+        self.token_bytes = self.data.token_bytes  # int32 [vocab]: bits per byte are logged when the data has text
         self.tx = make_optimizer(config.optimizer, run.steps)
         self.lr_schedule = schedule(config.optimizer, run.steps)
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
@@ -140,6 +145,7 @@ class Trainer:
                 self._describe_kernels(),
                 *([self._describe_experts()] if cfg.experts else []),
                 f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
+                self._describe_data(),
                 f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
                 *([self._describe_pipeline()] if self.pipeline else []),
             ]
@@ -153,6 +159,14 @@ class Trainer:
             + f"; loss over {chunks} chunk(s) of {seq // chunks} positions"
             + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else "")
         )  # fmt: skip
+
+    def _describe_data(self) -> str:
+        data, tokenizer = self.data, self.data.tokenizer
+        return (
+            f"data         {self.config.data.source}: {data.packing} packing"
+            + (f", tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} tokens)" if tokenizer else "")
+            + f", model vocab {self.model_config.vocab_size:,}"
+        )
 
     def _model_name(self) -> str:
         settings = self.config.model
@@ -180,19 +194,44 @@ class Trainer:
             local = zigzag_batch(local, self.context)
         return global_batch_arrays(local, self.batch_shardings)
 
-    def evaluate(self, eval_step: Any) -> float:
+    def evaluate(self, eval_step: Any) -> dict[str, float]:
+        """`eval_loss` (the mean over the scored tokens of up to `eval_batches` batches of the eval split) and,
+        when the data has text, `eval_bits_per_byte`."""
         run = self.config.run
         stream = make_data(
             self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
         )  # fmt: skip
-        losses = []
+        sums = []
         for _ in range(run.eval_batches):
             try:
-                losses.append(eval_step(self.state.state, self.global_batch(next(stream))))
+                sums.append(eval_step(self.state.state, self.global_batch(next(stream))))
             except StopIteration:
                 break
-        return float(np.mean(jax.device_get(losses))) if losses else float("nan")
+        if not sums:
+            return {"eval_loss": float("nan")}
+        total = {k: float(np.sum([s[k] for s in jax.device_get(sums)])) for k in sums[0]}
+        out = {"eval_loss": total["loss_sum"] / max(total["tokens"], 1.0)}
+        if "bytes" in total:
+            out["eval_bits_per_byte"] = total["loss_sum"] / max(total["bytes"], 1.0) / math.log(2)
+        return out
+
+    def save_tokenizer(self) -> None:
+        """The data's tokenizer (`tokenizer.json`, `tokenizer_config.json`) into the checkpoint directory's `hf/`,
+        beside the checkpoints, where generation, `ckpt export` and `find_tokenizer_dir` (given the run or the
+        checkpoint directory) find it; written beside and renamed into place. Weights from --init-from brought their
+        own tokenizer there: it stays."""
+        tokenizer, sidecar = self.data.tokenizer, self.checkpointer.directory / SIDECAR
+        if tokenizer is None or not self.is_main or (self.config.model.init_from and find_tokenizer_dir(sidecar)):
+            return
+        sidecar.mkdir(parents=True, exist_ok=True)
+        staging = sidecar / f".tokenizer.tmp{os.getpid()}"
+        try:
+            tokenizer.save(staging)
+            for file in staging.iterdir():
+                os.replace(file, sidecar / file.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _open_checkpointer(self) -> Checkpointer:
         """The run's checkpointer; with `--no-resume` its directory must hold no steps."""
@@ -230,7 +269,7 @@ class Trainer:
             return
         from flax import nnx
 
-        from spmdkit.interop.hf_files import SIDECAR, copy_hf_files, find_hf_files
+        from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
         from spmdkit.interop.loading import load_params
 
         shardings = nnx.to_pure_dict(self.state.shardings[0])
@@ -256,18 +295,21 @@ class Trainer:
         self.log(self.describe())
         self.resume()
         self.initialise_from()
+        self.save_tokenizer()
         checkpointer = self.checkpointer
         if self.start_step >= run.steps:
             checkpointer.close()
             self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
             return TrainResult({}, {}, self.state, self.run_dir, 0)
-        self.batch_shardings = batch_shardings(self.mesh, self.rules)
+        keys, token_bytes = self.data.keys, self.token_bytes
+        self.batch_shardings = batch_shardings(self.mesh, self.rules, keys)
         step_fn = make_train_step(
-            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline
-        )
+            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline,
+            keys, token_bytes,
+        )  # fmt: skip
         if self.pipeline is not None and self.is_main:
             self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
-        eval_step = make_eval_step(self.state, self.mesh, self.rules)
+        eval_step = make_eval_step(self.state, self.mesh, self.rules, keys, token_bytes)
         batch = self.global_batch(next(self.data))
         started = time.perf_counter()
         compiled = step_fn.lower(self.state.state, batch).compile()
@@ -278,7 +320,7 @@ class Trainer:
         flops_per_token = self.model_config.flops_per_token(run.seq_len)
         tokens_per_step = run.batch_size * run.seq_len
         result = TrainResult({}, {}, self.state, self.run_dir, 0)
-        progress = self._progress(run.steps - self.start_step)
+        progress = Progress(run.steps - self.start_step, self.start_step, self.is_main and run.progress)
         window_start, window_steps, previous = time.perf_counter(), 0, None
         stop = StopRequest().install()  # SIGTERM / SIGINT: finish this step, save, return
         try:
@@ -299,10 +341,11 @@ class Trainer:
                     record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
                     record.update(step_time_s=elapsed / window_steps, **speed)
                     if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-                        record["eval_loss"] = result.eval_losses[step] = self.evaluate(eval_step)
+                        record.update(self.evaluate(eval_step))
+                        result.eval_losses[step] = record["eval_loss"]
                     result.losses[step] = record["loss"]
                     writer.write(record)
-                    self._update_progress(progress, record, step)
+                    progress.update(record, step)
                     window_start, window_steps = time.perf_counter(), 0
                 self.save(step, force=step == run.steps)
                 if self.step_hook:
@@ -317,10 +360,10 @@ class Trainer:
             stop.uninstall()
             checkpointer.close()
             writer.close()
-            if progress is not None:
-                progress.close()
+            progress.close()
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
-        self._finish(result)
+        if self.is_main and result.losses:
+            self.log(summary(self.run_dir, result.skipped_steps))
         if result.stopped_at is not None:
             self.log(
                 f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved in "
@@ -336,47 +379,6 @@ class Trainer:
                 f"the gradients were NaN or Inf for {bad} consecutive steps (steps {step - bad + 1}-{step}); the "
                 f"parameters are those of step {step - bad}: lower --lr, check the data, or raise max_bad_steps"
             )
-
-    def _progress(self, total: int) -> Any:
-        if not (self.is_main and self.config.run.progress):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def _update_progress(self, progress: Any, record: dict[str, Any], step: int) -> None:
-        if progress is None:
-            return
-        progress.n = step - self.start_step
-        mfu = record.get("mfu")
-        progress.set_postfix(
-            loss=f"{record['loss']:.3f}",
-            tok_s=f"{record['tokens_per_sec']:,.0f}",
-            mfu="n/a" if mfu is None else f"{mfu:.1%}",
-        )
-
-    def _finish(self, result: TrainResult) -> None:
-        if not self.is_main or not result.losses:
-            return
-        from spmdkit.train.metrics import read_metrics
-
-        records = read_metrics(self.run_dir)
-        plot_loss_curve(records, self.run_dir / "loss.png")
-        speed = [r["tokens_per_sec"] for r in records[1:]] or [records[-1]["tokens_per_sec"]]
-        mfus = [r["mfu"] for r in records[1:] if r.get("mfu") is not None]
-        first, last = records[0], records[-1]
-        lines = [
-            "",
-            f"done: {last['step']} steps, loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f}"
-            + (f", eval loss {last['eval_loss']:.3f}" if "eval_loss" in last else ""),
-            f"speed: {np.median(speed):,.0f} tokens/s, {np.median([r['tflops_per_device'] for r in records]):.3g} "
-            f"TFLOP/s per device, MFU " + (f"{np.median(mfus):.1%}" if mfus else "unknown (pass --peak-tflops)"),
-            f"skipped steps (NaN/Inf): {result.skipped_steps}",
-            f"run directory: {self.run_dir} (config.json, metrics.jsonl, loss.png, tensorboard/)",
-        ]
-        if not math.isfinite(last["loss"]):
-            lines.append("warning: the last loss is not finite")
-        self.log("\n".join(lines))
 
 
 def train(config: TrainConfig) -> TrainResult:

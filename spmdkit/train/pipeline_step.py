@@ -10,16 +10,27 @@ Gradients are reassembled into the parameters' tree, so the optimizer update is 
 Interleaved schedules (v > 1) want stage s to hold model chunks s, s+P, ...: the stack is permuted into that
 layout inside the step and the gradients permuted back, so parameters, checkpoints and evaluation keep the
 model's layer order. That permutation moves the block parameters between stages once per step.
+
+Packed documents: every stage needs its microbatch's `positions` and `segment_ids` (attention stays inside a
+document, RoPE restarts at each document). They ride along with the activation, as two float32 channels appended
+to the stage boundary `[microbatch, seq, embed + 2]` (integers below 2^24 are exact in float32): embed_fn adds
+them, every stage splits them off, runs its blocks and puts them back, so each stage reads them at the tick it runs
+that microbatch without the program knowing (2/embed more boundary bytes; their gradients are dropped). The loss
+mask travels with the targets to the last stage, and each microbatch's summed loss is divided by the batch's
+scored-token count over the number of pieces (`spmdkit.train.step`), so the loss is the batch's token mean.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh
 
 from spmdkit.models.loss import lm_loss
@@ -33,6 +44,7 @@ from spmdkit.parallel.pipeline.program import (
 from spmdkit.parallel.pipeline.schedule import Schedule, check_layers, check_pipelinable, make_schedule
 from spmdkit.sharding.logical import suspend_rules
 from spmdkit.sharding.rules import Rules
+from spmdkit.train.step import scored_tokens
 
 # Activations cross stage boundaries in float32. XLA's CPU compiler aborts ("Invalid binary instruction opcode
 # copy") on the bfloat16 form of the pipeline loop in jax 0.10.2; float32 costs 2x the (small) ppermute bytes.
@@ -80,8 +92,9 @@ def pipeline_loss_and_grads(
 ) -> tuple[jax.Array, nnx.State]:
     """Mean loss over the batch and gradients w.r.t. every `nnx.Param`, computed by the pipeline schedule.
 
-    batch: inputs / targets [batch, seq]; the batch splits into `schedule.num_microbatches` microbatches
-    (row m, m+M, ... go to microbatch m), each sharded over the batch axes.
+    batch: inputs / targets [batch, seq] (and positions, segment_ids, loss_mask of packed documents); the batch
+    splits into `schedule.num_microbatches` microbatches (row m, m+M, ... go to microbatch m), each sharded over
+    the batch axes.
     """
     config = model.config
     check_pipelinable(config.moe_layers, mesh.shape["context"])
@@ -89,19 +102,46 @@ def pipeline_loss_and_grads(
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)
 
+    packed = "segment_ids" in batch
+    microbatches = functools.partial(to_microbatches, num_microbatches=schedule.num_microbatches)
+
     @_per_device
-    def embed_fn(table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return embed_tokens(table, tokens, config.dtype).astype(BOUNDARY_DTYPE)
+    def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:
+        if not packed:
+            return embed_tokens(table, raw, config.dtype).astype(BOUNDARY_DTYPE)
+        x = embed_tokens(table, raw[..., 0], config.dtype).astype(BOUNDARY_DTYPE)
+        return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1)  # + positions, segment ids
 
     @_per_device
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
         blocks = nnx.merge(blocks_def, chunk)
-        y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
-        return y.astype(BOUNDARY_DTYPE)
+        if not packed:
+            y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
+            return y.astype(BOUNDARY_DTYPE)
+        x, side = x[..., :-2], lax.stop_gradient(x[..., -2:])
+        positions, segment_ids = side[..., 0].astype(jnp.int32), side[..., 1].astype(jnp.int32)
+        y = apply_blocks(blocks, x.astype(config.dtype), positions, config.remat, segment_ids)
+        return jnp.concatenate([y.astype(BOUNDARY_DTYPE), side], axis=-1)
 
-    def loss_fn(head: dict[str, jax.Array], y: jax.Array, targets: jax.Array) -> jax.Array:
-        ce, z_loss = lm_loss(y, head["norm"], head["lm_head"], targets, config)  # chunked over the sequence
+    pieces = schedule.num_microbatches * math.prod(mesh.shape[a] for a in rules.params["batch"] if a in mesh.shape)
+
+    def loss_fn(head: dict[str, jax.Array], y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
+        y = y[..., :-2] if packed else y
+        # One piece of `pieces`: its summed loss over the batch's scored tokens / pieces (a mean with no mask).
+        denominator = targets["scored"][0] / pieces if "loss_mask" in targets else None
+        ce, z_loss = lm_loss(  # chunked over the sequence
+            y, head["norm"], head["lm_head"], targets["targets"], config, targets.get("loss_mask"), denominator
+        )
         return ce + config.z_loss * z_loss if config.z_loss else ce
+
+    raw = batch["inputs"]
+    if packed:  # [batch, seq, 3]: token ids, positions, segment ids (see the module docstring)
+        raw = jnp.stack([raw, batch["positions"], batch["segment_ids"]], axis=-1)
+    targets = {"targets": batch["targets"]}
+    if "loss_mask" in batch:
+        targets["loss_mask"] = batch["loss_mask"]
+        # the batch's scored-token count, one copy per row (the targets tree is split by rows)
+        targets["scored"] = jnp.broadcast_to(scored_tokens(batch), batch["targets"].shape[:1])
 
     stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
     head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head_weight()}
@@ -110,8 +150,8 @@ def pipeline_loss_and_grads(
         loss_fn,
         stage_params,
         head,
-        to_microbatches(batch["inputs"], schedule.num_microbatches),
-        to_microbatches(batch["targets"], schedule.num_microbatches),
+        microbatches(raw),
+        jax.tree.map(microbatches, targets),
         mesh=mesh,
         schedule=schedule,
         batch_axes=rules.params["batch"],

@@ -4,6 +4,11 @@ Gradient accumulation runs inside the step: the global batch [batch, seq] is vie
 microbatches (row i*A + a goes to microbatch a, so every device already holds its share of each microbatch
 and nothing moves) and a `lax.scan` sums their float32 gradients; the optimizer runs once. ZeRO-2 constrains
 the gradients to the optimizer's sharded layout, so XLA reduce-scatters them instead of all-reducing.
+
+The loss is the mean over the batch's scored tokens (all targets, or those its `loss_mask` keeps), however the
+batch is cut: a piece (a microbatch, one replica's rows, a pipeline microbatch) sums its tokens' losses and
+divides by N / pieces, N the whole batch's scored-token count, so the mean over pieces is sum / N exactly. (A
+mean of per-piece means would weight a token of a piece with little text more than one of a full piece.)
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmdkit.data.bits import bits_per_byte, target_bytes
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
@@ -25,13 +32,20 @@ from spmdkit.train.state import TrainState
 # inputs, targets, positions: int32 [batch, seq]; optional segment_ids (int32, documents packed in a row, 0 padding)
 # and loss_mask (0/1 weights of the tokens the loss counts), both [batch, seq]
 Batch = dict[str, jax.Array]
+BATCH_KEYS = ("inputs", "targets", "positions")  # what windows of tokens give; packed documents add the two above
 StepFn = Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]
 
 
-def batch_shardings(mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
-    """[batch, seq] arrays: batch over (data, fsdp, expert), seq over context."""
+def batch_shardings(mesh: Mesh, rules: Rules, keys: tuple[str, ...] = BATCH_KEYS) -> dict[str, NamedSharding]:
+    """The batch's [batch, seq] arrays named by `keys`: batch over (data, fsdp, expert), seq over context."""
     spec = logical_to_spec(("batch", "seq"), None, mesh, rules.params)
-    return {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "positions")}
+    return {k: NamedSharding(mesh, spec) for k in keys}
+
+
+def scored_tokens(batch: Batch) -> jax.Array:
+    """float32 scalar: how many targets the loss scores (the sum of `loss_mask`; every target without one)."""
+    mask = batch.get("loss_mask")
+    return jnp.asarray(batch["targets"].size, jnp.float32) if mask is None else jnp.sum(mask, dtype=jnp.float32)
 
 
 def _microbatches(batch: Batch, grad_accum: int) -> Batch:
@@ -50,19 +64,22 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
-def objective(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+def objective(
+    model: nnx.Module, batch: Batch, denominator: jax.Array | None = None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective of one batch and its metrics.
 
     objective = cross-entropy (+ z_loss x the LM head's z-loss) + load_balance_weight x load-balancing loss +
     router_z_weight x router z-loss (the aux terms are means over the MoE layers; a dense model has none). The
     cross-entropy is the chunked one (`Transformer.loss`: the full logits never exist), a mean over the tokens
-    the batch's `loss_mask` weights (all without one). metrics: `loss` (the cross-entropy alone, comparable with
+    the batch's `loss_mask` weights (all without one), or their sum over `denominator` when the batch is one of
+    several pieces (see the module docstring). metrics: `loss` (the cross-entropy alone, comparable with
     eval loss), `z_loss` when weighted, and, for MoE, the aux losses, `dropped` (share of token->expert
     assignments over capacity) and `expert_load` [experts] (share of assignments per expert), averaged over MoE
     layers.
     """
     x, aux = model.hidden(batch["inputs"], batch["positions"], batch.get("segment_ids"))
-    loss, z_loss = model.loss(x, batch["targets"], batch.get("loss_mask"))
+    loss, z_loss = model.loss(x, batch["targets"], batch.get("loss_mask"), denominator)
     c = model.config
     metrics, total = {"loss": loss}, loss
     if c.z_loss:
@@ -74,12 +91,15 @@ def objective(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax
     return total, metrics
 
 
-def _accumulate(grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int) -> tuple[dict, nnx.State]:
+def _accumulate(
+    grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int, denominator: jax.Array
+) -> tuple[dict, nnx.State]:
     """Mean of `grad_fn` (-> ((objective, metrics), grads)) over the microbatches of `batch`: a `lax.scan` that
-    sums the gradients in its carry and stacks each microbatch's metrics, averaged after the loop."""
+    sums the gradients in its carry and stacks each microbatch's metrics, averaged after the loop. `denominator`:
+    the scored tokens per microbatch on average (see the module docstring)."""
 
     def step(grads: nnx.State, mb: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
-        (_, metrics), mb_grads = grad_fn(params, mb)
+        (_, metrics), mb_grads = grad_fn(params, mb, denominator)
         return jax.tree.map(jnp.add, grads, mb_grads), metrics
 
     grads, metrics = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), _microbatches(batch, grad_accum))
@@ -99,23 +119,24 @@ def loss_and_grads(
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def objective_of(params: nnx.State, mb: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return objective(nnx.merge(graphdef, params, rest), mb)
+    def objective_of(params: nnx.State, mb: Batch, denominator: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return objective(nnx.merge(graphdef, params, rest), mb, denominator)
 
     grad_fn = jax.value_and_grad(objective_of, has_aux=True)
+    total = scored_tokens(batch)  # of the whole batch: every piece divides by its share of it
     if grad_accum == 1:
-        (_, metrics), grads = grad_fn(params, batch)
+        (_, metrics), grads = grad_fn(params, batch, None)
         return metrics, grads
     axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
     # A mixture-of-experts model runs its own shard_map over every batch axis (tokens travel to their experts),
     # which cannot nest in this one: it accumulates under automatic sharding (a reduction per microbatch).
     if not axes or getattr(model, "config", None) and model.config.experts:
-        return _accumulate(grad_fn, params, batch, grad_accum)
+        return _accumulate(grad_fn, params, batch, grad_accum, total / grad_accum)
     replicas = math.prod(mesh.shape[a] for a in axes)
 
-    def local(params: nnx.State, batch: Batch) -> tuple[dict[str, jax.Array], nnx.State]:
+    def local(params: nnx.State, batch: Batch, total: jax.Array) -> tuple[dict[str, jax.Array], nnx.State]:
         params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum)
+        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum, total / (grad_accum * replicas))
         mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
         return jax.tree.map(mean, metrics), jax.tree.map(mean, grads)
 
@@ -123,10 +144,10 @@ def loss_and_grads(
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(PartitionSpec(), {k: rows for k in batch}),
+        in_specs=(PartitionSpec(), {k: rows for k in batch}, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec()),
         axis_names=set(axes),
-    )(params, batch)
+    )(params, batch, total)
 
 
 def make_train_step(
@@ -137,14 +158,18 @@ def make_train_step(
     lr_schedule: optax.Schedule | None = None,
     fail_steps: tuple[int, ...] = (),
     pipeline: Schedule | None = None,
+    keys: tuple[str, ...] = BATCH_KEYS,
+    token_bytes: np.ndarray | None = None,
 ) -> StepFn:
-    """The jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
+    """The jitted `step(state, batch) -> (state, metrics)`; `state` is donated; the batch holds the arrays `keys`
+    names (`spmdkit.data.stream.DataStream.keys`).
 
     metrics: loss (cross-entropy), grad_norm, lr, skipped (1.0 when the gradients were not finite and the
-    update was skipped), bad_steps (consecutive skipped steps so far); MoE models add their router metrics
-    (see `objective`). `fail_steps` (0-based optimizer steps) get NaN gradients: the test hook for the skip
-    path. With a `pipeline` schedule the loss and gradients come from the pipeline program
-    (`spmdkit.train.pipeline_step`) instead of autodiff of the whole model.
+    update was skipped), bad_steps (consecutive skipped steps so far); with `token_bytes` (int32 [vocab], UTF-8
+    bytes per token id) `bits_per_byte`; MoE models add their router metrics (see `objective`). `fail_steps`
+    (0-based optimizer steps) get NaN gradients: the test hook for the skip path. With a `pipeline` schedule the
+    loss and gradients come from the pipeline program (`spmdkit.train.pipeline_step`) instead of autodiff of the
+    whole model.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
 
@@ -167,6 +192,8 @@ def make_train_step(
             optimizer.update(model, grads)
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
+        if token_bytes is not None:
+            model_metrics["bits_per_byte"] = batch_bits_per_byte(model_metrics["loss"], batch, token_bytes)
         metrics = {
             **model_metrics,
             "grad_norm": grad_norm,
@@ -179,23 +206,41 @@ def make_train_step(
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
-        in_shardings=(train_state.shardings, batch_shardings(mesh, rules)),
+        in_shardings=(train_state.shardings, batch_shardings(mesh, rules, keys)),
         out_shardings=(train_state.shardings, replicated),
         donate_argnums=0,
     )
 
 
-def make_eval_step(train_state: TrainState, mesh: Mesh, rules: Rules) -> Callable[[nnx.State, Batch], jax.Array]:
-    """The jitted forward-only `eval(state, batch) -> mean loss` (the chunked cross-entropy, as in training)."""
+def batch_bits_per_byte(loss: jax.Array, batch: Batch, token_bytes: np.ndarray) -> jax.Array:
+    """Bits per byte of the batch (`spmdkit.data.bits`): its mean loss x scored tokens / their UTF-8 bytes / ln 2."""
+    text_bytes = target_bytes(batch["targets"], jnp.asarray(token_bytes), batch.get("loss_mask"))
+    return bits_per_byte(loss, scored_tokens(batch), text_bytes)
+
+
+def make_eval_step(
+    train_state: TrainState,
+    mesh: Mesh,
+    rules: Rules,
+    keys: tuple[str, ...] = BATCH_KEYS,
+    token_bytes: np.ndarray | None = None,
+) -> Callable[[nnx.State, Batch], dict[str, jax.Array]]:
+    """The jitted forward-only `eval(state, batch) -> {loss_sum, tokens[, bytes]}`: the summed cross-entropy of
+    the scored tokens (chunked, as in training), their count and, with `token_bytes`, the UTF-8 bytes of text
+    they stand for. Sums, so that batches with different numbers of scored tokens combine exactly."""
     graphdef = train_state.graphdef
 
-    def evaluate(state: nnx.State, batch: Batch) -> jax.Array:
+    def evaluate(state: nnx.State, batch: Batch) -> dict[str, jax.Array]:
         with use_rules(rules, mesh):
             model = nnx.merge(graphdef, state)[0]
             x, _ = model.hidden(batch["inputs"], batch["positions"], batch.get("segment_ids"))
-            return model.loss(x, batch["targets"], batch.get("loss_mask"))[0]
+            out = {"loss_sum": model.loss(x, batch["targets"], batch.get("loss_mask"), 1.0)[0]}
+        out["tokens"] = scored_tokens(batch)
+        if token_bytes is not None:
+            out["bytes"] = target_bytes(batch["targets"], jnp.asarray(token_bytes), batch.get("loss_mask"))
+        return out
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
-        evaluate, in_shardings=(train_state.shardings, batch_shardings(mesh, rules)), out_shardings=replicated
+        evaluate, in_shardings=(train_state.shardings, batch_shardings(mesh, rules, keys)), out_shardings=replicated
     )
