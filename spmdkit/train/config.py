@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +40,34 @@ def _require(ok: bool, message: str) -> None:
         raise SpmdkitError(message)
 
 
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether `value` has the type `hint` declares (int, float, str, bool, Literal, X | None, tuple[int, ...]);
+    a bool is not an int, an int is a float; other hints are not checked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_conforms(v, args[0]) for v in value)
+    if hint in (int, float):
+        return isinstance(value, int | float if hint is float else int) and not isinstance(value, bool)
+    return isinstance(value, hint) if hint in (str, bool) else True
+
+
+def check_types(section: Any, name: str) -> None:
+    """SpmdkitError naming the first field of a config section whose value is not of its declared type (the
+    command line parses types itself; this guards library calls and JSON configs)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if not _conforms(value, hints[f.name]):
+            wanted = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise SpmdkitError(f"{name}.{f.name}={value!r} must be of type {wanted}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW. `lr` is the peak: it warms up linearly over `warmup_steps`, then decays by cosine to
@@ -56,6 +85,7 @@ class OptimizerConfig:
     max_bad_steps: int = _field(5, "stop after this many consecutive NaN/Inf steps", "--max-bad-steps")
 
     def __post_init__(self) -> None:
+        check_types(self, "optimizer")
         _require(math.isfinite(self.lr) and self.lr > 0, f"learning rate {self.lr} must be a positive number")
         _require(self.warmup_steps >= 0, f"warmup steps {self.warmup_steps} must be >= 0")
         _require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
@@ -110,6 +140,7 @@ ModelSettings = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "build": _build,
+        "__post_init__": lambda self: check_types(self, "model"),
         "__doc__": "A model preset and the numerics to run it with; any field of `TransformerConfig` may be given "
         "to change the preset's shape (e.g. `layers`, `embed`).",
         "__module__": __name__,
@@ -140,6 +171,7 @@ class MeshSettings:
     virtual_stages: int = _field(1, "layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
 
     def __post_init__(self) -> None:
+        check_types(self, "mesh")
         _require(
             self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1"
         )
@@ -169,6 +201,7 @@ class RunSettings:
     fail_steps: tuple[int, ...] = _field((), "steps whose gradients are made NaN (testing the NaN guard)")
 
     def __post_init__(self) -> None:
+        check_types(self, "run")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
             _require(
                 getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})"
@@ -187,8 +220,14 @@ class CheckpointSettings:
     every: int = _field(100, "save every N steps (0: only at the end)", "--checkpoint-every")
     keep: int = _field(3, "keep the newest N checkpoints", "--keep")
     resume: bool = _field(True, "resume from the newest intact step (no: the directory must hold no steps)", "--resume")
+    allow_data_change: bool = _field(
+        False,
+        "resume even if the batch size, sequence length, seed or a data setting differs from the checkpoint's",
+        "--allow-data-change",
+    )
 
     def __post_init__(self) -> None:
+        check_types(self, "checkpoint")
         _require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
         _require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
 
@@ -203,6 +242,12 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise SpmdkitError(f"config section {name} must be a {cls.__name__}, not {getattr(self, name)!r}")
+        check_types(self.data, "data")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -235,4 +280,10 @@ def checkpoint_directory(config: TrainConfig) -> Path:
 
 def config_from_json(text: str) -> TrainConfig:
     """Inverse of `TrainConfig.to_json` (used when resuming and inspecting checkpoints)."""
-    return apply_overrides(TrainConfig(), json.loads(text))
+    try:
+        values = json.loads(text)
+    except ValueError as error:
+        raise SpmdkitError(f"a saved config is not valid JSON ({error})") from None
+    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+        raise SpmdkitError('a saved config must be a JSON object of sections, e.g. {"run": {"steps": 60}}')
+    return apply_overrides(TrainConfig(), values)

@@ -8,6 +8,7 @@ saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs af
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes, parameter_rows
@@ -31,10 +32,11 @@ from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, checkpoint_directory
-from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, throughput, trim_metrics
+from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, replace_text, throughput, trim_metrics
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.preemption import StopRequest
+from spmdkit.train.preflight import check_resume, check_writable
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
 
@@ -64,17 +66,22 @@ class Trainer:
         run = config.run
         check_layout(self.layout())  # everything the mesh, model and batch must agree on, before anything is built
         self.pipeline = self._pipeline_schedule()
-        # The data first: a missing or unreadable file is reported before any compilation.
+        # Paths and data first: a bad directory or an unreadable or too short file is reported before any
+        # compilation, and before anything is written.
+        check_writable(self.run_dir, "--run-dir")
+        check_writable(checkpoint_directory(config), "--checkpoint-dir")
         self.data = make_data(
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
+        if run.eval_every:
+            self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
+        self.checkpointer = self._open_checkpointer()
         self.tx = make_optimizer(config.optimizer, run.steps)
         self.lr_schedule = schedule(config.optimizer, run.steps)
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
-        self.checkpointer = self._open_checkpointer()
 
     # -- reporting -----------------------------------------------------------------------------------------
 
@@ -154,12 +161,20 @@ class Trainer:
             local = zigzag_batch(local, self.context)
         return global_batch_arrays(local, self.batch_shardings)
 
+    def _eval_stream(self) -> Any:
+        """A fresh pass over the eval split; its errors say how to train without one."""
+        run = self.config.run
+        try:
+            return make_data(
+                self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
+                vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
+            )  # fmt: skip
+        except SpmdkitError as error:
+            raise SpmdkitError(f"{error} (or pass --eval-every 0 to train without evaluation)") from None
+
     def evaluate(self, eval_step: Any) -> float:
         run = self.config.run
-        stream = make_data(
-            self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
-            vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
-        )  # fmt: skip
+        stream = self._eval_stream()
         losses = []
         for _ in range(run.eval_batches):
             try:
@@ -174,8 +189,9 @@ class Trainer:
         checkpointer = Checkpointer(checkpoint_directory(self.config), every=settings.every, keep=settings.keep)
         if not settings.resume and (steps := checkpointer.steps()):
             checkpointer.close()
+            held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
             raise SpmdkitError(
-                f"--no-resume, but {checkpointer.directory} already holds steps {steps[0]}-{steps[-1]} of an "
+                f"--no-resume, but {checkpointer.directory} already holds {held} of an "
                 "earlier run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never "
                 "overwritten)"
             )
@@ -185,7 +201,10 @@ class Trainer:
         """With `checkpoint.resume`: the state and data position of the newest intact step, if there is one."""
         if not self.config.checkpoint.resume:
             return
-        found = self.checkpointer.restore_latest(self.state.state, self.state.shardings, self.data.iterator)
+        found = self.checkpointer.restore_latest(
+            self.state.state, self.state.shardings, self.data.iterator,
+            accept=lambda step, saved: check_resume(self.config, step, saved, self.checkpointer.directory),
+        )  # fmt: skip
         if found is None:
             return
         self.start_step, self.state.state = found
@@ -199,15 +218,26 @@ class Trainer:
         if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
             return False
         config = json.loads(self.config.to_json())
-        return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
+        try:
+            return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
+        except NonFiniteState as error:
+            raise SpmdkitError(f"{error}: lower --lr, or check the data") from None
 
     def run(self) -> TrainResult:
         config, run = self.config, self.config.run
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(config.to_json())
         self.log(self.describe())
-        self.resume()
+        try:
+            self.resume()
+        except BaseException:
+            self.checkpointer.close()
+            raise
+        if self.is_main:  # only once the resume checks passed: a refused run changes nothing
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                replace_text(self.run_dir / "config.json", config.to_json())
+            except OSError as error:
+                self.checkpointer.close()
+                raise SpmdkitError(f"cannot write {self.run_dir / 'config.json'} ({error.strerror or error})") from None
         checkpointer = self.checkpointer
         if self.start_step >= run.steps:
             checkpointer.close()
@@ -225,7 +255,11 @@ class Trainer:
         compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
 
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        try:
+            writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        except BaseException:
+            checkpointer.close()
+            raise
         peak = peak_flops(override_tflops=run.peak_tflops)
         flops_per_token = self.model_config.flops_per_token(run.seq_len)
         tokens_per_step = run.batch_size * run.seq_len
@@ -257,6 +291,7 @@ class Trainer:
                     self._update_progress(progress, record, step)
                     window_start, window_steps = time.perf_counter(), 0
                 self.save(step, force=step == run.steps)
+                checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
                     self.step_hook(step, self)
                 if stop.requested():
@@ -265,12 +300,18 @@ class Trainer:
                     checkpointer.wait()
                     break
             self._check_bad_steps(previous, step)
-        finally:
-            stop.uninstall()
-            checkpointer.close()
-            writer.close()
-            if progress is not None:
-                progress.close()
+        except BaseException:
+            stop.uninstall()  # a second Ctrl-C while closing interrupts as usual
+            # The first failure is the one to report: closing what remains must not replace it.
+            for close in (checkpointer.close, writer.close, *([progress.close] if progress is not None else [])):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+        stop.uninstall()
+        if progress is not None:
+            progress.close()
+        checkpointer.close()
+        writer.close()
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
         self._finish(result)
         if result.stopped_at is not None:
