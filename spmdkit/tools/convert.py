@@ -66,6 +66,8 @@ def _saved_config(checkpointer: Checkpointer, step: int) -> TrainConfig:
 
 def _fresh_output(out: str | Path) -> Path:
     out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise SpmdkitError(f"{out} is a file: pass a new directory for the converted checkpoint")
     if out.exists() and any(out.iterdir()):
         raise SpmdkitError(f"{out} is not empty: pass a new directory for the converted checkpoint")
     return out
@@ -88,7 +90,7 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
     source, step = _open_step(directory, step)
     try:
         config = _saved_config(source, step)
-        config = apply_overrides(config, {"mesh": {"mesh": mesh}})
+        config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
         new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
         _, abstract, shardings = train_state_layout(config, new_mesh)
         state = source.restore(step, abstract, shardings)
