@@ -14,6 +14,7 @@ from test_checkpoint import _layout, _random_state, _spmdkit, _stream, abstract 
 
 from spmdkit.checkpoint.integrity import array_problems, checksum_record, fingerprints
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, NonFiniteState
+from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.train.config import TrainConfig
 
@@ -186,3 +187,16 @@ def test_verify_and_resume_agree_on_a_missing_data_item(saved_steps, tmp_path, a
     with pytest.warns(CheckpointWarning, match="step 6 .* is damaged \\(data/ is missing\\)"):
         step, _ = Checkpointer(directory).restore_latest(abstract, _layout(abstract, "data=8"), _stream().iterator)
     assert step == 4
+
+
+def test_data_positions_of_another_process_count_are_refused_not_set_aside(saved_steps, tmp_path, abstract):  # noqa: F811
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved_steps[0], directory)
+    for step in (2, 4, 6):  # as if two processes had saved them
+        data = directory / str(step) / "data"
+        for i in range(2):
+            shutil.copy(data / "process_0-of-1.json", data / f"process_{i}-of-2.json")
+        (data / "process_0-of-1.json").unlink()
+    with pytest.raises(SpmdkitError, match="step 6 .* holds the data positions of 2 process\\(es\\), this run has 1"):
+        Checkpointer(directory).restore_latest(abstract, _layout(abstract, "data=8"), _stream().iterator)
+    assert sorted(p.name for p in directory.iterdir()) == ["2", "4", "6"]  # nothing set aside as damaged

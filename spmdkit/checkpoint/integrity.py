@@ -201,6 +201,12 @@ def _data_file(name: str) -> tuple[int, int] | None:
     return None
 
 
+def data_process_count(data_dir: Path) -> int | None:
+    """How many processes wrote a (complete) `data/` item; None without one."""
+    counts = {_data_file(f)[1] for f in data_files(data_dir)}  # type: ignore[index]
+    return counts.pop() if len(counts) == 1 else None
+
+
 def data_problem(data_dir: Path) -> str | None:
     """None if `data/` holds a valid iterator file for each of its processes; else what is wrong."""
     files = data_files(data_dir)

@@ -32,7 +32,14 @@ from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
 from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_reason, quiet_orbax_errors
-from spmdkit.checkpoint.integrity import array_problems, checksum_record, fingerprints, item_problem, path_text
+from spmdkit.checkpoint.integrity import (
+    array_problems,
+    checksum_record,
+    data_process_count,
+    fingerprints,
+    item_problem,
+    path_text,
+)  # fmt: skip
 from spmdkit.checkpoint.tree import abstract_target, from_saved_tree, read_arrays, to_saved_tree
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
@@ -271,6 +278,7 @@ class Checkpointer:
             checksums = self._check_items(step)
             items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
             if data is not None and self.has_item(step, "data"):
+                self._check_process_count(step)
                 items["data"] = grain.checkpoint.CheckpointRestore(data)
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -285,6 +293,16 @@ class Checkpointer:
         except _Damage as damage:
             raise DamagedStep(step, self.directory, str(damage)) from None
         return from_saved_tree(restored["state"], state)
+
+    def _check_process_count(self, step: int) -> None:
+        """SpmdkitError (not damage) when the step's data positions were saved by another number of processes."""
+        saved = data_process_count(self.directory / str(step) / "data")
+        if saved is not None and saved != jax.process_count():
+            raise SpmdkitError(
+                f"checkpoint step {step} in {self.directory} holds the data positions of {saved} process(es), this "
+                f"run has {jax.process_count()}: resume it with {saved} process(es) (spmdkit launch --processes "
+                f"{saved}, or as many SLURM tasks); the mesh and the devices per process may change"
+            )
 
     def restore_latest(
         self,

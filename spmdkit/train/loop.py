@@ -76,12 +76,14 @@ class Trainer:
         )  # fmt: skip
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
-        self.checkpointer = self._open_checkpointer()
         self.tx = make_optimizer(config.optimizer, run.steps)
         self.lr_schedule = schedule(config.optimizer, run.steps)
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
+        # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
+        # different orders on two processes, and gloo timed out at the first step.
+        self.checkpointer = self._open_checkpointer()
 
     # -- reporting -----------------------------------------------------------------------------------------
 
