@@ -225,6 +225,8 @@ def fixture_dir(tmp_path_factory):
     checkpointer = Checkpointer(d / "run" / "checkpoints", every=0)
     checkpointer.save(4, state, data.iterator, json.loads(config.to_json()), force=True)
     checkpointer.close()
+    (d / "run" / "config.json").write_text(config.to_json())  # a refused resume must leave these as they are
+    (d / "run" / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {6 - s / 4}}}\n' for s in range(1, 5)))
     shutil.copytree(d / "run" / "checkpoints", d / "damaged")
     flip_byte(d / "damaged" / "4" / "state", "model.embedding")
     readonly = _read_only(d / "readonly")
