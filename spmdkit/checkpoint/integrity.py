@@ -160,6 +160,12 @@ def checksum_record(found: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
     return {"format": FORMAT, "arrays": {path: checksum for path, (checksum, _) in found.items()}}
 
 
+def name_list(names: list[str], most: int = 6) -> str:
+    """'a, b, c' (at most `most` names, then 'and N more'): one line, even when a whole step is damaged."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def array_problems(saved: Mapping[str, Any] | None, found: Mapping[str, tuple[str, int]]) -> list[str]:
     """What is wrong with the arrays read back (`found`) against the record saved with the step (`saved`, None for
     a step written before checksums): one line per kind of damage, naming every array."""
@@ -168,10 +174,10 @@ def array_problems(saved: Mapping[str, Any] | None, found: Mapping[str, tuple[st
         expected = saved.get("arrays", {})
         wrong = [path for path, (checksum, _) in found.items() if expected.get(path, checksum) != checksum]
         if wrong:
-            problems.append(f"checksum mismatch in {', '.join(wrong)}")
+            problems.append(f"checksum mismatch in {name_list(wrong)}")
     not_finite = [f"{path} ({bad})" for path, (_, bad) in found.items() if bad]
     if not_finite:
-        problems.append(f"NaN/Inf values in {', '.join(not_finite)}")
+        problems.append(f"NaN/Inf values in {name_list(not_finite)}")
     return problems
 
 

@@ -38,8 +38,9 @@ from spmdkit.checkpoint.integrity import (
     data_process_count,
     fingerprints,
     item_problem,
+    name_list,
     path_text,
-)  # fmt: skip
+)
 from spmdkit.checkpoint.tree import abstract_target, from_saved_tree, read_arrays, to_saved_tree
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
@@ -139,7 +140,7 @@ class Checkpointer:
         bad = [f"{path} ({count})" for path, (_, count) in found.items() if count]
         if bad:
             raise NonFiniteState(
-                f"step {step} not saved: NaN/Inf values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; "
+                f"step {step} not saved: NaN/Inf values in {name_list(bad, 3)}; "
                 f"the checkpoints in {self.directory} are left as they are (newest: {self.newest()})"
             )
         items: dict[str, Any] = {"state": ocp.args.StandardSave(tree)}
@@ -231,7 +232,7 @@ class Checkpointer:
         try:
             saved = self.saved_shapes(step)
         except Exception as error:  # noqa: BLE001 - unreadable metadata is damage
-            raise _Damage(f"its array metadata is unreadable ({describe_error(error)})") from None
+            raise _Damage(f"unreadable array metadata: {describe_error(error)}") from None
         wanted = {path_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
         for path, shape in wanted.items():
             found = saved.get(path, (None, None))[0]
@@ -261,7 +262,7 @@ class Checkpointer:
         try:
             listed, checksums = self._step_record(step)
         except Exception as error:  # noqa: BLE001 - unreadable step metadata is damage
-            raise _Damage(f"its metadata is unreadable ({describe_error(error)})") from None
+            raise _Damage(f"unreadable metadata: {describe_error(error)}") from None
         problem = item_problem(self.directory / str(step), listed)
         if problem:
             raise _Damage(problem)
@@ -363,9 +364,12 @@ class Checkpointer:
             state = self.read_state(step, device)
         except Exception as error:  # noqa: BLE001 - find which arrays fail to read
             drop_orphaned_reads()
-            unreadable = read_arrays(self.manager.item_metadata(step)["state"], self.directory / str(step), device)
+            try:
+                unreadable = read_arrays(self.manager.item_metadata(step)["state"], self.directory / str(step), device)
+            except Exception:  # noqa: BLE001 - not even one by one: the first error says why
+                return [describe_error(error)]
             names = [path for path, problem in unreadable.items() if problem]
-            return [f"unreadable: {', '.join(names)}" if names else describe_error(error)]
+            return [f"unreadable: {name_list(names)}" if names else describe_error(error)]
         return array_problems(checksums, fingerprints(state))
 
     def _set_aside(self, steps: list[int]) -> None:
