@@ -88,14 +88,24 @@ def _device_leaf(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 _device_fingerprint = jax.jit(lambda leaves: [_device_leaf(x) for x in leaves])
 
 
+_HOST_BLOCK = 1 << 22  # elements summed at a time on the host: bounded temporaries for any shard size
+
+
 def _host_part(data: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """Partial (sum1, sum2, non-finite count) of the block `data` that starts at `offsets` of an array `shape`."""
-    index = np.zeros(data.shape, np.uint64)
-    for dim, (start, stride) in enumerate(zip(offsets, _strides(shape), strict=True)):
-        positions = (start + np.arange(data.shape[dim], dtype=np.uint64)) * np.uint64(stride)
-        index = index + positions.reshape([-1 if d == dim else 1 for d in range(data.ndim)])
+    """Partial (sum1, sum2, non-finite count) of the block `data` that starts at `offsets` of an array `shape`;
+    blocks of rows at a time, positions in uint32 (they only matter mod 2^32)."""
+    if data.ndim and data.size > _HOST_BLOCK and data.shape[0] > 1:
+        rows = max(1, _HOST_BLOCK // (data.size // data.shape[0]))
+        parts = [
+            _host_part(data[r : r + rows], (offsets[0] + r, *offsets[1:]), shape) for r in range(0, data.shape[0], rows)
+        ]
+        return sum(p[0] for p in parts) % 2**32, sum(p[1] for p in parts) % 2**32, sum(p[2] for p in parts)
+    index = np.zeros(data.shape, np.uint32)
     with np.errstate(over="ignore"):
-        first, second = _sums(_host_bits(data).reshape(-1), (index % 2**32).astype(np.uint32).reshape(-1), np)
+        for dim, (start, stride) in enumerate(zip(offsets, _strides(shape), strict=True)):
+            positions = ((start + np.arange(data.shape[dim], dtype=np.uint64)) * np.uint64(stride % 2**32)) % 2**32
+            index = index + positions.astype(np.uint32).reshape([-1 if d == dim else 1 for d in range(data.ndim)])
+        first, second = _sums(_host_bits(data).reshape(-1), index.reshape(-1), np)
     bad = int(np.sum(~np.isfinite(data))) if _is_float(data.dtype) else 0
     return int(first), int(second), bad
 
