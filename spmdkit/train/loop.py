@@ -312,8 +312,14 @@ class Trainer:
         stop.uninstall()
         if progress is not None:
             progress.close()
-        checkpointer.close()
-        writer.close()
+        failures = []
+        for close in (checkpointer.close, writer.close):  # both, whichever fails; the first failure is reported
+            try:
+                close()
+            except SpmdkitError as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
         self._finish(result)
         if result.stopped_at is not None:
