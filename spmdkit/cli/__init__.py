@@ -19,6 +19,7 @@ from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
 COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit plan` never imports JAX)
     "train": "spmdkit.cli.train",
+    "data": "spmdkit.cli.data",
     "ckpt": "spmdkit.cli.ckpt",
     "plan": "spmdkit.cli.plan",
     "launch": "spmdkit.cli.launch",
@@ -26,6 +27,7 @@ COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit 
 }
 SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own help
     "train": "train a model",
+    "data": "prepare a dataset from text (tokenize, shard, index); inspect or verify one",
     "ckpt": "inspect, verify, reshard or convert (Hugging Face) checkpoints",
     "plan": "predict memory, traffic, bubble and MFU of a layout; recommend one",
     "launch": "run a command as the processes of one JAX job (here, or as a SLURM job)",

@@ -16,7 +16,6 @@ import typing
 from typing import Any
 
 from spmdkit.cli import COMMANDS, DESCRIPTION, SUMMARIES, command
-from spmdkit.cli.ckpt import SUBCOMMANDS, subcommand_parser
 
 WIDTH = 100  # columns of the rendered --help text
 
@@ -40,8 +39,11 @@ def _parsers() -> list[tuple[str, str, argparse.ArgumentParser | None]]:
     for name in COMMANDS:
         module = command(name)
         found.append((f"spmdkit {name}", SUMMARIES[name], module.parser() if hasattr(module, "parser") else None))
-        if name == "ckpt":
-            found += [(f"spmdkit ckpt {sub}", spec[0], subcommand_parser(sub)) for sub, spec in SUBCOMMANDS.items()]
+        if hasattr(module, "SUBCOMMANDS"):  # ckpt, data: each subcommand's own --help too
+            found += [
+                (f"spmdkit {name} {sub}", spec[0], module.subcommand_parser(sub))
+                for sub, spec in module.SUBCOMMANDS.items()
+            ]
     return found
 
 

@@ -1,4 +1,16 @@
-"""`DataConfig`: which tokens a run reads (pure Python: the CLI and the run config read it without JAX)."""
+"""`DataConfig`: which tokens a run reads (pure Python: the CLI and the run config read it without JAX).
+
+`source` is one of:
+- `stdlib` (default): the embedded standard-library corpus as bytes (`spmdkit.data.sources`);
+- `synthetic`: uniform random tokens;
+- a `.bin` / `.npy` token file;
+- a prepared dataset directory (`spmdkit data prepare ... --out DIR`; `spmdkit.data.store`);
+- a mixture of prepared datasets, `DIR_A=0.7,DIR_B=0.3` (weights: positive numbers, normalised).
+
+`packing` (`spmdkit.data.packing`): `documents` packs whole documents into rows with segment ids and a loss mask;
+`windows` cuts the token stream into windows across document boundaries (the old behaviour); `auto` is
+`documents` for prepared datasets and mixtures and `windows` for the other sources.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +18,8 @@ import dataclasses
 from typing import Literal
 
 from spmdkit.errors import SpmdkitError
+
+PACKING_CHOICES = ("auto", "documents", "windows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +29,8 @@ class DataConfig:
     source: str = dataclasses.field(
         default="stdlib",
         metadata={
-            "help": "stdlib (embedded Python sources), synthetic, or a .bin/.npy token file",
+            "help": "stdlib (embedded Python sources), synthetic, a .bin/.npy token file, a prepared dataset "
+            "directory (spmdkit data prepare), or a mixture of prepared datasets: DIR_A=0.7,DIR_B=0.3",
             "flags": ("--data",),
         },
     )
@@ -23,9 +38,23 @@ class DataConfig:
         default="uint16", metadata={"help": "dtype of a raw .bin token file", "flags": ("--token-dtype",)}
     )
     eval_fraction: float = dataclasses.field(
-        default=0.05, metadata={"help": "held-out share (stdlib: whole files; a token file: its tail)", "flags": ()}
+        default=0.05,
+        metadata={
+            "help": "held-out share (stdlib and prepared data: whole documents by name; a token file: its tail)",
+            "flags": (),
+        },
+    )
+    packing: Literal["auto", "documents", "windows"] = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "documents: whole documents per row with segment ids and a loss mask; windows: cut across "
+            "documents; auto: documents for prepared data, windows otherwise",
+            "flags": ("--packing",),
+        },
     )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise SpmdkitError(f"eval_fraction={self.eval_fraction} is out of range: use a value in [0, 1)")
+        if self.packing not in PACKING_CHOICES:
+            raise SpmdkitError(f"--packing {self.packing!r} is unknown: use one of {', '.join(PACKING_CHOICES)}")

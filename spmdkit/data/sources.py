@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from spmdkit.data.config import DataConfig
+from spmdkit.data.store.format import is_eval
+from spmdkit.data.store.memory import ArrayDocuments
 from spmdkit.errors import SpmdkitError
 
 VOCAB_BYTES = 256
@@ -74,12 +76,13 @@ def stdlib_root() -> str:
 
 
 def _is_eval_file(relpath: str, eval_fraction: float) -> bool:
-    """Stable across runs and machines: crc32 of the relative path, not Python's salted `hash`."""
-    return zlib.crc32(relpath.encode()) % 10_000 < round(eval_fraction * 10_000)
+    """Stable across runs and machines: crc32 of the relative path, not Python's salted `hash` (the rule a prepared
+    dataset's documents follow too: `spmdkit.data.store.format.is_eval`)."""
+    return bool(is_eval(np.array([zlib.crc32(relpath.encode())], np.uint32), eval_fraction)[0])
 
 
 @functools.lru_cache(maxsize=1)
-def _stdlib_texts() -> tuple[tuple[str, bytes], ...]:
+def stdlib_texts() -> tuple[tuple[str, bytes], ...]:
     """(relative path, utf-8 bytes) of the stdlib `.py` files in sorted path order, up to ~8 MB in all."""
     root = stdlib_root()
     paths = []
@@ -101,10 +104,25 @@ def _stdlib_texts() -> tuple[tuple[str, bytes], ...]:
     return tuple(texts)
 
 
+@functools.lru_cache(maxsize=1)
+def stdlib_documents() -> ArrayDocuments:
+    """Every stdlib file (train and eval alike) as a document `BOS + bytes + EOS`, keyed by the crc32 of its relative
+    path, so `is_eval` splits them as `stdlib_files` does (for `--packing documents` on the stdlib)."""
+    texts = stdlib_texts()
+    lengths = np.array([len(data) + 2 for _, data in texts], np.int64)
+    tokens = np.empty(int(lengths.sum()), np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for (_, data), start, end in zip(texts, offsets[:-1], offsets[1:], strict=True):
+        tokens[start], tokens[end - 1] = BOS, EOS
+        tokens[start + 1 : end - 1] = np.frombuffer(data, np.uint8)
+    keys = np.array([zlib.crc32(relpath.encode()) for relpath, _ in texts], np.uint32)
+    return ArrayDocuments(tokens, offsets, keys, lengths - 2)
+
+
 def stdlib_files(eval_fraction: float = 0.05) -> dict[str, tuple[str, ...]]:
     """{"train": relative paths, "eval": relative paths} of the stdlib corpus, each in sorted order; disjoint."""
     split: dict[str, list[str]] = {"train": [], "eval": []}
-    for relpath, _ in _stdlib_texts():
+    for relpath, _ in stdlib_texts():
         split["eval" if _is_eval_file(relpath, eval_fraction) else "train"].append(relpath)
     return {name: tuple(paths) for name, paths in split.items()}
 
@@ -114,7 +132,7 @@ def _stdlib_tokens(eval_fraction: float, split: str) -> np.ndarray:
     """[n] uint16: `BOS + bytes + EOS` of every file of `split`, concatenated in sorted path order."""
     wanted = split == "eval"
     parts = []
-    for relpath, data in _stdlib_texts():
+    for relpath, data in stdlib_texts():
         if _is_eval_file(relpath, eval_fraction) == wanted:
             parts += [np.array([BOS], np.uint16), np.frombuffer(data, np.uint8).astype(np.uint16)]
             parts.append(np.array([EOS], np.uint16))

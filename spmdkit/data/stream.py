@@ -1,9 +1,29 @@
-"""Deterministic, resumable training batches through grain, sharded by JAX process.
+"""Deterministic, resumable training batches through grain, sharded by JAX process: `make_data`.
 
-Records (from `spmdkit.data.sources`) of `seq_len + 1` tokens become inputs (the first `seq_len`) and targets (the
-last `seq_len`). Each JAX process reads only records `process_index::process_count` and yields
-`global_batch // process_count` rows per step; `global_batch_arrays` assembles the per-process batches into global
-`jax.Array`s.
+`make_data(config, *, seq_len, global_batch, vocab_size, seed, split="train") -> DataStream`, an iterator of this
+process's batches: dicts of int32 [global_batch // process_count, seq_len] numpy arrays. The keys
+(`DataStream.keys`) depend on the packing (`spmdkit.data.config`):
+
+- `inputs`: token ids (documents: 0 at padding);
+- `targets`: the next token (documents: of the same document; 0 where masked);
+- `positions`: windows: 0..seq_len-1; documents: the position in the document, 0 at each document start (a
+  document continued from the previous row continues its positions);
+- `segment_ids` (documents only): 0 = padding, 1, 2, ... = the documents of the row; attention must stay
+  within a segment (and causal inside it);
+- `loss_mask` (documents only): 1 where the target counts; 0 at padding and after each document's last token.
+
+Windows packing is what the stdlib, token files and synthetic data give (and `--packing windows` on prepared
+data); documents packing is what prepared datasets and mixtures give (and `--packing documents` on stdlib).
+
+Windows: records of `seq_len + 1` tokens (`spmdkit.data.sources`) become inputs (the first `seq_len`) and targets
+(the last `seq_len`); each JAX process reads records `process_index::process_count`. Documents
+(`spmdkit.data.packing`): a stream of global rows (one store, or a grain mixture of several); process p takes rows
+`[s * global_batch + p * local_batch, ... + local_batch)` at step s, so the global batch (processes' rows
+concatenated in process order, as `global_batch_arrays` does) is identical on any process count.
+
+`DataStream` also carries `tokenizer` (a `spmdkit.data.tokenizer.Tokenizer`, None for token files and synthetic
+data) and `token_bytes` (int32 [vocab_size] UTF-8 bytes per token id, for `spmdkit.data.bits`; None without a
+tokenizer). `get_state` / `set_state` and `iterator` (for `grain.checkpoint.CheckpointSave`) resume exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +36,12 @@ import jax
 import numpy as np
 
 from spmdkit.data.config import DataConfig
-from spmdkit.data.sources import record_source
+from spmdkit.data.packing.mixture import global_rows, packed_rows
+from spmdkit.data.packing.rows import FIELDS
+from spmdkit.data.resolve import Resolved, check_vocab, resolve_source, shared_tokenizer
+from spmdkit.data.sources import record_source, stdlib_documents
+from spmdkit.data.store import PreparedDataset
+from spmdkit.data.tokenizer import Tokenizer, byte_tokenizer
 from spmdkit.errors import SpmdkitError
 
 # One background thread builds the next batches while the device computes; more threads only fight the GIL.
@@ -24,7 +49,8 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 
 class DataStream(Iterator[dict[str, np.ndarray]]):
-    """Iterator of local batches: `inputs`, `targets`, `positions`, each int32 `[local_batch, seq_len]`.
+    """Iterator of local batches: a dict of int32 `[local_batch, seq_len]` arrays named by `keys` (see the module
+    docstring); `tokenizer` and `token_bytes` as there.
 
     `get_state()` / `set_state(state)` give exact resume; `iterator` is the grain `DatasetIterator`, for
     `grain.checkpoint.CheckpointSave(stream.iterator)` inside an Orbax checkpoint.
@@ -39,11 +65,17 @@ class DataStream(Iterator[dict[str, np.ndarray]]):
         local_batch: int,
         num_records: int,
         split: str,
+        keys: tuple[str, ...] = FIELDS["windows"],
+        packing: str = "windows",
+        tokenizer: Tokenizer | None = None,
+        token_bytes: np.ndarray | None = None,
     ):
         self.dataset = dataset
         self.iterator: grain.DatasetIterator = iter(dataset)
         self.seq_len, self.global_batch, self.local_batch = seq_len, global_batch, local_batch
         self.num_records, self.split = num_records, split
+        self.keys, self.packing = keys, packing
+        self.tokenizer, self.token_bytes = tokenizer, token_bytes
 
     @property
     def steps_per_epoch(self) -> int:
@@ -76,8 +108,8 @@ def make_data(
     """This process's stream of `[global_batch // process_count, seq_len]` batches of `split` ("train" | "eval").
 
     train: shuffled with `seed` (reshuffled each epoch), repeated forever. eval: one pass in order, no shuffle.
-    Records are sharded by JAX process (`[process_index::process_count]`), so processes read disjoint records
-    and their batches together form the global batch.
+    Processes read disjoint rows and their batches together form the global batch (see the module docstring).
+    `vocab_size` is the model's: smaller than the source tokenizer's is an error naming `--model.vocab-size`.
     """
     if split not in ("train", "eval"):
         raise SpmdkitError(f"unknown data split {split!r}: use 'train' or 'eval'")
@@ -90,6 +122,9 @@ def make_data(
         raise SpmdkitError(
             f"global_batch={global_batch} does not divide by the {nproc} JAX processes: use a multiple of {nproc}"
         )
+    resolved = resolve_source(config)
+    if resolved.kind in ("prepared", "mixture") or resolved.packing == "documents":
+        return _packed_stream(config, resolved, seq_len, global_batch, vocab_size, seed, split, nproc, pid)
     source = record_source(config, seq_len, vocab_size, seed, split)
     if len(source) < global_batch:
         raise SpmdkitError(
@@ -108,6 +143,7 @@ def make_data(
     if split == "train":
         ds = ds.repeat()
     iter_ds = ds.batch(local_batch, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
+    tokenizer = byte_tokenizer() if resolved.kind == "stdlib" else None
     return DataStream(
         iter_ds,
         seq_len=seq_len,
@@ -115,6 +151,66 @@ def make_data(
         local_batch=local_batch,
         num_records=num_records,
         split=split,
+        tokenizer=tokenizer,
+        token_bytes=None if tokenizer is None else tokenizer.token_bytes(vocab_size),
+    )
+
+
+def _packed_stream(
+    config: DataConfig,
+    resolved: Resolved,
+    seq_len: int,
+    global_batch: int,
+    vocab_size: int,
+    seed: int,
+    split: str,
+    nproc: int,
+    pid: int,
+) -> DataStream:
+    """Prepared datasets, mixtures, and the stdlib under `--packing documents`: rows from document stores."""
+    if resolved.kind == "stdlib":
+        stores, tokenizer, name = [("stdlib", stdlib_documents())], byte_tokenizer(), "stdlib"
+        if vocab_size < tokenizer.vocab_size:
+            record_source(config, seq_len, vocab_size, seed, split)  # the stdlib source's own error
+    else:
+        datasets = [PreparedDataset(path) for path in resolved.paths]
+        stores, tokenizer, name = [(str(d.path), d) for d in datasets], shared_tokenizer(datasets), config.source
+    check_vocab(tokenizer, vocab_size, name)
+    parts = packed_rows(
+        stores, seq_len=seq_len, packing=resolved.packing, split=split, eval_fraction=config.eval_fraction, seed=seed
+    )
+    weights = resolved.weights or (1.0,)
+    rows = global_rows(parts, weights)
+    local_batch = global_batch // nproc
+    if split == "eval":
+        num_records = len(rows) - len(rows) % global_batch
+        if num_records == 0:
+            raise SpmdkitError(
+                f"{name} eval split packs into {len(rows)} rows of seq_len {seq_len}, fewer than one global batch of "
+                f"{global_batch}: use more data, a larger eval_fraction, a smaller seq_len or a smaller global_batch"
+            )
+        rows = rows[:num_records]
+    else:
+        num_records = sum(p.rows_per_epoch() for p in parts)
+        if len(parts) == 1 and num_records < global_batch:
+            raise SpmdkitError(
+                f"{name} train split packs into {num_records} rows of seq_len {seq_len}, fewer than one global batch "
+                f"of {global_batch}: use more data, a smaller seq_len or a smaller global_batch"
+            )
+    # Blocks of local_batch consecutive global rows; process p takes blocks p, p + nproc, ...: at step s the
+    # processes' rows together are global rows [s * global_batch, (s + 1) * global_batch) in process order.
+    batches = rows.batch(local_batch, drop_remainder=True)[pid::nproc]
+    return DataStream(
+        batches.to_iter_dataset(_READ_OPTIONS),
+        seq_len=seq_len,
+        global_batch=global_batch,
+        local_batch=local_batch,
+        num_records=num_records,
+        split=split,
+        keys=FIELDS[resolved.packing],
+        packing=resolved.packing,
+        tokenizer=tokenizer,
+        token_bytes=tokenizer.token_bytes(vocab_size),
     )
 
 

@@ -24,12 +24,12 @@ import numpy as np
 from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
-from spmdkit.inspect.params import human_bytes, parameter_rows
+from spmdkit.inspect.params import parameter_rows
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
-from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
+from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, checkpoint_directory
 from spmdkit.train.metrics import MetricsWriter, peak_flops, plot_loss_curve, replace_text, throughput, trim_metrics
@@ -39,6 +39,7 @@ from spmdkit.train.preemption import StopRequest
 from spmdkit.train.preflight import check_resume, check_writable
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
+from spmdkit.train.summary import describe_run
 
 
 @dataclasses.dataclass
@@ -55,6 +56,12 @@ class Trainer:
     """One run: `Trainer(config).run()`."""
 
     def __init__(self, config: TrainConfig, log: Callable[[str], None] | None = None):
+        # The saved config names the model's full shape (not a preset or a path that may move) and its learning rate
+        # (the fine-tuning defaults when it starts from --init-from weights).
+        fine_tuning = bool(config.model.init_from)
+        config = dataclasses.replace(
+            config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning)
+        )
         self.config = config
         self.is_main = jax.process_index() == 0
         self.log = log or (lambda text: print(text, flush=True) if self.is_main else None)
@@ -121,41 +128,6 @@ class Trainer:
             self.model_config.layers,
         )
 
-    def describe(self) -> str:
-        params, opt = self.state_bytes_per_device()
-        cfg, run = self.model_config, self.config.run
-        zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.rules.zero_stage]
-        return "\n".join(
-            [
-                f"mesh         {format_sizes(dict(self.mesh.shape))} on {self.mesh.devices.size} "
-                f"{jax.devices()[0].platform.upper()} device(s), {jax.process_count()} process(es)",
-                f"parallelism  {describe_parallelism(self.mesh)}; optimizer state {zero}"
-                + ("; sequence parallel" if self.rules.sequence_parallel else "")
-                + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
-                f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
-                f"compute {cfg.dtype}, remat {cfg.remat}",
-                *([self._describe_experts()] if cfg.experts else []),
-                f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
-                f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
-                *([self._describe_pipeline()] if self.pipeline else []),
-            ]
-        )
-
-    def _describe_experts(self) -> str:
-        c = self.model_config
-        return (
-            f"experts      {c.moe_layers} MoE layers of {c.experts} experts, top-{c.top_k}, {c.dispatch} dispatch"
-            + (f" (capacity factor {c.capacity_factor})" if c.dispatch == "capacity" else "")
-            + f", over expert={self.mesh.shape['expert']}; {c.num_params(active=True):,} parameters active per token"
-        )
-
-    def _describe_pipeline(self) -> str:
-        p = self.pipeline
-        return (
-            f"pipeline     {p.kind} over {p.num_stages} stages, {p.num_microbatches} microbatches, "
-            f"{p.virtual_stages} virtual stage(s) each; bubble {p.bubble_fraction():.1%}"
-        )
-
     # -- the loop ------------------------------------------------------------------------------------------
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -215,6 +187,27 @@ class Trainer:
             trim_metrics(self.run_dir, self.start_step)  # the resumed run writes the later records again
         self.log(f"resumed from step {self.start_step} of {self.checkpointer.directory}")
 
+    def initialise_from(self) -> None:
+        """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a
+        Hugging Face model or an spmdkit checkpoint); the optimizer state stays fresh. The source's Hugging Face
+        files (tokenizer, configs) are copied into the checkpoint directory, where export and generation find them.
+        A resumed run skips this: its checkpoint holds the weights."""
+        source = self.config.model.init_from
+        if not source or self.start_step:
+            return
+        from flax import nnx
+
+        from spmdkit.interop.hf_files import SIDECAR, copy_hf_files, find_hf_files
+        from spmdkit.interop.loading import load_params
+
+        shardings = nnx.to_pure_dict(self.state.shardings[0])
+        params = load_params(source, self.model_config, shardings, self.model_config.param_dtype)
+        nnx.replace_by_pure_dict(self.state.state[0], params)
+        hf_files = find_hf_files(source)
+        if hf_files is not None and self.is_main:
+            copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
+        self.log(f"initialised the parameters from {source}" + (f" (tokenizer: {hf_files})" if hf_files else ""))
+
     def save(self, step: int, force: bool = False) -> bool:
         """Start an asynchronous save of `step` when due (or `force`); the state, data position and config."""
         if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
@@ -227,9 +220,10 @@ class Trainer:
 
     def run(self) -> TrainResult:
         config, run = self.config, self.config.run
-        self.log(self.describe())
+        self.log(describe_run(self))
         try:
             self.resume()
+            self.initialise_from()
         except BaseException:
             self.checkpointer.close()
             raise

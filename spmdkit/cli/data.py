@@ -1,0 +1,126 @@
+"""`spmdkit data`: prepare a dataset from text (tokenize, pack into shards), inspect it, verify it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser
+
+HELP = SUMMARIES["data"]
+
+
+def _prepare(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files, directories (recursive, --glob), JSONL (.jsonl/.json), Parquet, a `datasets` save_to_disk "
+        "directory, json:GLOB | parquet:GLOB | text:GLOB (datasets.load_dataset on local files), or 'stdlib'",
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="T",
+        help="a Hugging Face tokenizer.json or a directory holding one, 'bytes' (the byte vocabulary), or bpe:N "
+        "(train a byte-level BPE of N ids on the inputs, saved as OUT/tokenizer.json)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory for the prepared dataset")
+    p.add_argument("--glob", default="*", help="files to take from a directory, recursively (default: all)")
+    p.add_argument("--text-key", default="text", metavar="KEY", help="JSON key / column holding the text")
+    p.add_argument("--split", default="train", help="split of a datasets DatasetDict or load_dataset input")
+    p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")
+    p.add_argument(
+        "--dtype", default="auto", choices=("auto", "uint16", "uint32"), help="token dtype (auto: uint16 if it fits)"
+    )
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N", help="tokens per shard at most")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _directory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="a prepared dataset")
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from spmdkit.data.prepare import PrepareOptions, prepare
+
+    options = PrepareOptions(
+        inputs=tuple(args.inputs),
+        tokenizer=args.tokenizer,
+        out=args.out,
+        glob=args.glob,
+        text_key=args.text_key,
+        split=args.split,
+        skip_bad=args.skip_bad,
+        dtype=args.dtype,
+        shard_tokens=args.shard_tokens,
+        progress=not args.no_progress,
+    )
+    prepare(options)
+    return 0
+
+
+def _summary(meta: dict) -> str:
+    tok = meta["tokenizer"]
+    return "\n".join(
+        [
+            f"documents   {meta['documents']:,}",
+            f"tokens      {meta['tokens']:,} ({meta['dtype']}, {len(meta['shards'])} shard(s))",
+            f"text        {meta['bytes']:,} bytes ({meta['tokens'] / max(meta['bytes'], 1):.3f} tokens/byte)",
+            f"tokenizer   {tok['name']}: {tok['vocab_size']:,} ids (model vocab {tok['model_vocab_size']:,}), "
+            f"bos {tok['bos_id']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}",
+            f"content     sha256 {meta['content_sha256']}",
+            f"skipped     {sum(meta.get('skipped', {}).values()):,} bad records",
+        ]
+    )
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from spmdkit.data.store import PreparedDataset
+
+    print(_summary(PreparedDataset(args.directory).meta))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from spmdkit.data.store import PreparedDataset
+
+    meta = PreparedDataset(args.directory).verify()
+    print(f"{args.directory}: ok, {len(meta['shards'])} shard(s) and the index match dataset.json")
+    return 0
+
+
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "prepare": ("tokenize text into a prepared dataset: shards, document index, dataset.json", _prepare, run_prepare),
+    "inspect": ("what a prepared dataset holds (quick checks of its files)", _directory, run_inspect),
+    "verify": ("read every file of a prepared dataset and check its hashes", _directory, run_verify),
+}
+
+
+def parser() -> ArgumentParser:
+    """`spmdkit data` with its subcommands."""
+    top = ArgumentParser(prog="spmdkit data", description=HELP[0].upper() + HELP[1:] + ".")
+    commands = top.add_subparsers(dest="data_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (text, add, run) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        add(sub)
+        sub.set_defaults(handler=run)
+    return top
+
+
+def subcommand_parser(name: str) -> ArgumentParser:
+    """The parser of `spmdkit data NAME` alone (for the CLI reference)."""
+    text, add, _ = SUBCOMMANDS[name]
+    sub = ArgumentParser(prog=f"spmdkit data {name}", description=text[0].upper() + text[1:] + ".")
+    add(sub)
+    return sub
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    return args.handler(args)

@@ -1,0 +1,296 @@
+"""The inputs of `spmdkit data prepare`, read as documents, and every bad input as one line naming `file:line`.
+
+INPUT kinds, each read as documents in order:
+
+- `stdlib`: each `.py` file of the embedded standard-library corpus (the files the `stdlib` source reads, empty
+  ones included), named by its path relative to the stdlib (so the eval split is the stdlib source's); a
+  directory called stdlib is `./stdlib`;
+- a text file (any extension but those below): the whole file, named by its path as given;
+- a directory: each file matching `--glob` (recursively, hidden entries skipped, sorted), read by its extension,
+  named by its path relative to the directory;
+- `.jsonl` / `.json` / `.ndjson`: each JSON line's `--text-key` value (blank lines skipped), named `file:line`;
+- `.parquet` (pyarrow): each row's `--text-key` column, named `file:row`;
+- a `datasets` `save_to_disk` directory: each row (a `DatasetDict`: of `--split`), named `dir:row`;
+- `json:GLOB`, `parquet:GLOB`, `text:GLOB`: each row of `datasets.load_dataset(builder, data_files=GLOB,
+  split=--split)` on local files (text: one file per row), named `GLOB:row`.
+
+A document's name decides the eval split (crc32 of the name, `spmdkit.data.store.format.is_eval`).
+A bad input is a `Bad` record: `where` (`file:line`; Parquet and datasets: `file:row`, 1-based), what is wrong, and
+its kind ("not JSON", "not UTF-8", "missing key", "not text", "empty"). The preparer raises it as one line, or counts
+and skips it with `--skip-bad`. No input is fetched from a network: `datasets` runs with `HF_DATASETS_OFFLINE=1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from spmdkit.errors import SpmdkitError
+
+JSON_LINES = (".jsonl", ".json", ".ndjson")
+PARQUET = (".parquet",)
+LOADERS = ("json", "parquet", "text")  # datasets.load_dataset builders for INPUT "builder:GLOB"
+STDLIB = "stdlib"
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str  # stable name: its crc32 decides the eval split
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    where: str  # file:line
+    reason: str
+    kind: str
+
+    def message(self) -> str:
+        return f"{self.where}: {self.reason}: fix the input or pass --skip-bad to count and skip bad records"
+
+
+Record = Document | Bad
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    glob: str = "*"
+    text_key: str = "text"
+    split: str = "train"
+    cache_dir: str | None = None  # where `datasets` may write its Arrow cache (a temporary directory)
+
+
+def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
+    """Bytes on disk of all inputs (a progress bar's total), or None when an input's size is unknown."""
+    total = 0
+    for spec in inputs:
+        if spec == STDLIB:
+            from spmdkit.data.sources import stdlib_texts
+
+            total += sum(len(data) for _, data in stdlib_texts())
+        elif Path(spec).is_file():
+            total += Path(spec).stat().st_size
+        elif Path(spec).is_dir() and not _is_saved_dataset(Path(spec)):
+            total += sum(p.stat().st_size for p in _matching_files(Path(spec), options.glob))
+        else:
+            return None
+    return total
+
+
+def read_inputs(inputs: list[str], options: InputOptions) -> Iterator[Record]:
+    """Every document (or bad record) of `inputs`, in order."""
+    if not inputs:
+        raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
+    for spec in inputs:
+        yield from _read_input(spec, options)
+
+
+def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
+    path = Path(spec)
+    builder, _, pattern = spec.partition(":")
+    if spec == STDLIB:  # as --data stdlib; a directory of that name is ./stdlib
+        yield from _read_stdlib()
+    elif builder in LOADERS and pattern and not path.exists():
+        yield from _read_loaded(builder, pattern, spec, options)
+    elif path.is_dir():
+        if _is_saved_dataset(path):
+            yield from _read_saved(path, options)
+            return
+        files = _matching_files(path, options.glob)
+        if not files:
+            yield Bad(spec, f"no files match --glob {options.glob!r} in this directory", "empty")
+        for file in files:
+            yield from _read_file(file, file.relative_to(path).as_posix(), options)
+    elif path.is_file():
+        yield from _read_file(path, spec, options)
+    else:
+        raise SpmdkitError(
+            f"input {spec!r} not found: pass existing files or directories, 'stdlib', or json:|parquet:|text:GLOB"
+        )
+
+
+def _matching_files(directory: Path, glob: str) -> list[Path]:
+    """Files under `directory` matching `glob` (recursively), sorted, with no hidden part in their path."""
+    found = []
+    for p in directory.rglob(glob):
+        parts = p.relative_to(directory).parts
+        if p.is_file() and not any(part.startswith(".") for part in parts):
+            found.append(p)
+    return sorted(found)
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets` `save_to_disk` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _read_stdlib() -> Iterator[Record]:
+    from spmdkit.data.sources import stdlib_texts
+
+    for relpath, data in stdlib_texts():
+        yield Document(relpath, data.decode("utf-8"))
+
+
+def _read_file(path: Path, name: str, options: InputOptions) -> Iterator[Record]:
+    suffix = path.suffix.lower()
+    if suffix in JSON_LINES:
+        yield from _read_json_lines(path, name, options.text_key)
+    elif suffix in PARQUET:
+        yield from _read_parquet(path, name, options.text_key)
+    else:
+        yield from _read_text(path, name)
+
+
+def _read_text(path: Path, name: str) -> Iterator[Record]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        at = error.start
+        yield Bad(f"{path}:{_line_of(data, at)}", f"not UTF-8 (byte 0x{data[at]:02x} at offset {at})", "not UTF-8")
+        return
+    if not text.strip():
+        yield Bad(f"{path}:1", "empty file", "empty")
+        return
+    yield Document(name, text)
+
+
+def _text_value(record: Any, key: str, where: str, kind_of_record: str) -> Record | str:
+    """The text under `key` of a JSON-like record, or a `Bad` saying why not."""
+    if not isinstance(record, dict):
+        return Bad(where, f"{kind_of_record} is {type(record).__name__}, not an object with key {key!r}", "not JSON")
+    if key not in record:
+        keys = ", ".join(list(record)[:8]) or "none"
+        return Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
+    value = record[key]
+    if not isinstance(value, str):
+        return Bad(where, f"{key!r} holds {type(value).__name__}, not a string", "not text")
+    if not value.strip():
+        return Bad(where, f"empty text under {key!r}", "empty")
+    return value
+
+
+def _read_json_lines(path: Path, name: str, key: str) -> Iterator[Record]:
+    found = False
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield Bad(where, f"not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})", "not UTF-8")
+                continue
+            if not line.strip():
+                continue
+            found = True
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                yield Bad(where, f"not JSON ({error.msg} at column {error.colno})", "not JSON")
+                continue
+            value = _text_value(record, key, where, "the JSON line")
+            yield value if isinstance(value, Bad) else Document(f"{name}:{number}", value)
+    if not found:
+        yield Bad(f"{path}:1", "empty file (no JSON lines)", "empty")
+
+
+def _import_optional(module: str, feature: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SpmdkitError(f"{feature} needs the {module} package: pip install {module}") from None
+
+
+def _read_parquet(path: Path, name: str, key: str) -> Iterator[Record]:
+    pq = _import_optional("pyarrow.parquet", "reading Parquet")
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid and OSError subclasses for damaged files
+        raise SpmdkitError(f"{path}: not a readable Parquet file ({_first_line(error)})") from None
+    columns = file.schema_arrow.names
+    if key not in columns:
+        yield Bad(f"{path}:1", f"no column {key!r} (columns: {', '.join(columns[:8])}): pass --text-key", "missing key")
+        return
+    row = 0
+    for batch in file.iter_batches(columns=[key], batch_size=4096):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            yield _row_record(value, key, f"{path}:{row}", f"{name}:{row}")
+    if row == 0:
+        yield Bad(f"{path}:1", "empty file (no rows)", "empty")
+
+
+def _row_record(value: Any, key: str, where: str, name: str) -> Record:
+    """A table row's text value (str, or UTF-8 bytes) as a document, else a `Bad`."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return Bad(where, f"{key!r} is not UTF-8 (byte 0x{value[error.start]:02x})", "not UTF-8")
+    if not isinstance(value, str):
+        return Bad(where, f"{key!r} holds {type(value).__name__}, not a string", "not text")
+    if not value.strip():
+        return Bad(where, f"empty text under {key!r}", "empty")
+    return Document(name, value)
+
+
+def _datasets() -> Any:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, whatever the library would fetch
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _import_optional("datasets", "reading Hugging Face datasets")
+
+
+def _rows(dataset: Any, key: str, where: str, name: str) -> Iterator[Record]:
+    if key not in dataset.column_names:
+        columns = ", ".join(dataset.column_names[:8])
+        yield Bad(f"{where}:1", f"no column {key!r} (columns: {columns}): pass --text-key", "missing key")
+        return
+    if len(dataset) == 0:
+        yield Bad(f"{where}:1", "empty dataset (no rows)", "empty")
+        return
+    row = 0
+    for batch in dataset.select_columns([key]).iter(batch_size=4096):
+        for value in batch[key]:
+            row += 1
+            yield _row_record(value, key, f"{where}:{row}", f"{name}:{row}")
+
+
+def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
+    datasets = _datasets()
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as error:  # the library's own exception types vary by version
+        raise SpmdkitError(f"{path}: datasets.load_from_disk failed ({_first_line(error)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if options.split not in loaded:
+            raise SpmdkitError(f"{path} has splits {', '.join(loaded)}, not {options.split!r}: pass --split")
+        loaded = loaded[options.split]
+    yield from _rows(loaded, options.text_key, str(path), path.name)
+
+
+def _read_loaded(builder: str, pattern: str, spec: str, options: InputOptions) -> Iterator[Record]:
+    datasets = _datasets()
+    kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        loaded = datasets.load_dataset(
+            builder, data_files=pattern, split=options.split, cache_dir=options.cache_dir, **kwargs
+        )
+    except Exception as error:  # FileNotFoundError, DatasetGenerationError, ... : one line either way
+        raise SpmdkitError(f"{spec}: datasets.load_dataset({builder!r}) failed ({_first_line(error)})") from None
+    yield from _rows(loaded, options.text_key, spec, spec)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
