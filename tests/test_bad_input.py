@@ -3,8 +3,9 @@ line (`spmdkit: error: ...`, no traceback, no usage dump; `ckpt verify` reports 
 file of the fixture directory as it was, with nothing new written.
 
 The commands run in this process (`spmdkit.cli.main`), which is fast because every case fails before JAX computes;
-the resume refusals build the model state first (one small compilation). `ckpt export` and `ckpt import-hf` have
-their own tests (tests/test_checkpoint_tools.py).
+the resume refusals build the model state first (one small compilation). The Hugging Face models the `import-hf`
+and `--init-from` cases read are transformers' own saves, then damaged as downloads and hand edits are; the
+prepared dataset is `spmdkit data prepare`'s.
 """
 
 import hashlib
@@ -43,6 +44,8 @@ from spmdkit.train.state import abstract_train_state
 TRAIN = "train --steps 2 --seq-len 32 --batch-size 8 --dtype float32 --eval-every 0 --no-progress --mesh fsdp=8"
 RUN = [*TRAIN.split(), "--run-dir", "{D}/run"]  # the run of {D}/run/checkpoints (step 4)
 FRESH = [*TRAIN.split(), "--run-dir", "{D}/fresh"]  # a run directory that does not exist yet
+PREPARE = ["--tokenizer", "bytes", "--out", "{D}/new", "--no-progress"]
+IMPORT = ["--out", "{D}/new"]
 
 TOML = {
     "bad-syntax.toml": "[run\nsteps = 3\n",
@@ -115,6 +118,65 @@ CASES = [
     ([*RUN, "--steps", "6", "--seed", "1"], 2, "was saved with --seed 0, this run has 1"),
     ([*RUN, "--steps", "6", "--data", "synthetic"], 2, "was saved with --data stdlib, this run has synthetic"),
     ([*RUN, "--steps", "6", "--model.layers", "2"], 2, "does not match this model: model/blocks/attention/k"),
+    # -- train: --init-from (HF models of vocab 128: the synthetic data fits them)
+    ([*FRESH, "--init-from", "{D}/missing"], 2, "{D}/missing does not exist: pass a Hugging Face model directory"),
+    ([*FRESH, "--init-from", "{D}/empty"], 2, "{D}/empty is neither a Hugging Face model directory nor an spmdkit"),
+    ([*FRESH, "--init-from", "{D}/gpt2"], 2, "model_type='gpt2' is not a family spmdkit runs"),
+    ([*FRESH, "--init-from", "{D}/hf", "--model.layers", "3"], 2, "--model.layers 3 conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/hf", "--model", "125m"], 2, "--model 125m conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/run", "--model.embed", "48"], 2, "--model.embed 48 conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/sharded", "--data", "synthetic"], 2, "missing shard {D}/sharded/model-00002-of"),
+    ([*FRESH, "--init-from", "{D}/hf-quantized", "--data", "synthetic"], 2, "quantization_config is not supported"),
+    ([*FRESH, "--init-from", "{D}/hf"], 2, "the stdlib source needs vocab_size >= 264"),
+    # -- train: --data DIR (a prepared dataset)
+    ([*FRESH, "--data", "{D}/texts"], 2, "{D}/texts is not a prepared dataset (it is a directory without dataset"),
+    ([*FRESH, "--data", "{D}/empty"], 2, "{D}/empty is not a prepared dataset"),
+    ([*FRESH, "--data", "{D}/ds-badjson"], 2, "ds-badjson/dataset.json is not JSON"),
+    ([*FRESH, "--data", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
+    ([*FRESH, "--data", "{D}/ds", "--seq-len", "8192"], 2, "rows of seq_len 8192, fewer than one global batch"),
+    ([*FRESH, "--data", "{D}/ds", "--model.vocab-size", "100"], 2, "vocab_size 100 is smaller than the 264 ids"),
+    # -- data prepare / inspect / verify
+    (["data", "prepare", "{D}/missing.txt", *PREPARE], 2, "input '{D}/missing.txt' not found"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "nope", "--out", "{D}/new"], 2, "tokenizer 'nope' not found"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bpe:abc", "--out", "{D}/new"], 2, "use bpe:N with N in"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "{D}/afile", "--out", "{D}/new"], 2, "not a tokenizers"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "{D}/empty", "--out", "{D}/new"], 2, "has no tokenizer.json"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/ds"], 2, "--out {D}/ds already exists"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/afile"], 2, "{D}/afile already exists"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/afile/ds"], 2, "which is a file"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/readonly/ds"], 2, "is not writable"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--shard-tokens", "0"], 2, "--shard-tokens 0 must be positive"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--glob", "*.nothing"], 2, "no files match --glob '*.nothing'"),
+    (["data", "prepare", "{D}/docs.jsonl", *PREPARE], 2, "docs.jsonl:1: no key 'text' (keys: body): pass --text-key"),
+    (["data", "prepare", "{D}/latin1.txt", *PREPARE], 2, "latin1.txt:1: not UTF-8 (byte 0xe9 at offset 3)"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--dtype", "uint8"], 2, "argument --dtype: invalid choice: 'uint8'"),
+    (["data", "prepare", "{D}/texts", "--out", "{D}/new"], 2, "the following arguments are required: --tokenizer"),
+    (["data", "inspect", "{D}/missing"], 2, "{D}/missing is not a prepared dataset"),
+    (["data", "verify", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
+    # -- ckpt import-hf / export
+    (["ckpt", "import-hf", "{D}/empty", *IMPORT], 2, "{D}/empty is neither a Hugging Face model directory"),
+    (["ckpt", "import-hf", "{D}/missing", *IMPORT], 2, "{D}/missing does not exist"),
+    (["ckpt", "import-hf", "{D}/afile", *IMPORT], 2, "{D}/afile is not a .safetensors file, an index or config"),
+    (["ckpt", "import-hf", "{D}/run", *IMPORT], 2, "{D}/run is an spmdkit checkpoint, not a Hugging Face model"),
+    (["ckpt", "import-hf", "{D}/gpt2", *IMPORT], 2, "model_type='gpt2' is not a family spmdkit runs (llama, qwen2)"),
+    (["ckpt", "import-hf", "{D}/sharded", *IMPORT], 2, "missing shard {D}/sharded/model-00002-of-"),
+    (["ckpt", "import-hf", "{D}/sharded/model.safetensors.index.json", *IMPORT], 2, "(listed in model.safetensors"),
+    (["ckpt", "import-hf", "{D}/hf-quantized", *IMPORT], 2, "config.json: quantization_config is not supported"),
+    (["ckpt", "import-hf", "{D}/hf-no-config", *IMPORT], 2, "holds safetensors files but no config.json"),
+    (["ckpt", "import-hf", "{D}/hf-bad-config", *IMPORT], 2, "hf-bad-config/config.json is not valid JSON"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/texts"], 2, "{D}/texts is not empty: pass a new directory"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/afile"], 2, "{D}/afile is a file: pass a new directory"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/afile/sub"], 2, "lies under {D}/afile, which is a file"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/readonly/x"], 2, "{D}/readonly is not writable"),
+    (["ckpt", "import-hf", "{D}/hf", *IMPORT, "--mesh", "fsdp=3"], 2, "has 3 devices but 8 are present"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/run"], 2, "{D}/run already exists and is not empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/afile"], 2, "{D}/afile already exists and is not empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/afile/hf"], 2, "lies under {D}/afile, which is a file"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/readonly/hf"], 2, "{D}/readonly is not writable"),
+    (["ckpt", "export", "{D}/missing", "--out", "{D}/new"], 2, "{D}/missing does not exist"),
+    (["ckpt", "export", "{D}/empty", "--out", "{D}/new"], 2, "no checkpoint steps in {D}/empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/new", "--step", "7"], 2, "step 7 is not in {D}/run/checkpoints"),
+    (["ckpt", "export", "{D}/damaged", "--out", "{D}/new"], 2, "step 4 in {D}/damaged is damaged"),
     # -- ckpt inspect / verify / reshard
     (["ckpt", "inspect", "{D}/missing"], 2, "does not exist: check the path"),
     (["ckpt", "inspect", "{D}/afile"], 2, "{D}/afile is a file: pass a directory"),
@@ -190,6 +252,38 @@ def _read_only(path: Path) -> bool:
     return done.returncode == 0
 
 
+def _texts_and_datasets(d: Path) -> None:
+    """Text inputs, a prepared dataset (`ds`, byte tokens) and two damaged copies of it."""
+    (d / "texts").mkdir()
+    (d / "texts" / "a.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 150)
+    (d / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1") * 20)
+    (d / "docs.jsonl").write_text('{"body": "no text key"}\n')
+    prepare = ["data", "prepare", str(d / "texts"), "--tokenizer", "bytes", "--out", str(d / "ds"), "--no-progress"]
+    assert main(prepare) == 0
+    shutil.copytree(d / "ds", d / "ds-badjson")
+    (d / "ds-badjson" / "dataset.json").write_text('{"format": ')
+    shutil.copytree(d / "ds", d / "ds-noshard")
+    (d / "ds-noshard" / "tokens-00000.bin").unlink()
+
+
+def _hf_models(d: Path) -> None:
+    """transformers' own saves: a Llama, a GPT-2, a sharded Llama missing a shard, and Llamas whose config.json is
+    quantised, missing, or cut short."""
+    from hf_reference import edit_config, save_model
+    from transformers import GPT2Config, LlamaConfig
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    save_model(LlamaConfig(**shape), d / "hf")
+    save_model(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64), d / "gpt2")
+    save_model(LlamaConfig(**shape), d / "sharded", max_shard_size="20KB")
+    sorted((d / "sharded").glob("model-*-of-*.safetensors"))[1].unlink()
+    for name in ("hf-quantized", "hf-no-config", "hf-bad-config"):
+        shutil.copytree(d / "hf", d / name)
+    edit_config(d / "hf-quantized", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    (d / "hf-no-config" / "config.json").unlink()
+    (d / "hf-bad-config" / "config.json").write_text('{"model_type": "llama",')
+
+
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory):
     """Files the cases read: a run with a checkpoint (step 4), a damaged copy, TOML files, token files, a file."""
@@ -205,6 +299,8 @@ def fixture_dir(tmp_path_factory):
     np.save(d / "big-ids.npy", np.full(4000, 300, np.uint16))
     np.save(d / "tiny.npy", np.arange(10, dtype=np.uint16))
     np.save(d / "short.npy", (np.arange(2000) % 200).astype(np.uint16))  # eval split: 100 tokens, < one batch
+    _texts_and_datasets(d)
+    _hf_models(d)
 
     config, _ = parse([*[a.format(D=d) for a in RUN[1:]]])
     mesh = make_mesh(config.mesh.mesh)
@@ -265,8 +361,11 @@ def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
 
 def test_at_least_sixty_cases_over_every_command():
     commands = {argv[0] for argv, _, _ in CASES}
-    assert len(CASES) >= 60 and commands >= {"train", "ckpt", "plan", "launch", "bench"}
-    assert {argv[1] for argv, _, _ in CASES if argv[0] == "ckpt" and len(argv) > 1} >= {"inspect", "verify", "reshard"}
+    assert len(CASES) >= 60 and commands >= {"train", "data", "ckpt", "plan", "launch", "bench"}
+    ckpt = {argv[1] for argv, _, _ in CASES if argv[0] == "ckpt" and len(argv) > 1}
+    assert ckpt >= {"inspect", "verify", "reshard", "export", "import-hf"}
+    train = " ".join(" ".join(argv) for argv, _, _ in CASES if argv[0] == "train")
+    assert "--init-from" in train and "--data {D}/ds" in train
 
 
 # ----------------------------------------------------------------------------------------------- library calls

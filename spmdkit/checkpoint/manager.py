@@ -295,6 +295,16 @@ class Checkpointer:
             raise DamagedStep(step, self.directory, str(damage)) from None
         return from_saved_tree(restored["state"], state)
 
+    def check_read(self, step: int, part: dict[str, Any]) -> None:
+        """DamagedStep unless `part` of the step's state (e.g. `{"model": ...}`, read by another reader) holds the
+        arrays as saved: the step's items complete, every checksum matching, every value finite."""
+        try:
+            problems = array_problems(self._check_items(step), fingerprints(part))
+        except _Damage as damage:
+            problems = [str(damage)]
+        if problems:
+            raise DamagedStep(step, self.directory, "; ".join(problems))
+
     def _check_process_count(self, step: int) -> None:
         """SpmdkitError (not damage) when the step's data positions were saved by another number of processes."""
         saved = data_process_count(self.directory / str(step) / "data")

@@ -25,6 +25,7 @@ from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import parameter_rows
+from spmdkit.interop.loading import check_source
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.parallel.pipeline.schedule import Schedule
@@ -77,6 +78,8 @@ class Trainer:
         # compilation, and before anything is written.
         check_writable(self.run_dir, "--run-dir")
         check_writable(checkpoint_directory(config), "--checkpoint-dir")
+        if config.model.init_from:  # the weights' files (shards, tensor shapes), before a state exists to fill
+            check_source(config.model.init_from, self.model_config)
         self.data = make_data(
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
