@@ -132,7 +132,6 @@ def _logged(run_dir: Path) -> int:
     return 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, full", [("full", "run directory"), ("full", "checkpoint directory"), ("read-only", "checkpoint directory")]
 )

@@ -116,12 +116,7 @@ def saved_steps(tmp_path_factory, abstract):  # noqa: F811 - the fixture importe
     return directory, states
 
 
-def test_flipped_bytes_in_three_arrays_are_each_named_by_verify_and_the_step_skipped_by_resume(
-    saved_steps,
-    tmp_path,
-    abstract,
-    capsys,  # noqa: F811
-):
+def test_three_flipped_arrays_are_each_named_by_verify_and_the_step_skipped(saved_steps, tmp_path, abstract, capsys):  # noqa: F811
     """One byte flipped in each of three arrays of step 6 (a parameter, an Adam first and second moment)."""
     source, states = saved_steps
     directory = tmp_path / "ckpt"

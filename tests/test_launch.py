@@ -164,7 +164,6 @@ def test_killed_process_stops_the_launcher_and_the_others(tmp_path):
     assert "process 0 exited with status 0" not in message
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_sigkilled_launcher_leaves_no_child_alive(tmp_path):
     proc, _, pids = _launch_peers(tmp_path, "busy")
