@@ -19,3 +19,37 @@ def run_spmdkit(*args: str, timeout: float = 300, env: dict[str, str] | None = N
 def error_lines(stderr: str) -> list[str]:
     """The one-line errors `spmdkit` printed."""
     return [line for line in stderr.splitlines() if line.startswith("spmdkit: error:")]
+
+
+def stored_values(state_dir) -> dict[str, list[tuple[str, int, int]]]:
+    """Where Orbax stored each array of a step's `state/` item: 'model.embedding' -> [(data file, offset, length)]
+    of its chunks, read from the OCDBT B+tree (TensorStore's own `ocdbt.dump`)."""
+    import tensorstore as ts
+
+    base = ts.KvStore.open(f"file://{os.path.abspath(state_dir)}/").result()
+    found: dict[str, list[tuple[str, int, int]]] = {}
+
+    def visit(location: str, prefix: bytes) -> None:  # keys and prefixes in a node are relative to its prefix
+        for entry in ts.ocdbt.dump(base, location).result()["entries"]:
+            if "location" in entry:  # an interior node's child
+                visit(entry["location"], prefix + entry["subtree_common_prefix"])
+            elif "indirect_value" in entry:
+                key = (prefix + entry["key"]).decode()
+                _, where, name, offset, length = entry["indirect_value"].split(":")
+                found.setdefault(key.split("/")[0], []).append(
+                    (os.path.join(state_dir, where, name), int(offset), int(length))
+                )
+
+    manifest = ts.ocdbt.dump(base).result()
+    visit(manifest["versions"][-1]["root"]["location"], b"")
+    return found
+
+
+def flip_byte(state_dir, array: str) -> None:
+    """Flip one bit of one byte in the middle of the stored (compressed) bytes of `array` ('model.embedding')."""
+    path, offset, length = stored_values(state_dir)[array][0]
+    with open(path, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0x04]))

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import flip_byte
 
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
 from spmdkit.cli.train import parse
@@ -39,19 +40,19 @@ TIMEOUT = 240
 # ----------------------------------------------------------------------------------------------- CLI runs
 
 
-def _command(run_dir):
+def _command(run_dir, steps=STEPS, *extra):
     return [
-        sys.executable, "-m", "spmdkit", "train", "--cpu-devices", "2", "--mesh", "fsdp=2", "--steps", str(STEPS),
+        sys.executable, "-m", "spmdkit", "train", "--cpu-devices", "2", "--mesh", "fsdp=2", "--steps", str(steps),
         "--log-every", "1", "--checkpoint-every", str(EVERY), "--no-progress", "--seq-len", "32",
-        "--batch-size", "4", "--dtype", "float32", "--eval-every", "0", "--run-dir", str(run_dir),
+        "--batch-size", "4", "--dtype", "float32", "--eval-every", "0", "--run-dir", str(run_dir), *extra,
     ]  # fmt: skip
 
 
-def _start(run_dir):
+def _start(run_dir, steps=STEPS, *extra):
     """`spmdkit train` in the background. The runs share the session's compilation cache (tests/conftest.py): the
     first one compiles, the others load the same executables (seconds instead of ~25 s each on two CPU cores)."""
     log = open(f"{run_dir}.log", "w")  # noqa: SIM115 - closed by _finish
-    process = subprocess.Popen(_command(run_dir), stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(_command(run_dir, steps, *extra), stdout=log, stderr=subprocess.STDOUT, text=True)
     process.log = log
     return process
 
@@ -157,6 +158,69 @@ def test_sigkill_during_a_save_resumes_from_an_intact_step(tmp_path, straight):
     losses, params = straight
     assert _losses(run_dir) == losses
     np.testing.assert_array_equal(_final_params(run_dir)["['model']['embedding']"], params["['model']['embedding']"])
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_newest_step_resumes_from_the_one_before_bit_identically(tmp_path, straight):
+    run_dir = tmp_path / "run"
+    code, output = _finish(_start(run_dir, 8), run_dir)
+    assert code == 0, output[-3000:]
+    flip_byte(run_dir / "checkpoints" / "8" / "state", "optimizer.opt_state.inner_state.1.0.nu.embedding")
+    code, output = _finish(_start(run_dir), run_dir)
+    assert code == 0, output[-3000:]
+    warned = [line for line in output.splitlines() if line.startswith("spmdkit: warning:")]
+    assert len(warned) == 1 and "step 8 in" in warned[0] and "checksum mismatch in optimizer/" in warned[0]
+    assert "resumed from step 6" in output and "Traceback" not in output
+    losses, params = straight
+    assert _losses(run_dir) == losses
+    resumed = _final_params(run_dir)
+    for key, value in params.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+KILLS = 10
+LONG = 2 * KILLS + 4  # each killed run adds at most one save (EVERY steps) to the run
+
+
+@pytest.mark.slow
+def test_ten_sigkills_during_asynchronous_saves_each_resume_bit_identical(tmp_path):
+    """Kill the run with SIGKILL 10 times, each time a chosen delay after its first asynchronous save began (a
+    `<step>.orbax-checkpoint-tmp` directory appears), then resume it: after every resume the losses so far equal a
+    straight run's, bit for bit, and the last run ends with its parameters."""
+    straight_dir = tmp_path / "straight"
+    code, output = _finish(_start(straight_dir, LONG, "--keep", "1"), straight_dir)
+    assert code == 0, output[-3000:]
+    want = _losses(straight_dir)
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    resumed_from = []
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2):  # seconds after the save began
+        process = _start(run_dir, LONG)
+        before = set(glob.glob(f"{checkpoints}/*"))
+        deadline = time.monotonic() + TIMEOUT
+        while not [p for p in glob.glob(f"{checkpoints}/*.orbax-checkpoint-tmp*") if p not in before]:
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended before saving"
+            time.sleep(0.001)
+        time.sleep(delay)
+        process.kill()
+        code, output = _finish(process, run_dir)
+        assert code == -signal.SIGKILL, output[-3000:]
+        if match := re.search(r"resumed from step (\d+)", output):
+            resumed_from.append(int(match.group(1)))
+        assert _losses(run_dir) == {s: want[s] for s in _losses(run_dir)}, output[-3000:]
+    code, output = _finish(_start(run_dir, LONG), run_dir)
+    assert code == 0 and "damaged" not in output, output[-3000:]
+    assert _losses(run_dir) == want
+    # Killed before its first save committed, a run resumes from the step before (or starts afresh).
+    assert len(resumed_from) >= KILLS // 2 and all(step % EVERY == 0 for step in resumed_from), resumed_from
+    final = [Checkpointer(d / "checkpoints", read_only=True) for d in (straight_dir, run_dir)]
+    try:
+        (a, b) = [{k: np.asarray(v) for k, v in _flat(c.read_state(LONG)).items()} for c in final]
+    finally:
+        for c in final:
+            c.close()
+    assert a.keys() == b.keys() and len(a) == 42
+    for key, value in a.items():
+        np.testing.assert_array_equal(b[key], value, err_msg=key)
 
 
 # ----------------------------------------------------------------------------------------------- in process

@@ -314,8 +314,9 @@ def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, 
     device = jax.devices()[0]
     shardings = _layout(abstract, "fsdp=1", [device])
     checkpointer = Checkpointer(directory, read_only=True)
-    restored = checkpointer.restore(5, abstract, shardings)
+    restored = checkpointer.restore(5, abstract, shardings)  # checks the checksums the two processes summed
     assert checkpointer.read_config(5) == {"processes": 2}
+    assert checkpointer.verify(5) == []
     checkpointer.close()
     got = jax.tree.leaves(restored)
     assert len(got) == len(want) == 42

@@ -82,11 +82,18 @@ def _launch_peers(tmp_path: Path, mode: str, *flags: str) -> tuple[subprocess.Po
 
 
 def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, not yet reaped by whoever adopted it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
         return True
-    return False
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
 
 def _clean_up(procs: list[subprocess.Popen], pids: list[int]) -> None:
@@ -161,6 +168,21 @@ def test_killed_process_stops_the_launcher_and_the_others(tmp_path):
     assert code == 128 + signal.SIGKILL, message[-2000:]
     assert "spmdkit launch: failed: process 1 was killed by SIGKILL; then process 0 " in message, message[-2000:]
     assert "process 0 exited with status 0" not in message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_sigkilled_launcher_leaves_no_child_alive(tmp_path):
+    proc, _, pids = _launch_peers(tmp_path, "busy")
+    try:
+        assert not any(_gone(pid) for pid in pids)
+        proc.kill()  # SIGKILL: the launcher cannot stop anyone; the kernel kills its children
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
+    finally:
+        _clean_up([proc], pids)
 
 
 @pytest.mark.slow
@@ -365,6 +387,7 @@ def _free_port() -> int:
         (["--slurm", "--processes", "2", "--", "spmdkit"], "--slurm takes --nodes K"),
         (["--slurm", "--nodes", "0", "--dry-run", "--", "spmdkit"], "--nodes 0 and --gpus-per-node 8 must be"),
         (["--nodes", "2", "--", "spmdkit"], "--nodes and --dry-run go with --slurm"),
+        (["--processes", "2", "--port", "99999", "--", "spmdkit", "train"], "--port 99999 is not a TCP port"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):

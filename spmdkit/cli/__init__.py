@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from spmdkit.errors import SpmdkitError
+from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
 COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit plan` never imports JAX)
     "train": "spmdkit.cli.train",
@@ -58,8 +59,24 @@ def parse(argv: Sequence[str]) -> Any:
     return command(argv[0]).parse(argv[1:])
 
 
+def _one_line_warnings() -> None:
+    """Print `SpmdkitWarning`s as `spmdkit: warning: ...` (one line, no source line); others as Python does."""
+    python_format = warnings.formatwarning
+    if getattr(python_format, "spmdkit", False):
+        return
+
+    def format_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        if issubclass(category, SpmdkitWarning):
+            return f"spmdkit: warning: {message}\n"
+        return python_format(message, category, *args, **kwargs)
+
+    format_warning.spmdkit = True  # type: ignore[attr-defined]
+    warnings.formatwarning = format_warning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _one_line_warnings()
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())

@@ -7,8 +7,11 @@ from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
+from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import KERNELS
+from spmdkit.models.config import model_preset
 from spmdkit.tools.bench import STRATEGIES, run
+from spmdkit.train.preflight import check_writable
 
 HELP = SUMMARIES["bench"]
 
@@ -43,5 +46,19 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(list(argv))
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """One-line errors for values the benchmark cannot run with, before anything compiles or is written."""
+    for flag, value, least in (
+        ("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 1), ("--microbatches", args.microbatches, 1),
+    ):  # fmt: skip
+        if value is not None and value < least:
+            raise SpmdkitError(f"{flag} {value} must be at least {least}")
+    check_writable(args.out, "--out")
+    model_preset(args.model).replace(dtype=args.dtype)  # an unknown preset or dtype: its own one-line error
+
+
 def main(argv: Sequence[str]) -> int:
-    return run(parse(argv))
+    args = parse(argv)
+    check_args(args)
+    return run(args)

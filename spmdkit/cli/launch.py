@@ -70,6 +70,8 @@ def main(argv: Sequence[str]) -> int:
         return submit_slurm(script, args.script, args.dry_run)
     if args.nodes is not None or args.dry_run:
         raise SpmdkitError("--nodes and --dry-run go with --slurm; a local run takes --processes N")
+    if args.grace < 0:
+        raise SpmdkitError(f"--grace {args.grace} must be >= 0 (seconds the processes get to save)")
     platform = resolve_platform(args.platform, os.environ)
     processes = args.processes
     if processes is None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
@@ -72,6 +75,14 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if min(args.microbatches or 1, args.virtual_stages or 1, args.top) < 1 or not 0 < args.efficiency <= 1:
         raise SpmdkitError("--microbatches, --virtual-stages and --top must be positive, --efficiency in (0, 1]")
+    if args.plot:
+        plot = Path(args.plot).expanduser().absolute()
+        if plot.is_dir():
+            raise SpmdkitError(f"--plot {args.plot} is a directory: name an image file, e.g. plan.png")
+        if not plot.parent.is_dir():
+            raise SpmdkitError(f"--plot {args.plot}: directory {plot.parent} does not exist: create it first")
+        if not os.access(plot.parent, os.W_OK | os.X_OK):
+            raise SpmdkitError(f"--plot {args.plot}: directory {plot.parent} is not writable")
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -117,16 +128,18 @@ def main(argv: Sequence[str]) -> int:
     best = shown[0]
     runner_up = next((e for e in fitting if e.mesh != best.mesh), None)
     why = explain(best, runner_up, dev.gpus_per_node) if best.fits else ""
-    if args.plot:
-        plot(shown, args.plot)
     if args.json:
         report = {"recommended": best.to_dict(), "explanation": why, "candidates": [e.to_dict() for e in shown]}
         print(json.dumps(report, indent=1))
-        return 0
-    title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node), batch {batch}"
-    print(f"{title} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)} meshes fit")
-    print(format_table(shown))
-    print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}\n{format_details(best)}")
-    if why:
-        print(f"\n{why}")
+    else:
+        title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node)"
+        print(f"{title}, batch {batch} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)}"
+              " meshes fit")  # fmt: skip
+        print(format_table(shown))
+        print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}\n{format_details(best)}")
+        if why:
+            print(f"\n{why}")
+    if args.plot:  # after the report: a plot that cannot be written does not lose it
+        sys.stdout.flush()
+        plot(shown, args.plot)
     return 0

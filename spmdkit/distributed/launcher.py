@@ -1,10 +1,16 @@
 """The parent side of a local multi-process job: `spmdkit launch --processes N` starts N processes of one JAX job
 on 127.0.0.1 (each told its place through `SPMDKIT_*` variables that `spmdkit.distributed.initialize` reads), copies
 their output prefixed `[i]`, and stops them all when one fails or on Ctrl-C.
+
+The launcher owns its children: each runs in its own session (so that the launcher can signal its process group)
+and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDEATHSIG`), so a launcher killed
+with SIGKILL leaves no process behind. A child that dies ends the others: the launcher stops them, and without a
+launcher JAX's heartbeat timeout does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -13,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, NUM_PROCESSES, PROCESS_ID
@@ -25,6 +31,8 @@ from spmdkit.errors import SpmdkitError
 
 def free_port(port: int | None = None) -> int:
     """`port` if it is free on 127.0.0.1 (else an error); None: a free port the OS picks."""
+    if port is not None and not 1 <= port <= 65535:
+        raise SpmdkitError(f"--port {port} is not a TCP port: pick one in 1-65535, or leave it out (a free one)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port or 0))
@@ -82,6 +90,25 @@ def check_command(command: Sequence[str]) -> None:
         raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
     if any(arg.split("=")[0] == "--cpu-devices" for arg in command):
         raise SpmdkitError("mismatched device counts: give --devices-per-process to launch, not --cpu-devices")
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGKILL when its parent dies (Linux; None elsewhere). It runs in
+    the child between fork and exec: only a foreign call and system calls, no locks taken."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, in the parent: nothing to load after fork
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request was in place
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def _pump(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
@@ -158,11 +185,19 @@ def launch_local(
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
-        for i, env in enumerate(environments):
-            child = subprocess.Popen(
-                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        preexec = die_with_parent()
+        for env in environments:  # every child before any thread starts: `preexec_fn` runs in a forked copy
+            children.append(
+                subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )  # fmt: skip
             )
-            children.append(child)
+        for i, child in enumerate(children):
             for source, sink in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
                 pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
                 pumps[-1].start()

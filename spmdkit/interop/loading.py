@@ -201,6 +201,14 @@ def param_shardings(model: TransformerConfig, mesh: jax.sharding.Mesh | None, ru
     return nnx.to_pure_dict(state_shardings(abstract, mesh, (rules or make_rules()).params))
 
 
+def check_source(path: str | Path, model: TransformerConfig) -> None:
+    """SpmdkitError (one line) unless `load_params(path, model, ...)` can read every parameter: for a Hugging Face
+    source, every shard present and every tensor there with its shape (only headers are read). An spmdkit source's
+    model is its saved config's, checked when it was read."""
+    if source_kind(path) == "hf":
+        check_tensors(TensorFiles(path), model)
+
+
 def load_params(path: str | Path, model: TransformerConfig, shardings: Any, dtype: str | None = None) -> PureTree:
     """The parameters of `model` from `path` (a Hugging Face source or an spmdkit checkpoint/run directory), in
     `dtype` (None: as stored), laid out by `shardings` (a pure dict matching the parameters)."""

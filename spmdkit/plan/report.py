@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
+from spmdkit.errors import SpmdkitError
 from spmdkit.plan.devices import node_local_axes
 from spmdkit.plan.estimate import Estimate
 from spmdkit.sharding.mesh_config import AXES, format_sizes
@@ -121,4 +126,16 @@ def plot(estimates: list[Estimate], path: str) -> None:
     for ax in (left, right):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # Through a temporary file and a rename: a failed write never leaves a half-written image at `path`.
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(temporary, dpi=100, format=target.suffix.lstrip(".").lower() or "png")
+        os.replace(temporary, target)
+    except ValueError as error:  # matplotlib: an image format it does not write
+        raise SpmdkitError(f"--plot {path}: {error}") from None
+    except OSError as error:
+        raise SpmdkitError(f"--plot {path}: cannot write it ({error.strerror or error})") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()

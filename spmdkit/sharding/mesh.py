@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh_config import AXES, MeshConfig, format_sizes, split_ici_dcn
 
 __all__ = ["AXES", "MeshConfig", "describe_parallelism", "format_sizes", "make_mesh"]
@@ -38,6 +39,11 @@ def make_mesh(config: MeshConfig | str, devices: Sequence[jax.Device] | None = N
     sizes = config.resolve(len(devices))
     shape = [sizes[axis] for axis in AXES]
     num_granules = len({d.process_index for d in devices})
+    if num_granules == 1 and any(factor > 1 for _, factor in config.dcn):
+        raise SpmdkitError(
+            f"--dcn {format_sizes(dict(config.dcn))} says axes span nodes, but this run has one process: drop --dcn, "
+            "or start one process per node (spmdkit launch, srun)"
+        )
     if num_granules > 1:
         ici_shape, dcn_shape = split_ici_dcn(sizes, num_granules, dict(config.dcn))
         grid = mesh_utils.create_hybrid_device_mesh(

@@ -2,26 +2,23 @@
 
 `inspect_checkpoint` reads metadata only (no arrays): the steps, and for one step the saved config, every
 array's path, shape, dtype and size, and the data-iterator files. `verify_checkpoint` reads every step in full
-(onto the host CPU, one step at a time), checks that the arrays are finite and that the data and config items
-are complete, and reports each step as intact or damaged.
+(onto the host CPU, one step at a time) and applies the rules resume applies (`Checkpointer.verify`): items
+complete, every array readable, its checksum as saved, and finite; it reports each step as intact or damaged,
+naming the damaged arrays.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from spmdkit.checkpoint.manager import Checkpointer, describe_error, drop_orphaned_reads
+from spmdkit.checkpoint.integrity import data_files
+from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
-
-_DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
 def _open(directory: str | Path) -> Checkpointer:
@@ -38,11 +35,6 @@ def _leftovers(directory: Path) -> dict[str, list[str]]:
         "unfinished": [n for n in names if ".orbax-checkpoint-tmp" in n],
         "set_aside": [n for n in names if ".damaged-" in n],
     }
-
-
-def _data_files(step_dir: Path) -> list[str]:
-    data = step_dir / "data"
-    return sorted(p.name for p in data.iterdir() if _DATA_FILE.fullmatch(p.name)) if data.is_dir() else []
 
 
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
@@ -79,7 +71,7 @@ def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[s
             "parameter_bytes": sum(a["bytes"] for a in model),
             "total_bytes": sum(a["bytes"] for a in arrays),
             "arrays": arrays,
-            "data_files": _data_files(checkpointer.directory / str(step)),
+            "data_files": data_files(checkpointer.directory / str(step) / "data"),
             "config": config,
             **_leftovers(checkpointer.directory),
         }
@@ -117,54 +109,17 @@ def format_inspection(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check_data(step_dir: Path) -> str | None:
-    """None if the data item is absent or complete; otherwise what is wrong."""
-    if not (step_dir / "data").exists():
-        return None
-    files = _data_files(step_dir)
-    if not files:
-        return "data/ holds no process_*-of-*.json file"
-    counts = {int(_DATA_FILE.fullmatch(f).group(2)) for f in files}
-    if len(counts) != 1:
-        return f"data/ mixes process counts {sorted(counts)}"
-    (count,) = counts
-    missing = [i for i in range(count) if f"process_{i}-of-{count}.json" not in files]
-    if missing:
-        return f"data/ lacks the iterator state of process(es) {missing} of {count}"
-    for name in files:
-        try:
-            json.loads((step_dir / "data" / name).read_text())
-        except ValueError:
-            return f"data/{name} is not valid JSON"
-    return None
-
-
 def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
-    """[{"step", "ok", "problem"}] for every step: arrays readable and finite, data and config complete."""
+    """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`)."""
     checkpointer = _open(directory)
-    device = jax.devices("cpu")[0]
-    report = []
     try:
+        report = []
         for step in checkpointer.steps():
-            problem = None
-            try:
-                state = checkpointer.read_state(step, device)
-                for path, array in jax.tree_util.tree_leaves_with_path(state):
-                    value = np.asarray(array)
-                    if value.dtype.kind == "f" and not np.isfinite(value).all():
-                        problem = f"{jax.tree_util.keystr(path)} holds NaN or Inf"
-                        break
-                problem = problem or _check_data(checkpointer.directory / str(step))
-                if problem is None and (checkpointer.directory / str(step) / "config").exists():
-                    checkpointer.read_config(step)
-            except Exception as error:  # noqa: BLE001 - any failure to read is what verify reports
-                problem = describe_error(error)
-            report.append({"step": step, "ok": problem is None, "problem": problem})
-            if problem is not None:
-                drop_orphaned_reads()
+            problems = checkpointer.verify(step)
+            report.append({"step": step, "ok": not problems, "problem": "; ".join(problems) or None})
+        return report
     finally:
         checkpointer.close()
-    return report
 
 
 def format_verification(directory: str | Path, report: list[dict[str, Any]]) -> str:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.failures import describe_error
+from spmdkit.checkpoint.manager import Checkpointer, DamagedStep
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
@@ -55,11 +57,27 @@ def _saved_config(checkpointer: Checkpointer, step: int) -> TrainConfig:
     return config_from_json(json.dumps(saved))
 
 
-def _fresh_output(out: str | Path) -> Path:
+def fresh_output(out: str | Path) -> Path:
+    """`out` as an absolute path, checked to be a new or empty directory that can be created there (its nearest
+    existing ancestor a writable directory); SpmdkitError otherwise. Nothing is created."""
     out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise SpmdkitError(f"{out} is a file: pass a new directory for the converted checkpoint")
     if out.exists() and any(out.iterdir()):
         raise SpmdkitError(f"{out} is not empty: pass a new directory for the converted checkpoint")
+    check_creatable(out)
     return out
+
+
+def check_creatable(out: Path) -> None:
+    """SpmdkitError unless the directory `out` can be made: its nearest existing ancestor is a writable directory."""
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpmdkitError(f"{out} lies under {existing}, which is a file: pass a new directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpmdkitError(f"{out} cannot be written ({existing} is not writable): pass a directory you can write")
 
 
 def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State, Any]:
@@ -75,11 +93,11 @@ def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nn
 
 def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: int | None = None) -> int:
     """Restore `step` (default: the newest) of `directory` onto `mesh` and save it into `out`; returns the step."""
-    out = _fresh_output(out)
+    out = fresh_output(out)
     source, step = _open_step(directory, step)
     try:
         config = _saved_config(source, step)
-        config = apply_overrides(config, {"mesh": {"mesh": mesh}})
+        config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
         new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
         _, abstract, shardings = train_state_layout(config, new_mesh)
         state = source.restore(step, abstract, shardings)
@@ -114,8 +132,12 @@ def read_params(directory: str | Path, step: int | None = None) -> tuple[int, Tr
         }
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-        with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
-            restored = reader.restore(checkpointer.directory / str(step) / "state", args=args)["model"]
+        try:
+            with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
+                restored = reader.restore(checkpointer.directory / str(step) / "state", args=args)["model"]
+        except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
+            raise DamagedStep(step, checkpointer.directory, describe_error(error)) from None
+        checkpointer.check_read(step, {"model": restored})  # what is exported is what was saved
     finally:
         checkpointer.close()
     return step, config, jax.tree.map(np.asarray, restored)

@@ -32,15 +32,8 @@ from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
 from spmdkit.models.config import TransformerConfig
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.tools.convert import read_params
+from spmdkit.tools.convert import check_creatable, fresh_output, read_params
 from spmdkit.train.config import TrainConfig, apply_overrides
-
-
-def _fresh_output(out: str | Path) -> Path:
-    out = Path(out).expanduser().absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SpmdkitError(f"{out} is not empty: pass a new directory for the converted checkpoint")
-    return out
 
 
 def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh: str = "") -> TransformerConfig:
@@ -52,7 +45,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     second copy of the weights. The checkpoint restores onto any mesh (`--init-from`, `load_model`)."""
     if source_kind(path) != "hf":
         raise SpmdkitError(f"{path} is an spmdkit checkpoint, not a Hugging Face model: train from it with --init-from")
-    out = _fresh_output(out)
+    out = fresh_output(out)
     config_path = hf_config_path(path)
     _, model = read_hf_config(config_path)
     files = TensorFiles(path)
@@ -112,6 +105,7 @@ def export_hf(
     out_path = Path(out).expanduser().absolute()
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not force:
         raise SpmdkitError(f"{out_path} already exists and is not empty: pass another --out, or --force to replace it")
+    check_creatable(out_path)
     step, config, params = read_params(directory, step)
     model = config.model.build()
     hf_dir = find_hf_files(directory)

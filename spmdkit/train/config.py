@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,34 @@ def _field(default: Any, help: str, *flags: str) -> Any:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise SpmdkitError(message)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether `value` has the type `hint` declares (int, float, str, bool, Literal, X | None, tuple[int, ...]);
+    a bool is not an int, an int is a float; other hints are not checked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_conforms(v, args[0]) for v in value)
+    if hint in (int, float):
+        return isinstance(value, int | float if hint is float else int) and not isinstance(value, bool)
+    return isinstance(value, hint) if hint in (str, bool) else True
+
+
+def check_types(section: Any, name: str) -> None:
+    """SpmdkitError naming the first field of a config section whose value is not of its declared type (the
+    command line parses types itself; this guards library calls and JSON configs)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if not _conforms(value, hints[f.name]):
+            wanted = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise SpmdkitError(f"{name}.{f.name}={value!r} must be of type {wanted}")
 
 
 # Learning-rate defaults: training from scratch, and fine-tuning weights given by --init-from (a small peak lr and
@@ -68,6 +97,7 @@ class OptimizerConfig:
     max_bad_steps: int = _field(5, "stop after this many consecutive NaN/Inf steps", "--max-bad-steps")
 
     def __post_init__(self) -> None:
+        check_types(self, "optimizer")
         lr, warmup = self.lr, self.warmup_steps
         _require(lr is None or (math.isfinite(lr) and lr > 0), f"learning rate {lr} must be a positive number")
         _require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
@@ -164,6 +194,7 @@ ModelSettings = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "build": _build,
+        "__post_init__": lambda self: check_types(self, "model"),
         "resolved": _resolved,
         "__doc__": "The model (a preset, a Hugging Face model path, or the weights `init_from` starts from) and the "
         "numerics to run it with; any field of `TransformerConfig` may be given to change a preset's shape (e.g. "
@@ -196,6 +227,7 @@ class MeshSettings:
     virtual_stages: int = _field(1, "layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
 
     def __post_init__(self) -> None:
+        check_types(self, "mesh")
         _require(
             self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1"
         )
@@ -225,6 +257,7 @@ class RunSettings:
     fail_steps: tuple[int, ...] = _field((), "steps whose gradients are made NaN (testing the NaN guard)")
 
     def __post_init__(self) -> None:
+        check_types(self, "run")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
             _require(
                 getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})"
@@ -243,8 +276,14 @@ class CheckpointSettings:
     every: int = _field(100, "save every N steps (0: only at the end)", "--checkpoint-every")
     keep: int = _field(3, "keep the newest N checkpoints", "--keep")
     resume: bool = _field(True, "resume from the newest intact step (no: the directory must hold no steps)", "--resume")
+    allow_data_change: bool = _field(
+        False,
+        "resume even if the batch size, sequence length, seed or a data setting differs from the checkpoint's",
+        "--allow-data-change",
+    )
 
     def __post_init__(self) -> None:
+        check_types(self, "checkpoint")
         _require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
         _require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
 
@@ -259,6 +298,12 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise SpmdkitError(f"config section {name} must be a {cls.__name__}, not {getattr(self, name)!r}")
+        check_types(self.data, "data")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -291,7 +336,13 @@ def checkpoint_directory(config: TrainConfig) -> Path:
 
 def config_from_json(text: str) -> TrainConfig:
     """Inverse of `TrainConfig.to_json` (used when resuming and inspecting checkpoints)."""
-    return apply_overrides(TrainConfig(), json.loads(text))
+    try:
+        values = json.loads(text)
+    except ValueError as error:
+        raise SpmdkitError(f"a saved config is not valid JSON ({error})") from None
+    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+        raise SpmdkitError('a saved config must be a JSON object of sections, e.g. {"run": {"steps": 60}}')
+    return apply_overrides(TrainConfig(), values)
 
 
 def with_data_vocab(config: TrainConfig) -> TrainConfig:

@@ -8,6 +8,7 @@ saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs af
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,25 +22,27 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
-from spmdkit.inspect.params import human_bytes, parameter_rows
+from spmdkit.inspect.params import parameter_rows
 from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
+from spmdkit.interop.loading import check_source
 from spmdkit.models.attention import platform
 from spmdkit.models.attention_choice import choose_attention
-from spmdkit.models.config import TransformerConfig, loss_chunks
+from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
-from spmdkit.sharding.mesh import MeshConfig, describe_parallelism, format_sizes, make_mesh
+from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, checkpoint_directory, with_data_vocab
-from spmdkit.train.metrics import MetricsWriter, peak_flops, throughput, trim_metrics
+from spmdkit.train.metrics import MetricsWriter, peak_flops, replace_text, throughput, trim_metrics
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.preemption import StopRequest
-from spmdkit.train.report import Progress, summary
+from spmdkit.train.preflight import check_resume, check_writable
+from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState, create_train_state
 from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
 
@@ -80,17 +83,26 @@ class Trainer:
             cfg.attention, context=self.context, platform=platform(), dtype=cfg.dtype, head_dim=cfg.head_dim
         )
         self.pipeline = self._pipeline_schedule()
-        # The data first: a missing or unreadable file is reported before any compilation.
+        # Paths and data first: a bad directory or an unreadable or too short file is reported before any
+        # compilation, and before anything is written.
+        check_writable(self.run_dir, "--run-dir")
+        check_writable(checkpoint_directory(config), "--checkpoint-dir")
+        if config.model.init_from:  # the weights' files (shards, tensor shapes), before a state exists to fill
+            check_source(config.model.init_from, self.model_config)
         self.data = make_data(
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
         self.token_bytes = self.data.token_bytes  # int32 [vocab]: bits per byte are logged when the data has text
+        if run.eval_every:
+            self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
         self.tx = make_optimizer(config.optimizer, run.steps)
         self.lr_schedule = schedule(config.optimizer, run.steps)
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
+        # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
+        # different orders on two processes, and gloo timed out at the first step.
         self.checkpointer = self._open_checkpointer()
 
     # -- reporting -----------------------------------------------------------------------------------------
@@ -129,64 +141,6 @@ class Trainer:
             self.model_config.layers,
         )
 
-    def describe(self) -> str:
-        params, opt = self.state_bytes_per_device()
-        cfg, run = self.model_config, self.config.run
-        zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.rules.zero_stage]
-        return "\n".join(
-            [
-                f"mesh         {format_sizes(dict(self.mesh.shape))} on {self.mesh.devices.size} "
-                f"{jax.devices()[0].platform.upper()} device(s), {jax.process_count()} process(es)",
-                f"parallelism  {describe_parallelism(self.mesh)}; optimizer state {zero}"
-                + ("; sequence parallel" if self.rules.sequence_parallel else "")
-                + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
-                f"model        {self._model_name()}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
-                f"compute {cfg.dtype}, remat {cfg.remat}",
-                self._describe_kernels(),
-                *([self._describe_experts()] if cfg.experts else []),
-                f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
-                self._describe_data(),
-                f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
-                *([self._describe_pipeline()] if self.pipeline else []),
-            ]
-        )
-
-    def _describe_kernels(self) -> str:
-        cfg, seq = self.model_config, self.config.run.seq_len
-        chunks = loss_chunks(seq, cfg.loss_chunk, self.context)
-        return (
-            f"kernels      attention {self.attention}" + (" (auto)" if cfg.attention == "auto" else "")
-            + f"; loss over {chunks} chunk(s) of {seq // chunks} positions"
-            + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else "")
-        )  # fmt: skip
-
-    def _describe_data(self) -> str:
-        data, tokenizer = self.data, self.data.tokenizer
-        return (
-            f"data         {self.config.data.source}: {data.packing} packing"
-            + (f", tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} tokens)" if tokenizer else "")
-            + f", model vocab {self.model_config.vocab_size:,}"
-        )
-
-    def _model_name(self) -> str:
-        settings = self.config.model
-        return f"weights of {settings.init_from}" if settings.init_from else settings.name
-
-    def _describe_experts(self) -> str:
-        c = self.model_config
-        return (
-            f"experts      {c.moe_layers} MoE layers of {c.experts} experts, top-{c.top_k}, {c.dispatch} dispatch"
-            + (f" (capacity factor {c.capacity_factor})" if c.dispatch == "capacity" else "")
-            + f", over expert={self.mesh.shape['expert']}; {c.num_params(active=True):,} parameters active per token"
-        )
-
-    def _describe_pipeline(self) -> str:
-        p = self.pipeline
-        return (
-            f"pipeline     {p.kind} over {p.num_stages} stages, {p.num_microbatches} microbatches, "
-            f"{p.virtual_stages} virtual stage(s) each; bubble {p.bubble_fraction():.1%}"
-        )
-
     # -- the loop ------------------------------------------------------------------------------------------
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -194,14 +148,22 @@ class Trainer:
             local = zigzag_batch(local, self.context)
         return global_batch_arrays(local, self.batch_shardings)
 
+    def _eval_stream(self) -> Any:
+        """A fresh pass over the eval split; its errors say how to train without one."""
+        run = self.config.run
+        try:
+            return make_data(
+                self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
+                vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
+            )  # fmt: skip
+        except SpmdkitError as error:
+            raise SpmdkitError(f"{error} (or pass --eval-every 0 to train without evaluation)") from None
+
     def evaluate(self, eval_step: Any) -> dict[str, float]:
         """`eval_loss` (the mean over the scored tokens of up to `eval_batches` batches of the eval split) and,
         when the data has text, `eval_bits_per_byte`."""
         run = self.config.run
-        stream = make_data(
-            self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
-            vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
-        )  # fmt: skip
+        stream = self._eval_stream()
         sums = []
         for _ in range(run.eval_batches):
             try:
@@ -239,8 +201,9 @@ class Trainer:
         checkpointer = Checkpointer(checkpoint_directory(self.config), every=settings.every, keep=settings.keep)
         if not settings.resume and (steps := checkpointer.steps()):
             checkpointer.close()
+            held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
             raise SpmdkitError(
-                f"--no-resume, but {checkpointer.directory} already holds steps {steps[0]}-{steps[-1]} of an "
+                f"--no-resume, but {checkpointer.directory} already holds {held} of an "
                 "earlier run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never "
                 "overwritten)"
             )
@@ -250,7 +213,10 @@ class Trainer:
         """With `checkpoint.resume`: the state and data position of the newest intact step, if there is one."""
         if not self.config.checkpoint.resume:
             return
-        found = self.checkpointer.restore_latest(self.state.state, self.state.shardings, self.data.iterator)
+        found = self.checkpointer.restore_latest(
+            self.state.state, self.state.shardings, self.data.iterator,
+            accept=lambda step, saved: check_resume(self.config, step, saved, self.checkpointer.directory),
+        )  # fmt: skip
         if found is None:
             return
         self.start_step, self.state.state = found
@@ -285,17 +251,29 @@ class Trainer:
         if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
             return False
         config = json.loads(self.config.to_json())
-        return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
+        try:
+            return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
+        except NonFiniteState as error:
+            raise SpmdkitError(f"{error}: lower --lr, or check the data") from None
 
     def run(self) -> TrainResult:
         config, run = self.config, self.config.run
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(config.to_json())
-        self.log(self.describe())
-        self.resume()
-        self.initialise_from()
-        self.save_tokenizer()
+        self.log(describe_run(self))
+        try:
+            self.resume()
+            self.initialise_from()
+        except BaseException:
+            self.checkpointer.close()
+            raise
+        if self.is_main:  # only once the resume checks passed: a refused run changes nothing
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                replace_text(self.run_dir / "config.json", config.to_json())
+                self.save_tokenizer()
+            except OSError as error:
+                self.checkpointer.close()
+                where = error.filename or self.run_dir / "config.json"
+                raise SpmdkitError(f"cannot write {where} ({error.strerror or error})") from None
         checkpointer = self.checkpointer
         if self.start_step >= run.steps:
             checkpointer.close()
@@ -315,7 +293,11 @@ class Trainer:
         compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
 
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        try:
+            writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        except BaseException:
+            checkpointer.close()
+            raise
         peak = peak_flops(override_tflops=run.peak_tflops)
         flops_per_token = self.model_config.flops_per_token(run.seq_len)
         tokens_per_step = run.batch_size * run.seq_len
@@ -348,6 +330,7 @@ class Trainer:
                     progress.update(record, step)
                     window_start, window_steps = time.perf_counter(), 0
                 self.save(step, force=step == run.steps)
+                checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
                     self.step_hook(step, self)
                 if stop.requested():
@@ -356,11 +339,23 @@ class Trainer:
                     checkpointer.wait()
                     break
             self._check_bad_steps(previous, step)
-        finally:
-            stop.uninstall()
-            checkpointer.close()
-            writer.close()
-            progress.close()
+        except BaseException:
+            stop.uninstall()  # a second Ctrl-C while closing interrupts as usual
+            # The first failure is the one to report: closing what remains must not replace it.
+            for close in (checkpointer.close, writer.close, progress.close):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+        stop.uninstall()
+        progress.close()
+        failures = []
+        for close in (checkpointer.close, writer.close):  # both, whichever fails; the first failure is reported
+            try:
+                close()
+            except SpmdkitError as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
         if self.is_main and result.losses:
             self.log(summary(self.run_dir, result.skipped_steps))

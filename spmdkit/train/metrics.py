@@ -7,12 +7,19 @@ MFU = achieved model FLOP/s per device / the device's peak bf16 FLOP/s. Model FL
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from spmdkit.errors import SpmdkitError, SpmdkitWarning
 from spmdkit.plan.devices import device_for_kind
 
 
@@ -38,49 +45,129 @@ def throughput(
     }
 
 
+class MetricsWarning(SpmdkitWarning):
+    """metrics.jsonl ended in a partial line (a crash mid-write), which was dropped."""
+
+
+@contextlib.contextmanager
+def _write_errors(what: Path) -> Iterator[None]:
+    """An OSError while writing `what` (a full disk, a read-only file system) -> one-line SpmdkitError."""
+    try:
+        yield
+    except OSError as error:
+        raise SpmdkitError(
+            f"cannot write {what} ({error.strerror or error}): free space or fix the permissions there, or pass "
+            "another --run-dir; the checkpoints saved so far are intact"
+        ) from None
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line in one write; on failure the file is cut back to its previous end (no partial line)."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` through a temporary file in the same directory and a rename: never a half-written file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
 class MetricsWriter:
-    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors scalars to TensorBoard.
+
+    Both are written in the calling thread and flushed at once (tensorboardX's `EventsWriter`, not its writer
+    thread, which dies on a full disk and then blocks the loop for good): a failed write raises a one-line
+    `SpmdkitError` at the step it happens, and SIGTERM / Ctrl-C keep working.
+    """
 
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
-        self.tensorboard = None
+        self.events: Any = None
         if enabled:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.event_file_writer import EventsWriter
 
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            with _write_errors(run_dir / "tensorboard"):
+                (run_dir / "tensorboard").mkdir(parents=True, exist_ok=True)
+                self.events = EventsWriter(str(run_dir / "tensorboard" / "events"))
+                self.events.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        with _write_errors(self.path):
+            append_line(self.path, json.dumps(record) + "\n")
+        values = []
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
-                self.tensorboard.add_scalar(key, value, record["step"])
+                values.append(Summary.Value(tag=key, simple_value=value))
             elif isinstance(value, list):  # per-expert load: one curve per expert, under one tag group
-                for i, v in enumerate(value):
-                    self.tensorboard.add_scalar(f"{key}/{i}", v, record["step"])
+                values += [Summary.Value(tag=f"{key}/{i}", simple_value=v) for i, v in enumerate(value)]
+        with _write_errors(self.path.parent / "tensorboard"):
+            self.events.write_event(Event(summary=Summary(value=values), step=record["step"], wall_time=time.time()))
+            self.events.flush()
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.events is not None:
+            events, self.events = self.events, None
+            with _write_errors(self.path.parent / "tensorboard"):
+                events.close()
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop `metrics.jsonl` records past `step` (a resumed run writes them again)."""
+    """Drop `metrics.jsonl` records past `step` (a resumed run writes them again); rewritten through a temporary
+    file and a rename, so that a kill here leaves the old file or the new one."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = _lines(path)
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        path.write_text("".join(line + "\n" for line in kept))
+    if len(kept) != len(lines) or not path.read_bytes().endswith(b"\n"):
+        with _write_errors(path):
+            replace_text(path, "".join(line + "\n" for line in kept))
+
+
+def _lines(path: Path) -> list[str]:
+    """The JSON lines of a metrics file; a partial last line (a crash mid-write) is dropped with a warning, any
+    other unreadable line is an error."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                warnings.warn(f"{path}: dropped its unfinished last line (a crash mid-write)", MetricsWarning, 2)
+                return lines[:-1]
+            raise SpmdkitError(
+                f"{path} line {number} is not JSON: delete that line or the file (metrics are only a record)"
+            ) from None
+    return lines
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [json.loads(line) for line in _lines(path)] if path.exists() else []
 
 
 def plot_loss_curve(records: list[dict[str, Any]], path: Path) -> None:
@@ -102,5 +189,12 @@ def plot_loss_curve(records: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with _write_errors(path):
+            fig.savefig(temporary, dpi=100, format="png")
+            os.replace(temporary, path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -115,12 +116,24 @@ def resolve_tokenizer(spec: str, options: PrepareOptions, input_options: InputOp
     return tokenizer
 
 
+def check_new_directory(out: str | Path) -> None:
+    """SpmdkitError unless `out` does not exist yet and could be created (its nearest existing ancestor is a
+    writable directory); nothing is created. Checked before any input is read."""
+    path = Path(out).expanduser().absolute()
+    if path.exists():
+        raise SpmdkitError(f"--out {out} already exists: choose a new directory (prepared data is never overwritten)")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpmdkitError(f"--out {out} lies under {existing}, which is a file: pass a new directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpmdkitError(f"--out {out} cannot be created ({existing} is not writable): pass a writable place")
+
+
 def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare a dataset as `options` say; returns its `dataset.json` content."""
-    if Path(options.out).exists():
-        raise SpmdkitError(
-            f"--out {options.out} already exists: choose a new directory (prepared data is never overwritten)"
-        )
+    check_new_directory(options.out)
     with tempfile.TemporaryDirectory(prefix="spmdkit-prepare-") as cache:
         input_options = InputOptions(options.glob, options.text_key, options.split, cache_dir=cache)
         inputs = list(options.inputs)

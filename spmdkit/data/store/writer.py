@@ -41,8 +41,11 @@ class DatasetWriter:
                 "use --dtype uint32 (or auto)"
             )
         self.tokenizer, self.shard_tokens = tokenizer, shard_tokens
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        except OSError as error:
+            raise SpmdkitError(f"cannot create --out {self.out} ({error.strerror or error})") from None
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
         self._hash: Any = None

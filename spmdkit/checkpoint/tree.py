@@ -1,0 +1,65 @@
+"""The tree a checkpoint holds: `{"model": ..., "optimizer": ...}` pure dicts of arrays, built from and back into the
+`nnx.State` of (model, optimizer); restore targets with shardings; reading arrays one by one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads
+from spmdkit.checkpoint.integrity import path_text
+
+
+def abstract_target(state: nnx.State, shardings: Any) -> dict[str, Any]:
+    """The restore target: `{"model", "optimizer"}` trees of ShapeDtypeStructs carrying `shardings`."""
+    leaves, treedef = jax.tree.flatten(state)
+    sharding_leaves = jax.tree.leaves(shardings)
+    if len(leaves) != len(sharding_leaves):
+        raise ValueError(f"state has {len(leaves)} arrays but shardings has {len(sharding_leaves)}")
+    abstract = treedef.unflatten(
+        [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sharding_leaves, strict=True)]
+    )
+    return to_saved_tree(abstract)
+
+
+def to_saved_tree(state: nnx.State) -> dict[str, Any]:
+    """nnx.State of (model, optimizer) -> the pure dict that is saved."""
+    pure = nnx.to_pure_dict(state)
+    return {"model": pure[0], "optimizer": pure[1]}
+
+
+def from_saved_tree(saved: dict[str, Any], like: nnx.State) -> nnx.State:
+    """Inverse of `to_saved_tree`, with the structure (Variable types, metadata) of `like`."""
+    treedef = jax.tree.structure(like)
+    leaves = jax.tree.leaves({0: saved["model"], 1: saved["optimizer"]})
+    return treedef.unflatten(leaves)
+
+
+def read_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> dict[str, str | None]:
+    """'model/embedding' -> None if that array of a saved `state/` item reads back, else why not: each array is
+    read on its own (partial restore), so that the damaged ones can be named."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    found: dict[str, str | None] = {}
+    with ocp.PyTreeCheckpointer() as reader:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(metadata):
+            target: dict[str, Any] = {}
+            node = target
+            for key in path[:-1]:
+                node = node.setdefault(getattr(key, "key", getattr(key, "idx", key)), {})
+            node[getattr(path[-1], "key", getattr(path[-1], "idx", path[-1]))] = jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding
+            )
+            args = ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            )
+            try:
+                reader.restore(step_dir / "state", args=args)
+                found[path_text(path)] = None
+            except Exception as error:  # noqa: BLE001 - what is being looked for
+                drop_orphaned_reads()
+                found[path_text(path)] = describe_error(error)
+    return found

@@ -1,0 +1,404 @@
+"""Bad input across the commands, as a table: argv -> exit code and message fragment. Every case must end as one
+line (`spmdkit: error: ...`, no traceback, no usage dump; `ckpt verify` reports damage and exits 1), and leave every
+file of the fixture directory as it was, with nothing new written.
+
+The commands run in this process (`spmdkit.cli.main`), which is fast because every case fails before JAX computes;
+the resume refusals build the model state first (one small compilation). The Hugging Face models the `import-hf`
+and `--init-from` cases read are transformers' own saves, then damaged as downloads and hand edits are; the
+prepared dataset is `spmdkit data prepare`'s.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from support import flip_byte
+
+from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.cli import main
+from spmdkit.cli.train import parse
+from spmdkit.data.config import DataConfig
+from spmdkit.data.stream import make_data
+from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.mesh import MeshConfig, make_mesh
+from spmdkit.sharding.rules import make_rules
+from spmdkit.train.config import (
+    CheckpointSettings,
+    MeshSettings,
+    ModelSettings,
+    OptimizerConfig,
+    RunSettings,
+    TrainConfig,
+    apply_overrides,
+    config_from_json,
+)  # fmt: skip
+from spmdkit.train.optimizer import make_optimizer
+from spmdkit.train.state import abstract_train_state
+
+TRAIN = "train --steps 2 --seq-len 32 --batch-size 8 --dtype float32 --eval-every 0 --no-progress --mesh fsdp=8"
+RUN = [*TRAIN.split(), "--run-dir", "{D}/run"]  # the run of {D}/run/checkpoints (step 4)
+FRESH = [*TRAIN.split(), "--run-dir", "{D}/fresh"]  # a run directory that does not exist yet
+PREPARE = ["--tokenizer", "bytes", "--out", "{D}/new", "--no-progress"]
+IMPORT = ["--out", "{D}/new"]
+
+TOML = {
+    "bad-syntax.toml": "[run\nsteps = 3\n",
+    "bool-steps.toml": "[run]\nsteps = true\n",
+    "fail-steps.toml": '[run]\nfail_steps = ["a"]\n',
+    "no-section.toml": "[nosuch]\nsteps = 3\n",
+    "no-key.toml": "[run]\nnosuch = 3\n",
+    "table-value.toml": "[run.steps]\nx = 1\n",
+}
+
+CASES = [
+    # -- train: values (parsed by tyro, checked by the config dataclasses)
+    ([*FRESH, "--steps", "0"], 2, "--steps must be at least 1"),
+    ([*FRESH, "--steps", "abc"], 2, "--steps/--run.steps: invalid literal for int()"),
+    ([*FRESH, "--seed", "-1"], 2, "--seed -1 must be >= 0"),
+    ([*FRESH, "--lr", "nan"], 2, "learning rate nan must be a positive number"),
+    ([*FRESH, "--lr", "-1"], 2, "learning rate -1.0 must be a positive number"),
+    ([*FRESH, "--max-bad-steps", "0"], 2, "--max-bad-steps 0 must be at least 1"),
+    ([*FRESH, "--max-bad-steps", "-3"], 2, "--max-bad-steps -3 must be at least 1"),
+    ([*FRESH, "--eval-every", "-1"], 2, "--eval-every -1 must be >= 0"),
+    ([*FRESH, "--weight-decay", "-0.1"], 2, "--weight-decay -0.1 must be >= 0"),
+    ([*FRESH, "--clip-norm", "0"], 2, "--clip-norm 0.0 must be positive"),
+    ([*FRESH, "--peak-tflops", "-5"], 2, "--peak-tflops -5.0 must be positive"),
+    ([*FRESH, "--optimizer.b1", "2.0"], 2, "AdamW b1=2.0 must be in [0, 1)"),
+    ([*FRESH, "--optimizer.eps", "-1"], 2, "AdamW eps=-1.0 must be positive"),
+    ([*FRESH, "--virtual-stages", "0"], 2, "--virtual-stages 0 must be at least 1"),
+    ([*FRESH, "--microbatches", "0"], 2, "--microbatches 0 must be >= 1"),
+    ([*FRESH, "--grad-accum", "0"], 2, "--grad-accum must be at least 1"),
+    ([*FRESH, "--log-every", "0"], 2, "--log-every must be at least 1"),
+    ([*FRESH, "--keep", "0"], 2, "--keep must be at least 1"),
+    ([*FRESH, "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
+    ([*FRESH, "--zero", "4"], 2, "--zero"),
+    ([*FRESH, "--dtype", "float8"], 2, "--dtype"),
+    ([*FRESH, "--bogus-flag"], 2, "--bogus-flag"),
+    ([*FRESH, "--model", "huge"], 2, "unknown model preset 'huge'"),
+    ([*FRESH, "--model.layers", "0"], 2, "model layers=0 must be positive"),
+    ([*FRESH, "--model.kv-heads", "3"], 2, "heads=8 is not a multiple of kv_heads=3"),
+    ([*FRESH, "--data.eval-fraction", "1.5"], 2, "eval_fraction=1.5 is out of range"),
+    # -- train: mesh and layout
+    ([*FRESH, "--mesh", "data=3"], 2, "has 3 devices but 8 are present"),
+    ([*FRESH, "--mesh", "fsdp=4,bogus=2"], 2, "bogus"),
+    ([*FRESH, "--dcn", "fsdp=2"], 2, "--dcn fsdp=2 says axes span nodes, but this run has one process"),
+    ([*FRESH, "--batch-size", "3"], 2, "over data x fsdp x expert = 8 devices"),
+    # -- train: --config files
+    ([*FRESH, "--config", "{D}/missing.toml"], 2, "missing.toml does not exist"),
+    ([*FRESH, "--config", "{D}/latin1.toml"], 2, "is not valid UTF-8 TOML"),
+    ([*FRESH, "--config", "{D}/bad-syntax.toml"], 2, "is not valid UTF-8 TOML"),
+    ([*FRESH, "--config", "{D}/bool-steps.toml"], 2, "--run.steps"),
+    ([*FRESH, "--config", "{D}/fail-steps.toml"], 2, "--run.fail-steps"),
+    ([*FRESH, "--config", "{D}/no-section.toml"], 2, "[nosuch] is not a section"),
+    ([*FRESH, "--config", "{D}/no-key.toml"], 2, "unknown key run.nosuch"),
+    ([*FRESH, "--config", "{D}/table-value.toml"], 2, "run.steps must be a value, not a table"),
+    # -- train: paths
+    ([*TRAIN.split(), "--run-dir", "{D}/afile"], 2, "--run-dir {D}/afile is a file: pass a directory"),
+    ([*TRAIN.split(), "--run-dir", "{D}/afile/sub"], 2, "lies under {D}/afile, which is a file"),
+    ([*FRESH, "--checkpoint-dir", "{D}/afile"], 2, "--checkpoint-dir {D}/afile is a file"),
+    ([*TRAIN.split(), "--run-dir", "{D}/readonly/run"], 2, "--run-dir {D}/readonly/run is not writable"),
+    # -- train: data
+    ([*FRESH, "--data", "{D}/missing.bin"], 2, "missing.bin' not found"),
+    ([*FRESH, "--data", "{D}/tokens.txt"], 2, "has unknown extension '.txt'"),
+    ([*FRESH, "--data", "{D}/odd.bin"], 2, "not a multiple of 2 (uint16)"),
+    ([*FRESH, "--data", "{D}/floats.npy"], 2, "holds float32 values"),
+    ([*FRESH, "--data", "{D}/big-ids.npy"], 2, "holds token id 300 but vocab_size is 264"),
+    ([*FRESH, "--data", "{D}/tiny.npy"], 2, "shorter than one sequence"),
+    ([*FRESH, "--data", "{D}/short.npy", "--eval-every", "5"], 2, "or pass --eval-every 0 to train without"),
+    # -- train: resuming the run in {D}/run (saved at step 4 with batch 8 x 32, seed 0, the stdlib data)
+    ([*RUN, "--no-resume"], 2, "--no-resume, but {D}/run/checkpoints already holds step 4 of an earlier run"),
+    ([*RUN, "--steps", "6", "--batch-size", "16"], 2, "was saved with --batch-size 8, this run has 16"),
+    ([*RUN, "--steps", "6", "--seq-len", "64"], 2, "was saved with --seq-len 32, this run has 64"),
+    ([*RUN, "--steps", "6", "--seed", "1"], 2, "was saved with --seed 0, this run has 1"),
+    ([*RUN, "--steps", "6", "--data", "synthetic"], 2, "was saved with --data stdlib, this run has synthetic"),
+    ([*RUN, "--steps", "6", "--model.layers", "2"], 2, "does not match this model: model/blocks/attention/k"),
+    # -- train: --init-from (HF models of vocab 128: the synthetic data fits them)
+    ([*FRESH, "--init-from", "{D}/missing"], 2, "{D}/missing does not exist: pass a Hugging Face model directory"),
+    ([*FRESH, "--init-from", "{D}/empty"], 2, "{D}/empty is neither a Hugging Face model directory nor an spmdkit"),
+    ([*FRESH, "--init-from", "{D}/gpt2"], 2, "model_type='gpt2' is not a family spmdkit runs"),
+    ([*FRESH, "--init-from", "{D}/hf", "--model.layers", "3"], 2, "--model.layers 3 conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/hf", "--model", "125m"], 2, "--model 125m conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/run", "--model.embed", "48"], 2, "--model.embed 48 conflicts with --init-from"),
+    ([*FRESH, "--init-from", "{D}/sharded", "--data", "synthetic"], 2, "missing shard {D}/sharded/model-00002-of"),
+    ([*FRESH, "--init-from", "{D}/hf-quantized", "--data", "synthetic"], 2, "quantization_config is not supported"),
+    ([*FRESH, "--init-from", "{D}/hf"], 2, "the stdlib source needs vocab_size >= 264"),
+    # -- train: --data DIR (a prepared dataset)
+    ([*FRESH, "--data", "{D}/texts"], 2, "{D}/texts is not a prepared dataset (it is a directory without dataset"),
+    ([*FRESH, "--data", "{D}/empty"], 2, "{D}/empty is not a prepared dataset"),
+    ([*FRESH, "--data", "{D}/ds-badjson"], 2, "ds-badjson/dataset.json is not JSON"),
+    ([*FRESH, "--data", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
+    ([*FRESH, "--data", "{D}/ds", "--seq-len", "8192"], 2, "rows of seq_len 8192, fewer than one global batch"),
+    ([*FRESH, "--data", "{D}/ds", "--model.vocab-size", "100"], 2, "vocab_size 100 is smaller than the 264 ids"),
+    # -- data prepare / inspect / verify
+    (["data", "prepare", "{D}/missing.txt", *PREPARE], 2, "input '{D}/missing.txt' not found"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "nope", "--out", "{D}/new"], 2, "tokenizer 'nope' not found"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bpe:abc", "--out", "{D}/new"], 2, "use bpe:N with N in"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "{D}/afile", "--out", "{D}/new"], 2, "not a tokenizers"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "{D}/empty", "--out", "{D}/new"], 2, "has no tokenizer.json"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/ds"], 2, "--out {D}/ds already exists"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/afile"], 2, "{D}/afile already exists"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/afile/ds"], 2, "which is a file"),
+    (["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/readonly/ds"], 2, "is not writable"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--shard-tokens", "0"], 2, "--shard-tokens 0 must be positive"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--glob", "*.nothing"], 2, "no files match --glob '*.nothing'"),
+    (["data", "prepare", "{D}/docs.jsonl", *PREPARE], 2, "docs.jsonl:1: no key 'text' (keys: body): pass --text-key"),
+    (["data", "prepare", "{D}/latin1.txt", *PREPARE], 2, "latin1.txt:1: not UTF-8 (byte 0xe9 at offset 3)"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--dtype", "uint8"], 2, "argument --dtype: invalid choice: 'uint8'"),
+    (["data", "prepare", "{D}/texts", "--out", "{D}/new"], 2, "the following arguments are required: --tokenizer"),
+    (["data", "inspect", "{D}/missing"], 2, "{D}/missing is not a prepared dataset"),
+    (["data", "verify", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
+    # -- ckpt import-hf / export
+    (["ckpt", "import-hf", "{D}/empty", *IMPORT], 2, "{D}/empty is neither a Hugging Face model directory"),
+    (["ckpt", "import-hf", "{D}/missing", *IMPORT], 2, "{D}/missing does not exist"),
+    (["ckpt", "import-hf", "{D}/afile", *IMPORT], 2, "{D}/afile is not a .safetensors file, an index or config"),
+    (["ckpt", "import-hf", "{D}/run", *IMPORT], 2, "{D}/run is an spmdkit checkpoint, not a Hugging Face model"),
+    (["ckpt", "import-hf", "{D}/gpt2", *IMPORT], 2, "model_type='gpt2' is not a family spmdkit runs (llama, qwen2)"),
+    (["ckpt", "import-hf", "{D}/sharded", *IMPORT], 2, "missing shard {D}/sharded/model-00002-of-"),
+    (["ckpt", "import-hf", "{D}/sharded/model.safetensors.index.json", *IMPORT], 2, "(listed in model.safetensors"),
+    (["ckpt", "import-hf", "{D}/hf-quantized", *IMPORT], 2, "config.json: quantization_config is not supported"),
+    (["ckpt", "import-hf", "{D}/hf-no-config", *IMPORT], 2, "holds safetensors files but no config.json"),
+    (["ckpt", "import-hf", "{D}/hf-bad-config", *IMPORT], 2, "hf-bad-config/config.json is not valid JSON"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/texts"], 2, "{D}/texts is not empty: pass a new directory"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/afile"], 2, "{D}/afile is a file: pass a new directory"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/afile/sub"], 2, "lies under {D}/afile, which is a file"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/readonly/x"], 2, "{D}/readonly is not writable"),
+    (["ckpt", "import-hf", "{D}/hf", *IMPORT, "--mesh", "fsdp=3"], 2, "has 3 devices but 8 are present"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/run"], 2, "{D}/run already exists and is not empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/afile"], 2, "{D}/afile already exists and is not empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/afile/hf"], 2, "lies under {D}/afile, which is a file"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/readonly/hf"], 2, "{D}/readonly is not writable"),
+    (["ckpt", "export", "{D}/missing", "--out", "{D}/new"], 2, "{D}/missing does not exist"),
+    (["ckpt", "export", "{D}/empty", "--out", "{D}/new"], 2, "no checkpoint steps in {D}/empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/new", "--step", "7"], 2, "step 7 is not in {D}/run/checkpoints"),
+    (["ckpt", "export", "{D}/damaged", "--out", "{D}/new"], 2, "step 4 in {D}/damaged is damaged"),
+    # -- ckpt inspect / verify / reshard
+    (["ckpt", "inspect", "{D}/missing"], 2, "does not exist: check the path"),
+    (["ckpt", "inspect", "{D}/afile"], 2, "{D}/afile is a file: pass a directory"),
+    (["ckpt", "inspect", "{D}/empty"], 2, "no checkpoint steps in {D}/empty"),
+    (["ckpt", "inspect", "{D}/run", "--step", "99"], 2, "step 99 is not in {D}/run/checkpoints"),
+    (["ckpt", "inspect", "{D}/run", "--step", "x"], 2, "argument --step: invalid int value: 'x'"),
+    (["ckpt", "verify", "{D}/missing"], 2, "does not exist: check the path"),
+    (["ckpt", "verify", "{D}/empty"], 2, "no checkpoint steps in"),
+    (["ckpt", "verify", "{D}/damaged"], 1, "step 4: DAMAGED (checksum mismatch in model/embedding"),
+    (["ckpt", "reshard", "{D}/missing", "--mesh", "fsdp=8", "--out", "{D}/new"], 2, "does not exist"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/afile"], 2, "{D}/afile is a file"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run"], 2, "{D}/run is not empty"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "bogus=8", "--out", "{D}/new"], 2, "bogus"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=3", "--out", "{D}/new"], 2, "has 3 devices but 8 are present"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/new", "--step", "3"], 2, "step 3 is not in"),
+    (["ckpt", "reshard", "{D}/damaged", "--mesh", "fsdp=8", "--out", "{D}/new"], 2, "step 4 in {D}/damaged is damaged"),
+    (["ckpt", "reshard", "{D}/run", "--out", "{D}/new"], 2, "the following arguments are required: --mesh"),
+    (["ckpt"], 2, "the following arguments are required"),
+    (["ckpt", "bogus"], 2, "invalid choice: 'bogus'"),
+    # -- plan
+    (["plan", "--devices", "0"], 2, "--devices, --seq-len and --batch-size must be positive"),
+    (["plan", "--zero", "7"], 2, "--zero 7 is not one of 0, 1, 2, 3"),
+    (["plan", "--pipeline-schedule", "bogus"], 2, "unknown --pipeline-schedule 'bogus'"),
+    (["plan", "--model", "nope"], 2, "unknown model preset 'nope'"),
+    (["plan", "--device-type", "nope"], 2, "nope"),
+    (["plan", "--mesh", "fsdp=3", "--devices", "8"], 2, "fsdp=3"),
+    (["plan", "--efficiency", "2"], 2, "--efficiency in (0, 1]"),
+    (["plan", "--top", "0"], 2, "--top must be positive"),
+    (["plan", "--seq-len", "abc"], 2, "argument --seq-len: invalid int value: 'abc'"),
+    (["plan", "--model", "125m", "--plot", "{D}/missing/plan.png"], 2, "directory {D}/missing does not exist"),
+    (["plan", "--model", "125m", "--plot", "{D}/empty"], 2, "--plot {D}/empty is a directory"),
+    (["plan", "--model", "125m", "--plot", "{D}/plan.nope"], 2, "Format 'nope' is not supported"),
+    # -- launch
+    (["launch", "--processes", "2", "--port", "99999", "--", "spmdkit", "train"], 2, "--port 99999 is not a TCP port"),
+    (["launch", "--processes", "0", "--", "spmdkit", "train"], 2, "--processes 0 and --devices-per-process None"),
+    (["launch", "--processes", "2", "--devices-per-process", "0", "--", "spmdkit"], 2, "must be >= 1"),
+    (["launch", "--processes", "2", "--", "no-such-command-xyz"], 2, "command 'no-such-command-xyz' not found"),
+    (["launch", "--processes", "2"], 2, "no command to run"),
+    (["launch", "--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], 2, "mismatched device counts"),
+    (["launch", "--processes", "2", "--grace", "-1", "--", "spmdkit", "train"], 2, "--grace -1.0 must be >= 0"),
+    (["launch", "--slurm", "--processes", "2", "--", "spmdkit"], 2, "--slurm takes --nodes K"),
+    (["launch", "--nodes", "2", "--", "spmdkit"], 2, "--nodes and --dry-run go with --slurm"),
+    # -- bench
+    (["bench", "--steps", "-1"], 2, "--steps -1 must be at least 1"),
+    (["bench", "--warmup", "-1"], 2, "--warmup -1 must be at least 0"),
+    (["bench", "--batch-size", "0"], 2, "--batch-size 0 must be at least 1"),
+    (["bench", "--microbatches", "0"], 2, "--microbatches 0 must be at least 1"),
+    (["bench", "--model", "nope"], 2, "unknown model preset 'nope'"),
+    (["bench", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
+    (["bench", "--out", "{D}/afile"], 2, "--out {D}/afile is a file"),
+    (["bench", "--strategies", "nope"], 2, "invalid choice: 'nope'"),
+    # -- the command itself
+    (["bogus"], 2, "unknown command 'bogus'"),
+]
+
+
+def _files(directory: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file (and '<dir>' for every directory) under `directory`."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        key = str(path.relative_to(directory))
+        found[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "<dir>"
+    return found
+
+
+def _read_only(path: Path) -> bool:
+    """Make `path` a directory this process cannot write: file modes, or (as root) a read-only tmpfs."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return True
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def _texts_and_datasets(d: Path) -> None:
+    """Text inputs, a prepared dataset (`ds`, byte tokens) and two damaged copies of it."""
+    (d / "texts").mkdir()
+    (d / "texts" / "a.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 150)
+    (d / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1") * 20)
+    (d / "docs.jsonl").write_text('{"body": "no text key"}\n')
+    prepare = ["data", "prepare", str(d / "texts"), "--tokenizer", "bytes", "--out", str(d / "ds"), "--no-progress"]
+    assert main(prepare) == 0
+    shutil.copytree(d / "ds", d / "ds-badjson")
+    (d / "ds-badjson" / "dataset.json").write_text('{"format": ')
+    shutil.copytree(d / "ds", d / "ds-noshard")
+    (d / "ds-noshard" / "tokens-00000.bin").unlink()
+
+
+def _hf_models(d: Path) -> None:
+    """transformers' own saves: a Llama, a GPT-2, a sharded Llama missing a shard, and Llamas whose config.json is
+    quantised, missing, or cut short."""
+    from hf_reference import edit_config, save_model
+    from transformers import GPT2Config, LlamaConfig
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    save_model(LlamaConfig(**shape), d / "hf")
+    save_model(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64), d / "gpt2")
+    save_model(LlamaConfig(**shape), d / "sharded", max_shard_size="20KB")
+    sorted((d / "sharded").glob("model-*-of-*.safetensors"))[1].unlink()
+    for name in ("hf-quantized", "hf-no-config", "hf-bad-config"):
+        shutil.copytree(d / "hf", d / name)
+    edit_config(d / "hf-quantized", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    (d / "hf-no-config" / "config.json").unlink()
+    (d / "hf-bad-config" / "config.json").write_text('{"model_type": "llama",')
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    """Files the cases read: a run with a checkpoint (step 4), a damaged copy, TOML files, token files, a file."""
+    d = tmp_path_factory.mktemp("bad-input")
+    (d / "afile").write_text("not a directory\n")
+    (d / "empty").mkdir()
+    for name, text in TOML.items():
+        (d / name).write_text(text)
+    (d / "latin1.toml").write_bytes("[run]\nsteps = 3 # caf\xe9\n".encode("latin-1"))
+    (d / "tokens.txt").write_text("1 2 3\n")
+    (d / "odd.bin").write_bytes(b"\x01\x02\x03")
+    np.save(d / "floats.npy", np.zeros(4000, np.float32))
+    np.save(d / "big-ids.npy", np.full(4000, 300, np.uint16))
+    np.save(d / "tiny.npy", np.arange(10, dtype=np.uint16))
+    np.save(d / "short.npy", (np.arange(2000) % 200).astype(np.uint16))  # eval split: 100 tokens, < one batch
+    _texts_and_datasets(d)
+    _hf_models(d)
+
+    config, _ = parse([*[a.format(D=d) for a in RUN[1:]]])
+    mesh = make_mesh(config.mesh.mesh)
+    model = config.model.build()
+    _, abstract, shardings = abstract_train_state(
+        model, make_optimizer(config.optimizer, config.run.steps), mesh, make_rules(3, False)
+    )
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(x.shape).astype(x.dtype) if x.dtype.kind == "f" else np.zeros(x.shape, x.dtype)
+              for x in jax.tree.leaves(abstract)]  # fmt: skip
+    state = jax.tree.unflatten(
+        jax.tree.structure(abstract),
+        [jax.device_put(v, s) for v, s in zip(values, jax.tree.leaves(shardings), strict=True)],
+    )
+    data = make_data(config.data, seq_len=32, global_batch=8, vocab_size=model.vocab_size, seed=0)
+    for _ in range(4):
+        next(data)
+    checkpointer = Checkpointer(d / "run" / "checkpoints", every=0)
+    checkpointer.save(4, state, data.iterator, json.loads(config.to_json()), force=True)
+    checkpointer.close()
+    (d / "run" / "config.json").write_text(config.to_json())  # a refused resume must leave these as they are
+    (d / "run" / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {6 - s / 4}}}\n' for s in range(1, 5)))
+    shutil.copytree(d / "run" / "checkpoints", d / "damaged")
+    flip_byte(d / "damaged" / "4" / "state", "model.embedding")
+    readonly = _read_only(d / "readonly")
+    yield d, readonly
+    if os.geteuid() == 0:
+        subprocess.run(["umount", "-l", str(d / "readonly")], capture_output=True)
+    else:
+        (d / "readonly").chmod(0o755)
+
+
+def _id(case):
+    argv = " ".join(case[0]).replace("{D}/", "")
+    return argv.replace(" ".join(TRAIN.split()[1:]), "...")
+
+
+@pytest.mark.parametrize("argv, code, fragment", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
+    d, readonly = fixture_dir
+    if "readonly" in " ".join(argv) and not readonly:
+        pytest.skip("cannot make a read-only directory here")
+    monkeypatch.chdir(d)  # anything written to a relative default path would show up below
+    monkeypatch.setenv("PATH", f"{Path(os.sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    before = _files(d)
+    got = main([a.format(D=d) for a in argv])
+    out, err = capsys.readouterr()
+    fragment = fragment.format(D=d)
+    assert got == code, (out[-2000:], err[-2000:])
+    if code == 2:
+        assert err.count("\n") == 1 and err.startswith("spmdkit: error: "), err[-3000:]
+        assert fragment in err, err
+    else:  # `ckpt verify` found damage: its report, on stdout
+        assert fragment in out and not err, (out, err)
+    assert "Traceback" not in out + err and "usage:" not in err
+    assert _files(d) == before  # nothing changed, nothing written
+
+
+def test_at_least_sixty_cases_over_every_command():
+    commands = {argv[0] for argv, _, _ in CASES}
+    assert len(CASES) >= 60 and commands >= {"train", "data", "ckpt", "plan", "launch", "bench"}
+    ckpt = {argv[1] for argv, _, _ in CASES if argv[0] == "ckpt" and len(argv) > 1}
+    assert ckpt >= {"inspect", "verify", "reshard", "export", "import-hf"}
+    train = " ".join(" ".join(argv) for argv, _, _ in CASES if argv[0] == "train")
+    assert "--init-from" in train and "--data {D}/ds" in train
+
+
+# ----------------------------------------------------------------------------------------------- library calls
+
+LIBRARY = [
+    (lambda d: RunSettings(steps=2.5), "run.steps=2.5 must be of type int"),
+    (lambda d: RunSettings(steps="10"), "run.steps='10' must be of type int"),
+    (lambda d: RunSettings(fail_steps=("a",)), "run.fail_steps=('a',) must be of type tuple[int, ...]"),
+    (lambda d: RunSettings(progress="no"), "run.progress='no' must be of type bool"),
+    (lambda d: OptimizerConfig(lr="a"), "optimizer.lr='a' must be of type float"),
+    (lambda d: MeshSettings(zero=5), "mesh.zero=5 must be of type Literal[0, 1, 2, 3]"),
+    (lambda d: MeshSettings(pipeline_schedule="x"), "mesh.pipeline_schedule='x' must be of type Literal["),
+    (lambda d: CheckpointSettings(keep=1.5), "checkpoint.keep=1.5 must be of type int"),
+    (lambda d: ModelSettings(layers=2.5), "model.layers=2.5 must be of type int | None"),
+    (lambda d: TrainConfig(data=DataConfig(source=3)), "data.source=3 must be of type str"),
+    (lambda d: TrainConfig(run=3), "config section run must be a RunSettings"),
+    (lambda d: apply_overrides(TrainConfig(), {"run": {"steps": "x"}}), "run.steps='x' must be of type int"),
+    (lambda d: apply_overrides(TrainConfig(), {"runs": {}}), "unknown config section [runs]"),
+    (lambda d: config_from_json("not json"), "a saved config is not valid JSON"),
+    (lambda d: config_from_json("[1]"), "a saved config must be a JSON object of sections"),
+    (lambda d: make_mesh("fsdp=3"), "mesh fsdp=3 has 3 devices but 8 are present"),
+    (lambda d: make_mesh(MeshConfig.parse("fsdp=8", "fsdp=2")), "--dcn fsdp=2 says axes span nodes"),
+    (lambda d: Checkpointer(d / "afile"), "is a file: pass a directory"),
+    (lambda d: Checkpointer(d / "missing", read_only=True), "does not exist: check the path"),
+    (lambda d: Checkpointer(d / "new", keep=0), "--keep 0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("call, fragment", LIBRARY, ids=[f for _, f in LIBRARY])
+def test_library_calls_raise_one_line_spmdkit_errors(fixture_dir, call, fragment):
+    d, _ = fixture_dir
+    before = _files(d)
+    with pytest.raises(SpmdkitError) as info:
+        call(d)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert _files(d) == before
