@@ -27,12 +27,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.inference.cache import KVCache, cache_shape, cache_shardings
+from spmdkit.inference.cache import KVCache, abstract_cache, cache_shardings, empty_cache
 from spmdkit.inference.forward import decode, prefill
+from spmdkit.inference.layerwise import merge_layers, param_shardings, split_layers
 from spmdkit.inference.sampling import Sampling, SamplingArrays, is_stop, row_keys, sample, sampling_arrays
 from spmdkit.models.transformer import Transformer
 from spmdkit.sharding.logical import constrain, use_rules
@@ -98,7 +98,7 @@ class Generator:
         if max_len < 2:
             raise SpmdkitError(f"max_len={max_len} must be at least 2 (a prompt token and a new one)")
         self.config = model.config
-        self.graphdef, self.params = nnx.split(model)
+        self.definition, self.params = split_layers(model)  # one buffer per layer: read in place per token
         self.mesh, self.rules, self.max_len, self.chunk = mesh, rules, max_len, chunk
         self.vocab_limit = min(vocab_limit or self.config.vocab_size, self.config.vocab_size)
         self.programs: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
@@ -120,7 +120,7 @@ class Generator:
         return SamplingArrays(*([replicated] * len(SamplingArrays._fields)))
 
     def _param_shardings(self) -> Any:
-        return jax.tree.map(lambda a: a.sharding, self.params)
+        return param_shardings(self.params)
 
     def _compile(self, key: tuple, fn: Callable, args: tuple, in_shardings: tuple, out_shardings: Any, donate=()):
         if key not in self.programs:
@@ -136,23 +136,18 @@ class Generator:
         return self._abstract(sampling_arrays(Sampling(), 1), self._settings_shardings())
 
     def _abstract_state(self, batch: int, max_len: int) -> DecodeState:
-        shape, dtype = cache_shape(self.config, batch, max_len), jnp.dtype(self.config.dtype)
-        rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        state = DecodeState(
-            KVCache(jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, dtype), rows),
-            rows, rows, jax.ShapeDtypeStruct((batch,), jnp.bool_), rows,
-        )  # fmt: skip
-        return self._abstract(state, self._state_shardings(batch, max_len))
+        shardings = self._state_shardings(batch, max_len)
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shardings.token)
+        done = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=shardings.done)
+        return DecodeState(abstract_cache(self.config, batch, max_len, shardings.cache), rows, rows, done, rows)
 
     def prefill_program(self, batch: int, prompt: int, max_len: int) -> Any:
         """Compiled (params, tokens [B, P], lengths [B], budget [B], settings) -> DecodeState, first token taken."""
-        graphdef, config, rows = self.graphdef, self.config, jnp.arange(batch)
+        definition, config, rows = self.definition, self.config, jnp.arange(batch)
 
         def run(params, tokens, lengths, budget, settings: SamplingArrays) -> DecodeState:
-            model = nnx.merge(graphdef, params)
-            shape = cache_shape(config, batch, max_len)
-            empty = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype), lengths)
-            logits, cache = prefill(model, tokens, lengths, empty)
+            layers = merge_layers(definition, params)
+            logits, cache = prefill(layers, tokens, lengths, empty_cache(config, batch, max_len, lengths))
             first = sample(constrain(logits, ("batch", None)), row_keys(settings.key, rows, 0 * rows), settings)
             live = budget > 0
             done = ~live | is_stop(first, settings.stop) | (budget <= 1)
@@ -169,11 +164,11 @@ class Generator:
 
     def _step(self, batch: int) -> Callable:
         """One decode step of every row: (params, state, settings) -> (state, new tokens [B], -1 where none)."""
-        graphdef, rows = self.graphdef, jnp.arange(batch)
+        definition, rows = self.definition, jnp.arange(batch)
 
         def step(params, state: DecodeState, settings: SamplingArrays) -> tuple[DecodeState, jax.Array]:
-            model = nnx.merge(graphdef, params)  # merged where it is used: nnx modules stay at one trace level
-            logits, cache = decode(model, state.token, state.cache)
+            layers = merge_layers(definition, params)  # merged where used: nnx modules stay at one trace level
+            logits, cache = decode(layers, state.token, state.cache)
             live = ~state.done
             new = sample(constrain(logits, ("batch", None)), row_keys(settings.key, rows, state.count), settings)
             count = state.count + live

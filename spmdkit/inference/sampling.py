@@ -104,13 +104,19 @@ def sample(logits: jax.Array, keys: jax.Array, settings: SamplingArrays) -> jax.
     """Next token ids [batch] int32 from logits [batch, vocab] (float32), with one key per row."""
     allowed = jnp.arange(logits.shape[-1]) < settings.vocab_limit
     logits = jnp.where(allowed, logits, -jnp.inf)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(settings.temperature, 1e-6)
-    filtering = (settings.top_k > 0) | (settings.top_p < 1)
-    scaled = jax.lax.cond(filtering, _filter, lambda s, *_: s, scaled, settings.top_k, settings.top_p)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(settings.temperature > 0, drawn, greedy)
+
+    def greedy(logits: jax.Array) -> jax.Array:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn(logits: jax.Array) -> jax.Array:
+        scaled = logits / settings.temperature
+        filtering = (settings.top_k > 0) | (settings.top_p < 1)
+        scaled = jax.lax.cond(filtering, _filter, lambda s, *_: s, scaled, settings.top_k, settings.top_p)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+    # Greedy skips the random numbers (a [batch, vocab] draw per token is not free on a CPU).
+    return jax.lax.cond(settings.temperature > 0, drawn, greedy, logits)
 
 
 def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
