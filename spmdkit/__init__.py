@@ -1,7 +1,8 @@
 """spmdkit: train Llama-style transformers across many accelerators with JAX's SPMD compiler.
 
-`spmdkit.generate(model, prompts, ...)` (from `spmdkit.inference`) loads on first use, so that `import spmdkit`
-stays light (no JAX).
+`spmdkit.load_model(path, mesh=None, rules=None, dtype=...)` and `spmdkit.save_hf(model, out_dir, tokenizer=...)`
+(from `spmdkit.interop`) and `spmdkit.generate(model, prompts, ...)` (from `spmdkit.inference`) load on first use,
+so that `import spmdkit` stays light (no JAX).
 """
 
 import importlib
@@ -9,6 +10,8 @@ from typing import Any
 
 _LAZY = {  # public name -> the module that defines it
     "generate": "spmdkit.inference.api",
+    "load_model": "spmdkit.interop",
+    "save_hf": "spmdkit.interop",
 }
 __all__ = sorted(_LAZY)
 

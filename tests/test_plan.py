@@ -96,7 +96,12 @@ def test_mesh_axes_and_parsing_agree_with_the_mesh_module():
             parse_mesh(bad, 8)
 
 
-@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG.replace(shared_expert=True)], ids=["dense", "moe"])
+BIASED_TIED = CONFIG.replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    "config", [CONFIG, MOE_CONFIG.replace(shared_expert=True), BIASED_TIED], ids=["dense", "moe", "biased-tied"]
+)
 def test_parameter_inventory_matches_the_model(config):
     from flax import nnx
 

@@ -18,6 +18,8 @@ EXPECTED = {
         "ring_attention", "to_microbatches", "to_zigzag", "zigzag_batch", "zigzag_indices",
     ],
     "spmdkit.inspect": ["CollectiveReport", "collective_report", "parameter_rows", "parameter_table"],
+    "spmdkit.interop": ["find_tokenizer_dir", "from_hf_config", "hf_config", "load_model", "load_params", "save_hf"],
+    "spmdkit": ["generate", "load_model", "save_hf"],
 }  # fmt: skip
 
 
@@ -57,3 +59,14 @@ def test_moved_names_still_resolve_with_a_warning():
         warnings.simplefilter("always")
         assert spmdkit.sharding.ring_attention is spmdkit.parallel.ring_attention
     assert any("moved to spmdkit.parallel.ring_attention" in str(w.message) for w in caught)
+
+
+def test_import_spmdkit_stays_light():
+    """`spmdkit.load_model` / `save_hf` load on first use: importing the package, the interop package and the run
+    config (what the CLI parses with) imports no JAX."""
+    import subprocess
+    import sys
+
+    code = "import sys, spmdkit, spmdkit.interop, spmdkit.train.config; assert 'jax' not in sys.modules, 'jax'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]

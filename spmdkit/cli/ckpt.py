@@ -29,16 +29,22 @@ def _reshard(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, metavar="N", help="the step to reshard (default: the newest)")
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _export(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", metavar="DIR", help="checkpoint directory to read")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="config.json is written beside it")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="stored dtype")
+    p.add_argument("directory", metavar="DIR", help="checkpoint or run directory to read")
+    p.add_argument("--out", required=True, metavar="OUT_DIR", help="the Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: the checkpoint's)")
     p.add_argument("--step", type=int, metavar="N", help="the step to export (default: the newest)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest weight file (default: 5GB)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
 
 
 def _import_hf(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", metavar="FILE.safetensors", help="with its config.json beside it")
+    p.add_argument("path", metavar="PATH", help="Hugging Face model directory, .safetensors file or index JSON")
     p.add_argument("--out", required=True, metavar="DIR", help="new (empty) checkpoint directory")
+    p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as stored)")
     p.add_argument("--mesh", default="", help="mesh to lay the parameters out on (default: all on fsdp)")
     add_cpu_devices(p)
 
@@ -80,20 +86,23 @@ def run_reshard(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from spmdkit.tools.convert import export_hf
+    from spmdkit.tools.hf_checkpoint import export_hf
 
     _quiet_absl()
-    out = export_hf(args.directory, args.out, args.dtype, args.step)
-    print(f"wrote {out} and {out.parent / 'config.json'}")
+    out, step = export_hf(args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force)
+    print(f"wrote step {step} of {args.directory} as a Hugging Face model in {out}")
     return 0
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
-    from spmdkit.tools.convert import import_hf
+    from spmdkit.tools.hf_checkpoint import import_hf
 
     _quiet_absl()
-    out = import_hf(args.file, args.out, args.mesh)
-    print(f"wrote checkpoint step 0 (fresh optimizer state) in {out}")
+    model = import_hf(args.path, args.out, args.dtype, args.mesh)
+    print(
+        f"wrote checkpoint step 0 ({model.num_params():,} parameters, {model.param_dtype}) in {args.out}; "
+        f"fine-tune it with: spmdkit train --init-from {args.out}"
+    )
     return 0
 
 
@@ -101,8 +110,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
     "inspect": ("steps, saved config, and every array's shape, dtype and size", _inspect, run_inspect),
     "verify": ("read every step in full; exit 1 if any is damaged", _verify, run_verify),
     "reshard": ("restore a step onto another mesh and save it to a new directory", _reshard, run_reshard),
-    "export": ("parameters as Hugging Face Llama safetensors + config.json", _export, run_export),
-    "import-hf": ("an spmdkit checkpoint from Hugging Face Llama safetensors", _import_hf, run_import_hf),
+    "export": ("a complete Hugging Face model directory (weights, config, tokenizer)", _export, run_export),
+    "import-hf": ("an spmdkit checkpoint from a Hugging Face Llama or Qwen2 model", _import_hf, run_import_hf),
 }
 
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import PRESETS, model_preset
+from spmdkit.interop.sources import build_model
+from spmdkit.models.config import PRESETS
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_TYPES, Device, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
@@ -31,7 +32,12 @@ def parser() -> ArgumentParser:
         "fits; settings not given (ZeRO stage, SP, remat, microbatches, schedule) are searched too.",
     )
     add = parser.add_argument
-    add("--model", default="7b", help=f"model preset: {', '.join(PRESETS)} (default: 7b)")
+    add(
+        "--model",
+        default="7b",
+        help=f"model preset ({', '.join(PRESETS)}), or a Hugging Face model directory / config.json or an spmdkit "
+        "checkpoint whose shape is used (default: 7b)",
+    )
     add("--devices", type=int, default=8, help="number of accelerators (default: 8)")
     add("--device-type", default="h100", help=f"{', '.join(DEVICE_TYPES)} (default: h100)")
     add("--gpus-per-node", type=int, help="devices per node / fast-link domain (default: the device's)")
@@ -83,7 +89,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def inference(args: argparse.Namespace, dev: Device) -> int:
     """`spmdkit plan --inference`: decode latency and throughput of each mesh (or --mesh) by batch size."""
-    model = model_preset(args.model).replace(dtype=args.dtype, param_dtype=args.dtype)
+    model = build_model({"name": args.model}).replace(dtype=args.dtype, param_dtype=args.dtype)
     meshes = [parse_mesh(args.mesh, args.devices)] if args.mesh else inference_meshes(args.devices, model)
     batches = (args.batch_size,) if args.batch_size else BATCHES
     reports = []
@@ -104,7 +110,7 @@ def inference(args: argparse.Namespace, dev: Device) -> int:
 def main(argv: Sequence[str]) -> int:
     """`spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
     args = parse(argv)
-    model = model_preset(args.model).replace(dtype=args.dtype, remat=args.remat or "none")
+    model = build_model({"name": args.model}).replace(dtype=args.dtype, remat=args.remat or "none")
     dev = make_device(
         args.device_type,
         hbm_gb=args.hbm_gb,

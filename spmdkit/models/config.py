@@ -1,6 +1,9 @@
 """`TransformerConfig`: the shape of a Llama-style decoder, with presets from `tiny` to `405b`.
 
-The big presets are shapes only: the planner uses them; nobody initialises 405B parameters on a laptop.
+Presets are starting points: every field can be set (the `[model]` table, `--model.FIELD`), and the features of the
+Hugging Face families spmdkit runs (Llama 2/3, Qwen2, SmolLM) are fields too: q/k/v and output biases, MLP biases,
+tied input/output embeddings, RoPE scaling (`linear`, `llama3`) and the MLP's activation. The big presets are shapes
+only: the planner uses them; nobody initialises 405B parameters on a laptop.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveab
 Attention = Literal["dot", "ring"]
 Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
+RopeType = Literal["default", "linear", "llama3"]
 REMAT_POLICIES: tuple[str, ...] = typing.get_args(Remat)
 ATTENTION_KINDS: tuple[str, ...] = typing.get_args(Attention)
 DISPATCH_KINDS: tuple[str, ...] = typing.get_args(Dispatch)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+ACTIVATIONS: tuple[str, ...] = typing.get_args(Activation)
+ROPE_TYPES: tuple[str, ...] = typing.get_args(RopeType)
 
 
 def _field(default: Any, help: str) -> Any:
@@ -68,6 +75,17 @@ class TransformerConfig:
     capacity_factor: float = _field(1.25, "mixture of experts: expert slots per sequence x top_k / experts")
     load_balance_weight: float = _field(0.01, "mixture of experts: weight of the Switch load-balancing loss")
     router_z_weight: float = _field(0.001, "mixture of experts: weight of the router z-loss")
+    qkv_bias: bool = _field(False, "biases on the q, k and v projections (HF attention_bias; Qwen2)")
+    o_bias: bool = _field(False, "a bias on the attention output projection (HF Llama attention_bias)")
+    mlp_bias: bool = _field(False, "biases on the gate, up and down projections (HF mlp_bias)")
+    tie_embeddings: bool = _field(False, "the LM head is the embedding table, one parameter (HF tie_word_embeddings)")
+    activation: Activation = _field("silu", "the MLP's gate activation: silu, gelu (erf) or gelu_pytorch_tanh")
+    rope_type: RopeType = _field("default", "RoPE frequency scaling: default (none), linear or llama3")
+    rope_factor: float = _field(1.0, "RoPE scaling factor (linear, llama3)")
+    rope_low_freq_factor: float = _field(1.0, "llama3 RoPE: low_freq_factor")
+    rope_high_freq_factor: float = _field(4.0, "llama3 RoPE: high_freq_factor")
+    rope_original_max_positions: int = _field(8192, "llama3 RoPE: original_max_position_embeddings")
+    max_positions: int = _field(0, "max_position_embeddings a Hugging Face export records (0: the run's seq_len)")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # the types the fields declare: layers=2.5 is not a model
@@ -90,6 +108,22 @@ class TransformerConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise SpmdkitError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
+        if self.activation not in ACTIVATIONS:
+            raise SpmdkitError(f"unknown activation {self.activation!r}: choose one of {', '.join(ACTIVATIONS)}")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise SpmdkitError(f"unknown rope_type {self.rope_type!r}: choose one of {', '.join(ROPE_TYPES)}")
+        if not (math.isfinite(self.rope_factor) and self.rope_factor > 0):
+            raise SpmdkitError(f"rope_factor={self.rope_factor} must be positive")
+        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise SpmdkitError(
+                f"llama3 RoPE needs 0 < rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
+                f"({self.rope_high_freq_factor})"
+            )
+        if self.rope_original_max_positions < 1 or self.max_positions < 0:
+            raise SpmdkitError("rope_original_max_positions must be positive and max_positions >= 0")
 
     def _check_experts(self) -> None:
         if self.experts < 0 or not 1 <= self.top_k <= self.experts:
@@ -100,6 +134,8 @@ class TransformerConfig:
             raise SpmdkitError(f"unknown dispatch {self.dispatch!r}: choose one of {', '.join(DISPATCH_KINDS)}")
         if self.capacity_factor <= 0:
             raise SpmdkitError(f"capacity_factor={self.capacity_factor} must be positive")
+        if self.mlp_bias or self.activation != "silu":
+            raise SpmdkitError("mixture-of-experts models have SwiGLU experts without biases: drop mlp_bias/activation")
 
     @property
     def moe_layers(self) -> int:
@@ -110,27 +146,36 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head.
+        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head (none when
+        tied), biases included.
 
         A mixture-of-experts block has `experts` MLPs (+ the shared one) and a router [embed, experts];
         `active=True` counts only the `top_k` experts a token runs through (what its FLOPs see).
         """
-        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.embed * self.mlp
+        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_biases
+        mlp = 3 * self.embed * self.mlp + self.mlp_bias * (2 * self.mlp + self.embed)
         dense = attention + mlp + 2 * self.embed
         routed = self.top_k if active else self.experts
         moe = attention + (routed + self.shared_expert) * mlp + self.embed * self.experts + 2 * self.embed
         layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
-        return 2 * self.vocab_size * self.embed + layers + self.embed
+        head = 0 if self.tie_embeddings else self.vocab_size * self.embed
+        return self.vocab_size * self.embed + head + layers + self.embed
+
+    @property
+    def _attention_biases(self) -> int:
+        return self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
 
         Every matmul weight costs 2 FLOPs per token forward and 4 backward (6N; the embedding lookup is a
-        gather, not a matmul, so its table is left out). Attention adds QK^T and PV: 2 x 2 x seq x heads x
-        head_dim per layer forward, times 3 with backward, halved for causal masking.
+        gather, not a matmul, so an untied table is left out, as are norm scales and biases). Attention adds QK^T
+        and PV: 2 x 2 x seq x heads x head_dim per layer forward, times 3 with backward, halved for causal masking.
         """
-        matmul_params = self.num_params(active=True) - self.vocab_size * self.embed - (2 * self.layers + 1) * self.embed
+        vectors = (2 * self.layers + 1) * self.embed + self.layers * self._attention_biases
+        vectors += (self.layers - self.moe_layers) * self.mlp_bias * (2 * self.mlp + self.embed)
+        table = 0 if self.tie_embeddings else self.vocab_size * self.embed
+        matmul_params = self.num_params(active=True) - table - vectors
         attention = 12 * self.layers * self.heads * self.head_dim * seq_len
         return 6 * matmul_params + (attention / 2 if causal else attention)
 
@@ -168,6 +213,39 @@ PRESETS["mixtral-8x7b"] = TransformerConfig(
     experts=8,
     top_k=2,
 )
+
+
+# The families users fine-tune (shapes for the planner; `spmdkit train --init-from` takes real weights' shapes).
+_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, rope_type="llama3", rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_max_positions=8192, max_positions=131_072)  # fmt: skip
+PRESETS["llama3-8b"] = TransformerConfig(
+    embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, rope_factor=8.0, **_LLAMA3
+)
+PRESETS["llama3-70b"] = TransformerConfig(
+    embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, rope_factor=8.0, **_LLAMA3
+)
+PRESETS["llama3.2-1b"] = TransformerConfig(
+    embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192, rope_factor=32.0, tie_embeddings=True, **_LLAMA3
+)
+PRESETS["llama3.2-3b"] = TransformerConfig(
+    embed=3072,
+    layers=28,
+    heads=24,
+    kv_heads=8,
+    head_dim=128,
+    mlp=8192,
+    rope_factor=32.0,
+    tie_embeddings=True,
+    **_LLAMA3,
+)
+PRESETS["qwen2.5-0.5b"] = TransformerConfig(
+    vocab_size=151_936, embed=896, layers=24, heads=14, kv_heads=2, head_dim=64, mlp=4864, rope_theta=1_000_000.0,
+    norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_positions=32_768,
+)  # fmt: skip
+PRESETS["smollm-135m"] = TransformerConfig(
+    vocab_size=49_152, embed=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536, tie_embeddings=True,
+    max_positions=2048,
+)  # fmt: skip
 
 
 def model_preset(name: str) -> TransformerConfig:

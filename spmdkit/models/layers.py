@@ -9,8 +9,12 @@ default) where they are used; the softmax, norms and logits are computed in floa
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmdkit.models.attention import attend
@@ -51,23 +55,62 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+@functools.cache
+def rope_frequencies(config: TransformerConfig) -> np.ndarray:
+    """The [head_dim / 2] float32 inverse frequencies theta^(-2i/d), scaled as `rope_type` says.
+
+    Computed in float32 in the order transformers' `modeling_rope_utils` computes them, so that imported models
+    rotate by the same angles: `linear` divides every frequency by `rope_factor`; `llama3` divides the low
+    frequencies (wavelength above original_max_positions / low_freq_factor) by `rope_factor`, keeps the high ones
+    (wavelength below original_max_positions / high_freq_factor) and blends the band between.
+    """
+    c, f32 = config, np.float32
+    inv = f32(1.0) / (f32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=f32) / f32(c.head_dim)))
+    if c.rope_type == "linear":
+        inv = inv / f32(c.rope_factor)
+    elif c.rope_type == "llama3":
+        old, low, high, factor = (
+            f32(c.rope_original_max_positions),
+            c.rope_low_freq_factor,
+            c.rope_high_freq_factor,
+            f32(c.rope_factor),
+        )
+        wavelen = f32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / f32(low), inv / factor, inv)
+        smooth = (old / wavelen - f32(low)) / f32(high - low)
+        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / f32(high)) & ~(wavelen > old / f32(low))
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(f32)
+
+
+def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float) -> jax.Array:
     """Rotary position embedding (rotate-half form). x: [batch, seq, heads, head_dim]; positions: [batch, seq].
 
-    Pairs (x_i, x_{i+d/2}) rotate by angle position * theta^(-2i/d). Positions are explicit so that a
-    permuted sequence (zigzag context parallelism) keeps each token's true position.
+    Pairs (x_i, x_{i+d/2}) rotate by angle position * frequencies[i] (`rope_frequencies`; a float is a plain RoPE
+    base theta: theta^(-2i/d)). Positions are explicit so that a permuted sequence (zigzag context parallelism)
+    keeps each token's true position.
     """
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if isinstance(frequencies, (int, float)):
+        frequencies = frequencies ** (-np.arange(half, dtype=np.float32) / half)
+    freq = jnp.asarray(frequencies, jnp.float32)
     angle = positions[..., None, None].astype(jnp.float32) * freq  # [batch, seq, 1, half]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def zeros_param(shape: tuple[int, ...], names: tuple[str, ...], dtype: str) -> nnx.Param:
+    """A zero-initialised parameter (a bias) carrying its logical axis names."""
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention. Weights: q [embed, heads, head_dim], k/v [embed, kv_heads, head_dim],
-    o [heads, head_dim, embed]. Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o:
+    o [heads, head_dim, embed]; with `qkv_bias`, q_bias [heads, head_dim] and k/v_bias [kv_heads, head_dim]; with
+    `o_bias`, o_bias [embed] (split like the weights' embed: over fsdp under ZeRO-3, whole on `tensor`, added once
+    after the row-parallel sum). Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o:
     one all-reduce, or reduce-scatter under SP, per block forward)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -78,6 +121,12 @@ class Attention(nnx.Module):
         self.o = normal_param(
             rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), c.heads * c.head_dim, pd
         )
+        if c.qkv_bias:
+            self.q_bias = zeros_param((c.heads, c.head_dim), ("heads", "head_dim"), pd)
+            self.k_bias = zeros_param((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
+            self.v_bias = zeros_param((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
+        if c.o_bias:
+            self.o_bias = zeros_param((c.embed,), ("embed",), pd)
         self.config = config
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -85,15 +134,25 @@ class Attention(nnx.Module):
         the rotary embedding of `positions` [batch, seq] applied to q and k (heads split over `tensor` under TP)."""
         c, dt = self.config, self.config.dtype
         x = constrain(x, HIDDEN)
-        q = constrain(jnp.einsum("bse,ehd->bshd", x, self.q[...].astype(dt)), ("batch", "seq", "heads", None))
-        k = constrain(jnp.einsum("bse,ehd->bshd", x, self.k[...].astype(dt)), ("batch", "seq", "kv_heads", None))
-        v = constrain(jnp.einsum("bse,ehd->bshd", x, self.v[...].astype(dt)), ("batch", "seq", "kv_heads", None))
-        return rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta), v
+
+        def project(name: str, heads: str) -> jax.Array:
+            y = jnp.einsum("bse,ehd->bshd", x, getattr(self, name)[...].astype(dt))
+            if c.qkv_bias:  # the bias comes before the rotation, as in Hugging Face's q_proj/k_proj
+                y = y + getattr(self, f"{name}_bias")[...].astype(dt)
+            return constrain(y, ("batch", "seq", heads, None))
+
+        q, k, v = project("q", "heads"), project("k", "kv_heads"), project("v", "kv_heads")
+        frequencies = rope_frequencies(c)
+        return rotary(q, positions, frequencies), rotary(k, positions, frequencies), v
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
+        dt = self.config.dtype
         attended = constrain(attended, ("batch", "seq", "heads", None))
-        return constrain(jnp.einsum("bshd,hde->bse", attended, self.o[...].astype(self.config.dtype)), RESIDUAL)
+        y = jnp.einsum("bshd,hde->bse", attended, self.o[...].astype(dt))
+        if self.config.o_bias:
+            y = y + self.o_bias[...].astype(dt)
+        return constrain(y, RESIDUAL)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`."""
@@ -101,15 +160,27 @@ class Attention(nnx.Module):
         return self.out(attend(q, k, v, self.config.attention))
 
 
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # erf GELU: Hugging Face's "gelu"
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x gate) * (x up)). gate/up [embed, mlp] (column-parallel), down [mlp, embed] (row)."""
+    """Gated MLP: down(act(x gate) * (x up)), act = `activation` (silu: SwiGLU). gate/up [embed, mlp]
+    (column-parallel), down [mlp, embed] (row); with `mlp_bias`, gate/up_bias [mlp] and down_bias [embed]."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c, pd = config, config.param_dtype
         self.gate = normal_param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
         self.up = normal_param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
         self.down = normal_param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.mlp, pd)
-        self.dtype = config.dtype
+        if c.mlp_bias:
+            self.gate_bias = zeros_param((c.mlp,), ("mlp",), pd)
+            self.up_bias = zeros_param((c.mlp,), ("mlp",), pd)
+            self.down_bias = zeros_param((c.embed,), ("embed",), pd)
+        self.dtype, self.activation, self.bias = config.dtype, config.activation, config.mlp_bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]; the hidden [batch, seq, mlp] is split over `mlp`."""
@@ -117,8 +188,13 @@ class MLP(nnx.Module):
         x = constrain(x, HIDDEN)
         gate = jnp.einsum("bse,em->bsm", x, self.gate[...].astype(dt))
         up = jnp.einsum("bse,em->bsm", x, self.up[...].astype(dt))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return constrain(jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dt)), RESIDUAL)
+        if self.bias:
+            gate, up = gate + self.gate_bias[...].astype(dt), up + self.up_bias[...].astype(dt)
+        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
+        y = jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dt))
+        if self.bias:
+            y = y + self.down_bias[...].astype(dt)
+        return constrain(y, RESIDUAL)
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:

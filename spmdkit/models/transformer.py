@@ -59,16 +59,25 @@ class Transformer(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = config
-        self.embedding = nnx.Param(
-            jax.random.normal(rngs.params(), (c.vocab_size, c.embed), c.param_dtype), out_sharding=("vocab", "embed")
-        )
+        table = jax.random.normal(rngs.params(), (c.vocab_size, c.embed), c.param_dtype)
+        if c.tie_embeddings:  # the table is the head too: logits of unit-RMS inputs start near unit scale
+            table = table / jnp.sqrt(c.embed).astype(c.param_dtype)
+        self.embedding = nnx.Param(table, out_sharding=("vocab", "embed"))
 
         if c.layers > c.moe_layers:
             self.blocks = _stacked_blocks(config, c.layers - c.moe_layers, False, rngs)
         if c.moe_layers:
             self.moe_blocks = _stacked_blocks(config, c.moe_layers, True, rngs)
         self.final_norm = RMSNorm(config)
-        self.lm_head = normal_param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.embed, c.param_dtype)
+        if not c.tie_embeddings:  # tied: one parameter, `embedding`, is both the lookup table and the head
+            self.lm_head = normal_param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.embed, c.param_dtype)
+
+    def lm_head_weight(self) -> jax.Array:
+        """The LM head [embed, vocab] in the parameter dtype (embed over fsdp under ZeRO-3, vocab over tensor):
+        `lm_head`, or the embedding table [vocab, embed] transposed when the embeddings are tied."""
+        if self.config.tie_embeddings:
+            return self.embedding[...].T
+        return self.lm_head[...]
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
@@ -106,7 +115,7 @@ class Transformer(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, embed] -> float32 logits [batch, seq, vocab]."""
-        return head_logits(x, self.final_norm.scale[...], self.lm_head[...], self.config)
+        return head_logits(x, self.final_norm.scale[...], self.lm_head_weight(), self.config)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         return self.forward(tokens, positions)[0]

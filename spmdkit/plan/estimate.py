@@ -203,6 +203,8 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
             # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
             # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
             gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
+            if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
+                gathers, nbytes = 2, (a / 4 + 1) / 2
             gathers = 1 if p.routed and s.expert_shard_map and m.remat == "none" else gathers
             add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
     if T > 1:
@@ -242,6 +244,7 @@ def memory(s: Layout) -> dict[str, float]:
     layer = max(  # the largest layer (dense or MoE), the one whose gathered copy sizes the buffers
         sum(used[p.name] for p in s.params if p.stack == stack) * P / count for stack, count in counts.items() if count
     )
+    head = used["embedding" if m.tie_embeddings else "lm_head"]  # a tied head is the embedding table
     mb, seq_split = s.tokens / M, T if s.sequence_parallel else 1
     kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
@@ -260,8 +263,8 @@ def memory(s: Layout) -> dict[str, float]:
         "parameters": sum(s.local(p, "params") for p in s.params),
         "gradients": sum(s.local(p, "grads") for p in s.params) * (2 if M > 1 and P == 1 else 1),  # + accumulator
         "optimizer": 2 * sum(s.local(p, "optimizer") for p in s.params),  # AdamW's two float32 moments
-        "compute_copies": (layer + used["lm_head"]) * a / 4 if a != 4 else 0.0,  # one layer and the head, cast
-        "comm_buffers": (2 * layer + used["lm_head"] if gathers else 0.0) + (2 * mb * E * a if T > 1 else 0.0),
+        "compute_copies": (layer + head) * a / 4 if a != 4 else 0.0,  # one layer and the head, cast
+        "comm_buffers": (2 * layer + head if gathers else 0.0) + (2 * mb * E * a if T > 1 else 0.0),
         "activations": acts,
     }
 

@@ -3,9 +3,10 @@ over the mesh, a `Layout` (model, mesh, batch, ZeRO stage, SP, microbatches, sch
 mixture-of-experts dispatch sizes. Pure arithmetic (no JAX).
 
 Parameters as `spmdkit.models.transformer` builds them, named by their model path: `embedding`, `final_norm`,
-`lm_head`, the dense blocks stacked over layers - moe_layers (`blocks.*`) and the MoE blocks stacked over
-moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed, experts], expert gate/up
-[experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when `shared_expert`).
+`lm_head` (absent when the embeddings are tied), the dense blocks stacked over layers - moe_layers (`blocks.*`)
+and the MoE blocks stacked over moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed,
+experts], expert gate/up [experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when
+`shared_expert`); the biases the config asks for sit beside their weights (`attention.q_bias`, `mlp.down_bias`).
 
 MoE dispatch (`spmdkit.parallel.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
 S x top_k / E)) tokens to each of the E experts, so the experts compute E x C slots per sequence (padding
@@ -41,6 +42,14 @@ def _block(m: TransformerConfig, moe: bool) -> list[Param]:
         ("up", (E, F), ("embed", "mlp")),
         ("down", (F, E), ("mlp", "embed")),
     ]
+    if m.mlp_bias:
+        dense_mlp += [("gate_bias", (F,), ("mlp",)), ("up_bias", (F,), ("mlp",)), ("down_bias", (E,), ("embed",))]
+    biases = []
+    if m.qkv_bias:
+        biases += [("attention.q_bias", (H, d), ("heads", "head_dim"))]
+        biases += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
+    if m.o_bias:
+        biases += [("attention.o_bias", (E,), ("embed",))]
     if moe:
         mlp = [
             ("router", (E, X), ("embed", None)),
@@ -57,6 +66,7 @@ def _block(m: TransformerConfig, moe: bool) -> list[Param]:
         ("attention.k", (E, K, d), ("embed", "kv_heads", "head_dim")),
         ("attention.v", (E, K, d), ("embed", "kv_heads", "head_dim")),
         ("attention.o", (H, d, E), ("heads", "head_dim", "embed")),
+        *biases,
         ("mlp_norm", (E,), ("norm",)),
         *[(f"mlp.{name}", shape, names) for name, shape, names in mlp],
     ]
@@ -71,7 +81,8 @@ def parameters(m: TransformerConfig) -> list[Param]:
     for stack, count, moe in [("blocks", m.layers - m.moe_layers, False), ("moe_blocks", m.moe_layers, True)]:
         if count:
             out += [(f"{stack}.{n}", (count, *shape), ("layers", *names)) for n, shape, names in _block(m, moe)]
-    return [*out, ("final_norm", (E,), ("norm",)), ("lm_head", (E, V), ("embed", "vocab"))]
+    head = [] if m.tie_embeddings else [("lm_head", (E, V), ("embed", "vocab"))]
+    return [*out, ("final_norm", (E,), ("norm",)), *head]
 
 
 def tables(zero: int) -> dict[str, AxisTable]:

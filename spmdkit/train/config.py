@@ -2,7 +2,8 @@
 
 This module imports no JAX: the CLI reads it to print defaults, and `spmdkit plan` must start fast.
 
-Sections: `model` (a preset, the numerics, and any field of `TransformerConfig` to override the preset's shape),
+Sections: `model` (a preset or a model path, `init_from`, the numerics, and any field of `TransformerConfig` to
+override the shape),
 `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`. A TOML file (`--config`) has one table per
 section; keys are the field names. "Unset" is `None` (e.g. `decay_steps`: the run's steps). The resolved config is
 saved as JSON into every run directory and every checkpoint. Each field's `metadata` holds its one-line `help` and
@@ -21,7 +22,8 @@ from typing import Any, Literal
 
 from spmdkit.data.config import DataConfig
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import Dtype, Remat, TransformerConfig, model_preset
+from spmdkit.interop.sources import build_model, resolved_settings
+from spmdkit.models.config import PRESETS, Dtype, Remat, TransformerConfig
 
 __all__ = [
     "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
@@ -39,25 +41,35 @@ def _require(ok: bool, message: str) -> None:
         raise SpmdkitError(message)
 
 
+# Learning-rate defaults: training from scratch, and fine-tuning weights given by --init-from (a small peak lr and
+# no warmup from 0, which would spend the first steps not learning).
+SCRATCH_LR, SCRATCH_WARMUP = 3e-3, 10
+FINE_TUNE_LR, FINE_TUNE_WARMUP = 1e-5, 0
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW. `lr` is the peak: it warms up linearly over `warmup_steps`, then decays by cosine to
-    `lr * final_lr_fraction` at `decay_steps`."""
+    `lr * final_lr_fraction` at `decay_steps`. Unset `lr` / `warmup_steps` take the defaults for training from
+    scratch (3e-3, 10) or for fine-tuning `--init-from` weights (1e-5, 0: step 1 already learns)."""
 
-    lr: float = _field(3e-3, "peak learning rate", "--lr")
-    warmup_steps: int = _field(10, "linear warmup steps from 0 to lr (0: start at lr)", "--warmup-steps")
+    lr: float | None = _field(None, "peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
+    warmup_steps: int | None = _field(
+        None, "linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"
+    )
     decay_steps: int | None = _field(None, "steps of the cosine decay (None: the run's steps)")
     final_lr_fraction: float = _field(0.1, "the decay ends at lr x this")
     b1: float = _field(0.9, "AdamW beta1")
     b2: float = _field(0.95, "AdamW beta2")
     eps: float = _field(1e-8, "AdamW epsilon")
-    weight_decay: float = _field(0.1, "AdamW weight decay (not applied to norm scales)", "--weight-decay")
+    weight_decay: float = _field(0.1, "AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
     clip_norm: float | None = _field(1.0, "clip gradients to this global norm (None: no clipping)", "--clip-norm")
     max_bad_steps: int = _field(5, "stop after this many consecutive NaN/Inf steps", "--max-bad-steps")
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.lr) and self.lr > 0, f"learning rate {self.lr} must be a positive number")
-        _require(self.warmup_steps >= 0, f"warmup steps {self.warmup_steps} must be >= 0")
+        lr, warmup = self.lr, self.warmup_steps
+        _require(lr is None or (math.isfinite(lr) and lr > 0), f"learning rate {lr} must be a positive number")
+        _require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
         _require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
         _require(0 <= self.final_lr_fraction <= 1, f"final_lr_fraction {self.final_lr_fraction} must be in [0, 1]")
         for name in ("b1", "b2"):
@@ -67,13 +79,44 @@ class OptimizerConfig:
         _require(self.clip_norm is None or self.clip_norm > 0, f"--clip-norm {self.clip_norm} must be positive")
         _require(self.max_bad_steps >= 1, f"--max-bad-steps {self.max_bad_steps} must be at least 1")
 
+    def for_run(self, fine_tuning: bool = False) -> OptimizerConfig:
+        """This config with an unset `lr` / `warmup_steps` given the defaults for training from scratch or for
+        fine-tuning (`--init-from`)."""
+        lr, warmup = (FINE_TUNE_LR, FINE_TUNE_WARMUP) if fine_tuning else (SCRATCH_LR, SCRATCH_WARMUP)
+        return dataclasses.replace(
+            self,
+            lr=lr if self.lr is None else self.lr,
+            warmup_steps=warmup if self.warmup_steps is None else self.warmup_steps,
+        )
+
 
 def _model_fields() -> list[tuple[str, Any, Any]]:
-    """`ModelSettings`' fields: the preset's name, the run's numerics, and an override of every other field of
-    `TransformerConfig` (None: the preset's value), so that any model shape can be described."""
+    """`ModelSettings`' fields: the preset's name (or a model path), `init_from`, the run's numerics, and an override
+    of every other field of `TransformerConfig` (None: the preset's value), so that any model shape can be
+    described."""
     flags = {"dispatch": ("--moe-dispatch",), "capacity_factor": ("--capacity-factor",)}
     own = [
-        ("name", str, _field("tiny", "model preset: tiny, tiny-moe, 125m, 1b, 7b, 70b, 405b, mixtral-8x7b", "--model")),
+        (
+            "name",
+            str,
+            _field(
+                "tiny",
+                f"model preset ({', '.join(PRESETS)}), or a Hugging Face model directory or config.json whose shape "
+                "is used; with --init-from leave it out: the shape comes from the weights",
+                "--model",
+            ),
+        ),
+        (
+            "init_from",
+            str | None,
+            _field(
+                None,
+                "start from these weights: a Hugging Face model directory (or .safetensors / index JSON) or an "
+                "spmdkit checkpoint or run directory; its shape is the model's and the optimizer starts fresh "
+                "(ignored once the run has checkpoints: they resume it)",
+                "--init-from",
+            ),
+        ),
         ("dtype", Dtype, _field("bfloat16", "compute dtype (parameters stay float32)", "--dtype")),
         ("remat", Remat, _field("none", "what the backward pass recomputes", "--remat")),
         (
@@ -96,12 +139,16 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
 
 
 def _build(self: Any, context: int = 1) -> TransformerConfig:
-    """The `TransformerConfig` these settings describe (the preset, with every override given); `context` is the
-    mesh's context-axis size, which decides what `attention="auto"` means."""
-    attention = ("ring" if context > 1 else "dot") if self.attention == "auto" else self.attention
-    changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "attention")}
-    changes = {name: value for name, value in changes.items() if value is not None}
-    return model_preset(self.name).replace(**changes, attention=attention)
+    """The `TransformerConfig` these settings describe: `init_from`'s model, or the preset or model path `name`
+    names, with every override given (see `spmdkit.interop.sources.build_model`); `context` is the mesh's
+    context-axis size, which decides what `attention="auto"` means."""
+    return build_model(dataclasses.asdict(self), context)
+
+
+def _resolved(self: Any) -> Any:
+    """These settings with every override set to the model's value: a saved config that needs no preset table
+    and no source path to say what the model is."""
+    return dataclasses.replace(self, **resolved_settings(dataclasses.asdict(self)))
 
 
 ModelSettings = dataclasses.make_dataclass(
@@ -110,8 +157,10 @@ ModelSettings = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "build": _build,
-        "__doc__": "A model preset and the numerics to run it with; any field of `TransformerConfig` may be given "
-        "to change the preset's shape (e.g. `layers`, `embed`).",
+        "resolved": _resolved,
+        "__doc__": "The model (a preset, a Hugging Face model path, or the weights `init_from` starts from) and the "
+        "numerics to run it with; any field of `TransformerConfig` may be given to change a preset's shape (e.g. "
+        "`layers`, `embed`).",
         "__module__": __name__,
     },
 )

@@ -53,6 +53,12 @@ class Trainer:
     """One run: `Trainer(config).run()`."""
 
     def __init__(self, config: TrainConfig, log: Callable[[str], None] | None = None):
+        # The saved config names the model's full shape (not a preset or a path that may move) and its learning rate
+        # (the fine-tuning defaults when it starts from --init-from weights).
+        fine_tuning = bool(config.model.init_from)
+        config = dataclasses.replace(
+            config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning)
+        )
         self.config = config
         self.is_main = jax.process_index() == 0
         self.log = log or (lambda text: print(text, flush=True) if self.is_main else None)
@@ -123,7 +129,7 @@ class Trainer:
                 f"parallelism  {describe_parallelism(self.mesh)}; optimizer state {zero}"
                 + ("; sequence parallel" if self.rules.sequence_parallel else "")
                 + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
-                f"model        {self.config.model.name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
+                f"model        {self._model_name()}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
                 f"compute {cfg.dtype}, remat {cfg.remat}",
                 *([self._describe_experts()] if cfg.experts else []),
                 f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
@@ -131,6 +137,10 @@ class Trainer:
                 *([self._describe_pipeline()] if self.pipeline else []),
             ]
         )
+
+    def _model_name(self) -> str:
+        settings = self.config.model
+        return f"weights of {settings.init_from}" if settings.init_from else settings.name
 
     def _describe_experts(self) -> str:
         c = self.model_config
@@ -194,6 +204,27 @@ class Trainer:
             trim_metrics(self.run_dir, self.start_step)  # the resumed run writes the later records again
         self.log(f"resumed from step {self.start_step} of {self.checkpointer.directory}")
 
+    def initialise_from(self) -> None:
+        """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a
+        Hugging Face model or an spmdkit checkpoint); the optimizer state stays fresh. The source's Hugging Face
+        files (tokenizer, configs) are copied into the checkpoint directory, where export and generation find them.
+        A resumed run skips this: its checkpoint holds the weights."""
+        source = self.config.model.init_from
+        if not source or self.start_step:
+            return
+        from flax import nnx
+
+        from spmdkit.interop.hf_files import SIDECAR, copy_hf_files, find_hf_files
+        from spmdkit.interop.loading import load_params
+
+        shardings = nnx.to_pure_dict(self.state.shardings[0])
+        params = load_params(source, self.model_config, shardings, self.model_config.param_dtype)
+        nnx.replace_by_pure_dict(self.state.state[0], params)
+        hf_files = find_hf_files(source)
+        if hf_files is not None and self.is_main:
+            copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
+        self.log(f"initialised the parameters from {source}" + (f" (tokenizer: {hf_files})" if hf_files else ""))
+
     def save(self, step: int, force: bool = False) -> bool:
         """Start an asynchronous save of `step` when due (or `force`); the state, data position and config."""
         if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
@@ -208,6 +239,7 @@ class Trainer:
             (self.run_dir / "config.json").write_text(config.to_json())
         self.log(self.describe())
         self.resume()
+        self.initialise_from()
         checkpointer = self.checkpointer
         if self.start_step >= run.steps:
             checkpointer.close()

@@ -16,6 +16,8 @@ from spmdkit.train.config import OptimizerConfig
 
 
 def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to the peak lr, then cosine decay (an unset lr or warmup: the from-scratch defaults)."""
+    config = config.for_run()
     decay = max(config.decay_steps or total_steps, config.warmup_steps + 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if config.warmup_steps else config.lr,
@@ -27,12 +29,17 @@ def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-    """True for weights that decay: everything but norm scales (paths containing 'norm')."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    """True for weights that decay: everything but norm scales and biases (paths containing 'norm' or 'bias')."""
+
+    def decays(path: tuple[Any, ...], _: Any) -> bool:
+        return not any(word in jax.tree_util.keystr(path) for word in ("norm", "bias"))
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     """clip -> AdamW(schedule, masked decay), wrapped so non-finite gradients skip the update."""
+    config = config.for_run()
     tx = optax.chain(
         optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(

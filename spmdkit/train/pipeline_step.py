@@ -109,7 +109,7 @@ def pipeline_loss_and_grads(
         return cross_entropy(head_logits(y, head["norm"], head["lm_head"], config), targets)
 
     stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
-    head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head[...]}
+    head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head_weight()}
     loss, (d_stages, d_head, d_table) = pipeline_value_and_grad(
         stage_fn,
         loss_fn,
@@ -126,5 +126,7 @@ def pipeline_loss_and_grads(
     )
     if virtual > 1:
         d_stages = deinterleave_layers(d_stages, stages, virtual)
+    if config.tie_embeddings:  # one parameter used twice: the lookup's gradient plus the head's, transposed
+        d_table = d_table + d_head["lm_head"].T
     pieces = {"blocks": d_stages, "final_norm": d_head["norm"], "lm_head": d_head["lm_head"], "embedding": d_table}
     return loss, _assemble(params, pieces)

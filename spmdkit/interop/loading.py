@@ -1,0 +1,237 @@
+"""Parameters from a Hugging Face checkpoint or an spmdkit checkpoint, placed straight into their shards.
+
+Every parameter is built with `jax.make_array_from_callback`: each device's block is read on its own (a safetensors
+`get_slice` of the rows and columns it holds, or Orbax reading that shard), so no process reads more than it holds
+and no device ever holds a full copy. A file is mapped only while a piece of at most 64 MiB is copied out of it,
+and a host block starts on a 64-byte boundary, which a CPU device adopts without copying: loading holds the
+weights about once (`scripts/bench_hf_import.py` measures it).
+
+Strict: every tensor in the files must be a parameter of the model (the leftovers are named otherwise), every
+parameter must be there with the shape the config implies; a tied model may carry `lm_head.weight` only as an
+exact copy of the embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.interop.safetensors_files import TensorFiles
+from spmdkit.interop.sources import source_kind, source_model
+from spmdkit.interop.tensor_names import Read, TensorMap, expected_tensors, tensor_maps
+from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.sharding.partition import abstract_state, state_shardings
+from spmdkit.sharding.rules import Rules, make_rules
+
+PureTree = dict[str, Any]
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+
+
+def check_tensors(files: TensorFiles, model: TransformerConfig) -> None:
+    """SpmdkitError (one line) unless the files hold exactly the model's tensors, with the shapes it implies."""
+    where, found, expected = files.directory, files.shapes, expected_tensors(model)
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise SpmdkitError(
+            f"{where} lacks {', '.join(missing[:3])}{_more(missing)}: its config.json does not describe these weights"
+        )
+    spare = [name for name in found if name not in expected and not (model.tie_embeddings and name == "lm_head.weight")]
+    if spare:
+        raise SpmdkitError(
+            f"{where} holds tensors this model does not use: {', '.join(spare[:3])}{_more(spare)}: refusing to drop "
+            "them (is a config key missing or wrong, e.g. attention_bias, mlp_bias, tie_word_embeddings?)"
+        )
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise SpmdkitError(
+                f"{name} in {where} has shape {list(found[name])}, but config.json implies {list(shape)}"
+            )
+    if model.tie_embeddings and "lm_head.weight" in found:
+        _check_tied_copy(files)
+
+
+def _check_tied_copy(files: TensorFiles) -> None:
+    vocab = files.shapes["lm_head.weight"][0]
+    for start in range(0, vocab, 4096):
+        rows = (slice(start, min(start + 4096, vocab)), slice(None))
+        if not np.array_equal(files.read("lm_head.weight", rows), files.read("model.embed_tokens.weight", rows)):
+            raise SpmdkitError(
+                f"{files.directory}: tie_word_embeddings is true but lm_head.weight differs from "
+                "model.embed_tokens.weight: set tie_word_embeddings to false in config.json"
+            )
+
+
+def stored_dtype(files: TensorFiles) -> str:
+    """The dtype the tensors are stored in (the widest when they differ)."""
+    kinds = set(files.dtypes.values())
+    return kinds.pop() if len(kinds) == 1 else "float32"
+
+
+def _set(tree: PureTree, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+CHUNK_BYTES = 64 * 2**20  # the most of a file read (and mapped) at once
+ALIGN = 64  # XLA's CPU client takes a buffer aligned to 64 bytes as it is (zero-copy); numpy's are 16-aligned
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: a CPU device adopts it without a copy, so a
+    parameter read on the host is not held twice (on an accelerator it is copied over and then freed)."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _fill(out: np.ndarray, m: TensorMap, read: Read, index: tuple[slice, ...], layer: int | None) -> None:
+    """Fill `out` with the block `index` of one layer of `m`, in pieces of at most CHUNK_BYTES of the file's rows,
+    so that neither the mapped file pages nor the transposed copy of a piece grow with the parameter."""
+    dim = m.row_dim
+    start, stop = index[dim].start, index[dim].stop
+    row_bytes = max(1, out.nbytes // max(1, stop - start))
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        piece = index[:dim] + (slice(lo, hi),) + index[dim + 1 :]
+        out[(slice(None),) * dim + (slice(lo - start, hi - start),)] = m.read(read, piece, layer)
+
+
+def _reader(files: TensorFiles, m: TensorMap, shape: tuple[int, ...], dtype: str) -> Callable[..., np.ndarray]:
+    """index (slices over `shape`) -> that block of the parameter, read from the files (each block once)."""
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+    target = jax.numpy.dtype(dtype)
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if key not in blocks:
+            value = aligned_empty(tuple(stop - start for start, stop in key), target)
+            within = tuple(slice(*k) for k in (key[1:] if m.stacked else key))
+            if m.stacked:  # layer by layer: one layer's piece in flight at a time
+                for i, layer in enumerate(range(*key[0])):
+                    _fill(value[i], m, files.read, within, layer)
+            else:
+                _fill(value, m, files.read, within, None)
+            blocks[key] = value
+        return blocks[key]
+
+    return block
+
+
+def hf_params(files: TensorFiles, model: TransformerConfig, shardings: Any, dtype: str) -> PureTree:
+    """The model's parameters (a pure dict) from Hugging Face files, in `dtype`: global arrays laid out as
+    `shardings` (a matching pure dict of shardings) says, each device's block read on its own; or, with
+    `shardings=None`, host numpy arrays (what one process writing a checkpoint needs: no device copy)."""
+    check_tensors(files, model)
+    params: PureTree = {}
+    for m in tensor_maps(model):
+        shape = (model.layers, *m.shape) if m.stacked else m.shape
+        read = _reader(files, m, shape, dtype)
+        if shardings is None:
+            value = read(tuple(slice(None) for _ in shape))
+        else:
+            value = jax.make_array_from_callback(shape, _get(shardings, m.path), read)
+        _set(params, m.path, value)
+    return params
+
+
+def checkpoint_params(path: str | Path, model: TransformerConfig, shardings: Any, dtype: str) -> PureTree:
+    """The model's parameters from the newest step of an spmdkit checkpoint (its optimizer state is not read),
+    in `dtype`, restored by Orbax straight into `shardings`."""
+    import orbax.checkpoint as ocp
+
+    from spmdkit.checkpoint.manager import Checkpointer
+
+    checkpointer = Checkpointer(path, read_only=True)
+    try:
+        step = checkpointer.steps()[-1]
+        saved = checkpointer.manager.item_metadata(step)["state"]["model"]
+        directory = checkpointer.directory / str(step) / "state"
+    finally:
+        checkpointer.close()
+    wanted = _flat(shardings)
+    found = {k: tuple(v.shape) for k, v in _flat(saved).items()}
+    shapes = {k: tuple(v.shape) for k, v in _flat(abstract_params(model)).items()}
+    differ = sorted(found.keys() ^ wanted.keys()) or [k for k in wanted if found[k] != shapes[k]]
+    if differ:
+        raise SpmdkitError(
+            f"{directory.parent} does not hold this model's parameters ({differ[0]} differs): use the model "
+            "settings it was saved with"
+        )
+    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, jax.numpy.dtype(dtype), sharding=s), saved,
+                          shardings)  # fmt: skip
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item={"model": target}, restore_args={"model": restore_args}, partial_restore=True)
+    with ocp.PyTreeCheckpointer() as reader:
+        return reader.restore(directory, args=args)["model"]
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def abstract_params(model: TransformerConfig) -> PureTree:
+    """The model's parameters as a pure dict of ShapeDtypeStructs (nothing allocated)."""
+    return nnx.to_pure_dict(abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1])
+
+
+def param_shardings(model: TransformerConfig, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> PureTree:
+    """A pure dict of each parameter's sharding: by the rules' parameter table on `mesh`, or the first device."""
+    abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1]
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract))
+    return nnx.to_pure_dict(state_shardings(abstract, mesh, (rules or make_rules()).params))
+
+
+def load_params(path: str | Path, model: TransformerConfig, shardings: Any, dtype: str | None = None) -> PureTree:
+    """The parameters of `model` from `path` (a Hugging Face source or an spmdkit checkpoint/run directory), in
+    `dtype` (None: as stored), laid out by `shardings` (a pure dict matching the parameters)."""
+    if source_kind(path) == "spmdkit":
+        return checkpoint_params(path, model, shardings, dtype or model.param_dtype)
+    files = TensorFiles(path)
+    return hf_params(files, model, shardings, dtype or stored_dtype(files))
+
+
+def load_model(
+    path: str | Path,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules | None = None,
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+) -> Transformer:
+    """The `Transformer` stored at `path`: a Hugging Face model directory (or `.safetensors` / index JSON), an
+    spmdkit checkpoint directory or a run directory (its newest step).
+
+    `dtype` is the compute dtype; `param_dtype` the parameters' (None: as stored). With a `mesh`, every parameter
+    is laid out by `rules` (default: `make_rules()`, ZeRO-3) and each device reads only its block; without one, it
+    all lands on the first device.
+    """
+    model = source_model(path)
+    if param_dtype is None:
+        if source_kind(path) == "hf":
+            param_dtype = stored_dtype(TensorFiles(path))
+        else:
+            param_dtype = model.param_dtype
+    model = model.replace(dtype=dtype, param_dtype=param_dtype)
+    params = load_params(path, model, param_shardings(model, mesh, rules), param_dtype)
+    graphdef, abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))
+    nnx.replace_by_pure_dict(abstract, params)
+    return nnx.merge(graphdef, abstract)

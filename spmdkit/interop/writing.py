@@ -1,0 +1,192 @@
+"""A complete Hugging Face model directory from spmdkit parameters: what `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load.
+
+The directory gets `config.json` (`hf_config`), `generation_config.json`, the tokenizer files, and the weights in
+shards of at most `max_shard_size` bytes (`model.safetensors`, or `model-0000X-of-0000N.safetensors` and
+`model.safetensors.index.json`), in the parameters' dtype unless `dtype` says otherwise. It is written into a
+temporary directory beside the target and renamed at the end: an interrupted export leaves nothing half-written,
+and an existing directory is replaced only with `force`. Parameters are converted one at a time, so the host holds
+one parameter and one shard at most (a parameter split over processes is gathered first: every process calls).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.interop.hf_config_writer import generation_config, hf_config
+from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids
+from spmdkit.interop.safetensors_files import INDEX, SINGLE
+from spmdkit.interop.tensor_names import TensorMap, tensor_maps
+from spmdkit.models.config import TransformerConfig
+
+NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of "5GB", "500MB", "2GiB" or an integer (transformers' units: GB = 10^9, GiB = 2^30)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if not match or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
+        raise SpmdkitError(f"max shard size {size!r} is not a size: write e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _host(value: Any) -> np.ndarray:
+    """A parameter on the host, gathered from every process when it is split across them."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _plan_shards(model: TransformerConfig, maps: list[TensorMap], itemsize: int, limit: int) -> list[list[str]]:
+    """Tensor names per shard, in parameter order, each shard at most `limit` bytes (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for m in maps:
+        nbytes = int(np.prod(m.hf_shape)) * itemsize
+        for name in m.hf_names(model.layers):
+            if shards[-1] and size + nbytes > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+    return shards
+
+
+def write_weights(directory: Path, model: TransformerConfig, params: Any, dtype: str, max_shard_size: int) -> int:
+    """The safetensors shards (and index) of `params` (a pure dict) in `directory`; returns the bytes written."""
+    from safetensors.numpy import save_file
+
+    maps = tensor_maps(model)
+    target = NUMPY_DTYPES[dtype]
+    shards = _plan_shards(model, maps, target.itemsize, max_shard_size)
+    files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in
+                                               range(len(shards))]  # fmt: skip
+    where = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+    pending: dict[str, dict[str, np.ndarray]] = {file: {} for file in files}
+    remaining = {file: len(names) for file, names in zip(files, shards, strict=True)}
+    total = 0
+    for m in maps:
+        value = _host(_get(params, m.path))  # every process gathers; process 0 writes
+        layers = [(m.hf_name(i), value[i]) for i in range(model.layers)] if m.stacked else [(m.hf_name(), value)]
+        for name, layer in layers:
+            file = where[name]
+            pending[file][name] = m.to_hf(layer).astype(target)
+            total += pending[file][name].nbytes
+            remaining[file] -= 1
+            if not remaining[file]:  # the shard is complete: write it and let its tensors go
+                if jax.process_index() == 0:
+                    save_file(pending[file], str(directory / file), metadata={"format": "pt"})
+                pending[file] = {}
+    if len(files) > 1 and jax.process_index() == 0:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def save_hf(
+    model: Any,
+    out_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    params: Any = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    max_positions: int | None = None,
+    tokens: dict[str, int | None] | None = None,
+    base_config: dict[str, Any] | None = None,
+    base_generation: dict[str, Any] | None = None,
+    force: bool = False,
+) -> Path:
+    """Write `model` (a `Transformer`, or a `TransformerConfig` with `params`, a pure dict of its parameters) as a
+    Hugging Face model directory `out_dir`; returns it.
+
+    `tokenizer`: a directory whose tokenizer files are copied (and whose special tokens give bos/eos/pad ids
+    unless `tokens` names them). `max_positions`: `max_position_embeddings` (default: the model's; required when
+    the model has none). `base_config` / `base_generation`: the configs the model was imported with (kept when the
+    model still computes what they say). `dtype`: stored dtype (default: the parameters').
+    """
+    from flax import nnx
+
+    if params is None:
+        config, params = model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    else:
+        config = model
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise SpmdkitError(f"{out} already exists and is not empty: pass another --out, or --force to replace it")
+    dtype = dtype or str(np.dtype(jax.tree.leaves(params)[0].dtype))
+    if dtype not in NUMPY_DTYPES:
+        raise SpmdkitError(f"unknown export dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
+    positions = max_positions or config.max_positions
+    if not positions:
+        raise SpmdkitError("the model records no max_positions: pass max_positions= (the context it was trained for)")
+    limit = parse_size(max_shard_size)
+    tokenizer = Path(tokenizer).expanduser() if tokenizer is not None else None
+    ids = {**special_token_ids(tokenizer), **(tokens or {})}
+    hf = hf_config(
+        config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
+    )
+    staging = _staging(out) if jax.process_index() == 0 else out
+    try:
+        write_weights(staging, config, params, dtype, limit)
+        if jax.process_index() != 0:
+            return out
+        (staging / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        generation = generation_config(ids, base_generation)
+        (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        for name in TOKENIZER_FILES if tokenizer is not None else ():
+            if (tokenizer / name).is_file():
+                shutil.copy2(tokenizer / name, staging / name)
+        _replace(staging, out)
+    finally:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _staging(out: Path) -> Path:
+    """A fresh directory beside `out` (so the final rename stays on one file system), with the usual permissions."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Move the finished `staging` directory to `out`; an existing `out` (with --force) is removed only after."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    os.replace(staging, out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()

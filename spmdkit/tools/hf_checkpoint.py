@@ -1,0 +1,129 @@
+"""`spmdkit ckpt import-hf` and `ckpt export`: a Hugging Face model into an spmdkit checkpoint, and a checkpoint out
+as a complete Hugging Face model directory.
+
+- `import_hf`: the weights (strictly checked against the config, read shard by shard into their shards on the
+  mesh, in the stored dtype unless `dtype`), the resolved run config (the model's full shape) and, in `hf/`, the
+  source's config.json, generation config and tokenizer files. Step 0 holds the parameters only: train from it
+  with `spmdkit train --init-from DIR` (a fresh optimizer). Everything is checked before anything is written; the
+  checkpoint is assembled in a temporary directory and renamed into place.
+- `export_hf`: the newest (or a given) step's parameters as `save_hf` writes them, with the imported config kept
+  where it still holds, the token ids of the tokenizer the model came with (or the embedded byte data's), and
+  `max_position_embeddings` from the imported config or the run's sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from spmdkit.data.sources import BOS, EOS
+from spmdkit.errors import SpmdkitError
+from spmdkit.interop.hf_config import read_hf_config
+from spmdkit.interop.hf_files import GENERATION_CONFIG, SIDECAR, copy_hf_files, find_hf_files, special_token_ids
+from spmdkit.interop.loading import check_tensors, hf_params, param_shardings, stored_dtype
+from spmdkit.interop.safetensors_files import TensorFiles
+from spmdkit.interop.sources import OVERRIDES, hf_config_path, source_kind
+from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
+from spmdkit.models.config import TransformerConfig
+from spmdkit.sharding.mesh import MeshConfig, make_mesh
+from spmdkit.sharding.rules import make_rules
+from spmdkit.tools.convert import read_params
+from spmdkit.train.config import TrainConfig, apply_overrides
+
+
+def _fresh_output(out: str | Path) -> Path:
+    out = Path(out).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpmdkitError(f"{out} is not empty: pass a new directory for the converted checkpoint")
+    return out
+
+
+def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh: str = "") -> TransformerConfig:
+    """An spmdkit checkpoint in `out` (step 0: the parameters, the run config, `hf/`) from the Hugging Face model
+    at `path` (a directory, a `.safetensors` file or an index JSON); returns the model's config.
+
+    The parameters are laid out on `mesh` (default: every device on fsdp), each device's block read on its own,
+    and written by Orbax synchronously, one block's worth of bytes in flight at a time: the host never holds a
+    second copy of the weights. The checkpoint restores onto any mesh (`--init-from`, `load_model`)."""
+    if source_kind(path) != "hf":
+        raise SpmdkitError(f"{path} is an spmdkit checkpoint, not a Hugging Face model: train from it with --init-from")
+    out = _fresh_output(out)
+    config_path = hf_config_path(path)
+    _, model = read_hf_config(config_path)
+    files = TensorFiles(path)
+    check_tensors(files, model)  # every refusal comes before anything is written
+    if dtype is not None and dtype not in NUMPY_DTYPES:
+        raise SpmdkitError(f"unknown dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
+    model = model.replace(param_dtype=dtype or stored_dtype(files))
+    # The run config records the full shape (every override set), so it needs neither a preset nor the source.
+    settings = {"name": str(Path(path).expanduser().absolute()), **{k: getattr(model, k) for k in OVERRIDES}}
+    config = apply_overrides(TrainConfig(), {"model": settings, "mesh": {"mesh": mesh}})
+    layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
+    rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+    params = hf_params(files, model, param_shardings(model, layout, rules), model.param_dtype)
+    # Orbax's writer may hold this many bytes of encoded blocks at once: the largest block, not its default 96 GB.
+    largest = max(shard.data.nbytes for array in jax.tree.leaves(params) for shard in array.addressable_shards)
+    staging = out.with_name(f".{out.name}.importing")
+    if jax.process_index() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    state_handler = ocp.StandardCheckpointHandler(save_concurrent_gb=max(largest, 2**26) * 1.01 / 1e9)
+    handlers = {"state": state_handler, "config": ocp.JsonCheckpointHandler()}
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    with ocp.CheckpointManager(staging, options=options, item_handlers=handlers) as manager:
+        chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=2**26), {"model": params})  # 64 MiB pieces
+        state = ocp.args.StandardSave({"model": params}, save_args=chunks)
+        items = {"state": state, "config": ocp.args.JsonSave(_json(config))}
+        manager.save(0, args=ocp.args.Composite(**items), force=True)
+    del params
+    if jax.process_index() == 0:
+        copy_hf_files(config_path.parent, staging / SIDECAR)
+        if out.exists():
+            out.rmdir()  # empty: checked above
+        os.replace(staging, out)
+    return model
+
+
+def _json(config: TrainConfig) -> dict:
+    return json.loads(config.to_json())
+
+
+def default_token_ids(config: TrainConfig) -> dict[str, int | None]:
+    """bos/eos ids of a run without a tokenizer: the embedded byte data's specials, else none (an explicit null,
+    so that transformers does not fall back to Llama's 1 and 2)."""
+    stdlib = config.data.source == "stdlib"
+    return {"bos_token_id": BOS if stdlib else None, "eos_token_id": EOS if stdlib else None, "pad_token_id": None}
+
+
+def export_hf(
+    directory: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    step: int | None = None,
+    max_shard_size: str | int = "5GB",
+    force: bool = False,
+) -> tuple[Path, int]:
+    """The Hugging Face model directory `out` from `step` (default: the newest) of a checkpoint or run directory;
+    returns (out, the step)."""
+    out_path = Path(out).expanduser().absolute()
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not force:
+        raise SpmdkitError(f"{out_path} already exists and is not empty: pass another --out, or --force to replace it")
+    step, config, params = read_params(directory, step)
+    model = config.model.build()
+    hf_dir = find_hf_files(directory)
+    base = generation = None
+    if hf_dir is not None and (hf_dir / "config.json").is_file():
+        base = json.loads((hf_dir / "config.json").read_text())
+    if hf_dir is not None and (hf_dir / GENERATION_CONFIG).is_file():
+        generation = json.loads((hf_dir / GENERATION_CONFIG).read_text())
+    tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
+    written = save_hf(
+        model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
+        max_positions=model.max_positions or config.run.seq_len, tokens=tokens, base_config=base,
+        base_generation=generation,
+    )  # fmt: skip
+    return written, step
