@@ -29,7 +29,13 @@ from spmdkit.sharding.logical import use_rules
 
 DENSE = TransformerConfig(vocab_size=128, embed=32, layers=2, heads=8, kv_heads=4, head_dim=8, mlp=64, dtype="float32")
 MOE = DENSE.replace(layers=4, experts=4, top_k=2, moe_every=2, dispatch="dropless")
-MODELS = {"dense": DENSE, "moe": MOE}
+# What Hugging Face models bring: every bias, one tied embedding/head parameter, llama3 RoPE scaling (the sequences
+# here pass its original_max_positions, and its three wavelength bands are all present at head_dim 8).
+FEATURED = DENSE.replace(
+    qkv_bias=True, o_bias=True, mlp_bias=True, tie_embeddings=True, rope_type="llama3", rope_factor=8.0,
+    rope_original_max_positions=16,
+)  # fmt: skip
+MODELS = {"dense": DENSE, "moe": MOE, "featured": FEATURED}
 PROMPT_LENGTHS = (3, 8, 5, 11)  # one batch, four lengths
 DECODE_STEPS = 6
 ONE = "one device"
@@ -38,7 +44,14 @@ ONE = "one device"
 @functools.cache
 def model(name: str) -> Transformer:
     with nnx.use_eager_sharding(False):
-        return Transformer(MODELS[name], rngs=nnx.Rngs(7))
+        built = Transformer(MODELS[name], rngs=nnx.Rngs(7))
+    if name == "featured":  # biases start at 0 and norm scales at 1: move every parameter, so a dropped one shows
+        graphdef, state = nnx.split(built)
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(3), len(leaves))
+        moved = [a + 0.1 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)]
+        built = nnx.merge(graphdef, jax.tree.unflatten(treedef, moved))
+    return built
 
 
 @functools.cache
@@ -89,10 +102,10 @@ def teacher_forced(name: str, mesh_text: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("mesh_text", [ONE, "tensor=4,data=2", "tensor=8"])
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "featured"])
 def test_cache_matches_the_full_forward(name, mesh_text):
     """Every decoded position's logits equal the full-sequence forward's there (teacher forcing, float32, 1e-5
-    relative), for prompts of four lengths in one batch."""
+    relative), for prompts of four lengths in one batch: dense GQA, MoE, and biases + tied head + llama3 RoPE."""
     cached, full = teacher_forced(name, mesh_text), full_logits(name)
     for step in range(DECODE_STEPS + 1):
         for row, length in enumerate(PROMPT_LENGTHS):

@@ -15,7 +15,8 @@ from support import error_lines, run_spmdkit
 
 import spmdkit
 from spmdkit.data.tokenizer import byte_tokenizer
-from spmdkit.inference.loading import inference_mesh, inference_rules, open_checkpoint, restore_model
+from spmdkit.inference.loading import inference_mesh, inference_rules
+from spmdkit.inference.sources import open_source, restore_model
 
 MESH = ("--cpu-devices", "8", "--mesh", "tensor=2,data=2")
 GREEDY = ("--prompt", "def ", "--temperature", "0", "--max-new-tokens", "48", *MESH)
@@ -32,7 +33,7 @@ def greedy_json(run_dir) -> dict:
 
 def continuation_loss(run_dir, prompt: list[int], continuation: list[int]) -> float:
     """Mean cross-entropy (nats per token) of `continuation` after `prompt` under the run's model (float32)."""
-    source = open_checkpoint(run_dir)
+    source = open_source(run_dir)
     config = source.model.replace(dtype="float32", attention="dot")
     model = restore_model(source, inference_mesh(None), inference_rules(), param_dtype="float32", config=config)
     tokens = jnp.asarray([prompt + continuation], jnp.int32)
@@ -126,3 +127,21 @@ def test_missing_checkpoint_is_one_line(tmp_path):
 def test_generate_is_lazy():
     """`import spmdkit` stays light: `spmdkit.generate` loads its module (and JAX) on first use."""
     assert callable(spmdkit.generate) and jax is not None
+
+
+def test_the_tokenizer_saved_in_the_checkpoint_directory_is_used(tmp_path):
+    """The trainer saves a run's tokenizer with `Tokenizer.save(checkpoint_dir)`: generation finds it there, before
+    the data source's (a tokenizers BPE here, trained in the test, so it differs from the stdlib's bytes)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, trainers
+
+    from spmdkit.data.tokenizer import Tokenizer
+    from spmdkit.inference.sources import ModelSource, model_tokenizer
+
+    bpe = HFTokenizer(models.BPE())
+    bpe.train_from_iterator(["def f(x): return x"] * 8, trainers.BpeTrainer(vocab_size=40, special_tokens=["<|eos|>"]))
+    saved = Tokenizer(bpe.to_str(), name="bpe")
+    saved.save(tmp_path / "checkpoints")
+    source = ModelSource(tmp_path / "checkpoints", "spmdkit", step=1, config={"data": {"source": "stdlib"}})
+    found = model_tokenizer(source)
+    assert found.sha256 == saved.sha256 and found.eos_id == saved.eos_id

@@ -12,6 +12,8 @@ from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
 from spmdkit.errors import SpmdkitError
 
+PATH_HELP = "a run directory, its checkpoints/ directory (the newest step is used) or a Hugging Face model directory"
+
 HELP = SUMMARIES["generate"]
 
 
@@ -19,15 +21,16 @@ def parser() -> ArgumentParser:
     """`spmdkit generate` (its handler is `main`)."""
     p = ArgumentParser(
         prog="spmdkit generate",
-        description="Complete prompts with the newest checkpoint of a run: prefill, then a compiled decode loop with "
-        "a KV cache. One prompt streams its text to stdout as the tokens arrive; several are decoded as one batch and "
-        "printed in order. The run's tokenizer is used (bytes for stdlib-trained runs) and its EOS stops a prompt. "
+        description="Complete prompts with the newest checkpoint of a run or a Hugging Face model directory: prefill, "
+        "then a compiled decode loop with a KV cache. One prompt streams its text to stdout as the tokens arrive; "
+        "several are decoded as one batch and printed in order. The model's own tokenizer is used (the one saved with "
+        "the run, bytes for stdlib-trained runs, or the Hugging Face directory's) and its EOS stops a prompt. "
         "--mesh tensor=N splits every layer's heads and MLP over N devices (lower latency per token); data=N runs "
         "N replicas, each with its share of the prompts (more tokens per second). fsdp is refused: it would "
         "all-gather every weight for every token.",
     )
     add = p.add_argument
-    add("path", metavar="PATH", help="a run directory or its checkpoints/ directory (the newest step is used)")
+    add("path", metavar="PATH", help=PATH_HELP)
     add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     add("--prompt-file", action="append", default=[], metavar="F", help="a file whose whole text is one prompt")
     add("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt at most (default: 64)")
@@ -36,7 +39,12 @@ def parser() -> ArgumentParser:
     add("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass in (0, 1] (default: 0.95)")
     add("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same tokens on any mesh")
     add("--mesh", default="", help="inference mesh over tensor and data, e.g. 'tensor=2,data=4' (default: one device)")
-    add("--max-len", type=int, metavar="N", help="longest context, prompt + new tokens (default: the run's seq_len)")
+    add(
+        "--max-len",
+        type=int,
+        metavar="N",
+        help="longest context, prompt + new tokens (default: the run's seq_len or the model's max positions)",
+    )
     add("--json", action="store_true", help="one JSON object per prompt per line, with token ids and timing")
     add_cpu_devices(p)
     return p
@@ -76,14 +84,16 @@ def main(argv: Sequence[str]) -> int:
     if args.mesh:
         check_mesh_spec(args.mesh)
     if not Path(args.path).expanduser().exists():
-        raise SpmdkitError(f"{args.path} does not exist: pass a run directory or its checkpoints/ directory")
+        raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
     use_cpu_devices(args.cpu_devices)
     from spmdkit.inference.api import TextGenerator
 
     mesh = inference_mesh(args.mesh)
     model = TextGenerator.load(args.path, mesh=mesh, max_len=args.max_len)
     if model.tokenizer is None:
-        raise SpmdkitError(f"{args.path} was trained on token ids without a tokenizer: it cannot take text prompts")
+        raise SpmdkitError(
+            f"{args.path} has no tokenizer (trained on token ids, or saved without one): it cannot take text prompts"
+        )
     stream = not args.json and len(prompts) == 1
     if stream:
         sys.stdout.write(prompts[0])

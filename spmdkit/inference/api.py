@@ -7,10 +7,10 @@ completions = spmdkit.generate("runs/quickstart", ["def ", "import "], max_new_t
 print(completions[0].text)
 ```
 
-`model` is a run or checkpoint directory, or a `Transformer` (built, trained, or loaded with `spmdkit.load_model`;
-pass its `tokenizer`, or token-id prompts). Prompts are strings (encoded with the tokenizer, BOS first when it has
-one: every training document starts with it) or lists of token ids. `mesh` is a `Mesh` or a spec such as
-`"tensor=4,data=2"` (default: one device). The tokenizer's EOS stops a row.
+`model` is a run or checkpoint directory, a Hugging Face model directory, or a `Transformer` (built, trained, or
+loaded with `spmdkit.load_model`; pass its `tokenizer`, or token-id prompts). Prompts are strings (encoded with the
+tokenizer, BOS first when it has one: every training document starts with it) or lists of token ids. `mesh` is a
+`Mesh` or a spec such as `"tensor=4,data=2"` (default: one device). The tokenizer's EOS stops a row.
 """
 
 from __future__ import annotations
@@ -24,15 +24,9 @@ from jax.sharding import Mesh
 from spmdkit.data.tokenizer import Tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.inference.engine import Completion, Generator
-from spmdkit.inference.loading import (
-    inference_mesh,
-    inference_rules,
-    open_checkpoint,
-    place_model,
-    restore_model,
-    run_tokenizer,
-)
+from spmdkit.inference.loading import inference_mesh, inference_rules, place_model
 from spmdkit.inference.sampling import Sampling
+from spmdkit.inference.sources import model_tokenizer, open_source, restore_model
 from spmdkit.models.transformer import Transformer
 
 Prompt = str | Sequence[int]
@@ -55,18 +49,19 @@ class TextGenerator:
         max_len: int | None = None,
         dtype: str | None = None,
     ) -> TextGenerator:
-        """`model` (a run/checkpoint directory or a `Transformer`) on the inference `mesh`. `max_len`: the
-        longest context (default: the run's training sequence length; for a module, unbounded); `dtype`: the
-        compute dtype (default: the model's)."""
+        """`model` (a run/checkpoint directory, a Hugging Face model directory or a `Transformer`) on the
+        inference `mesh`. `max_len`: the longest context (default: the run's training sequence length, a Hugging
+        Face model's max_position_embeddings; for a module, unbounded); `dtype`: the compute dtype (default: the
+        run's; a Hugging Face model's stored dtype)."""
         mesh = mesh if isinstance(mesh, Mesh) else inference_mesh(mesh)
         rules = inference_rules()
         if isinstance(model, Transformer):
             placed = place_model(model, mesh, rules, dtype=dtype)
             context = max_len or 1 << 30
         else:
-            source = open_checkpoint(model)
+            source = open_source(model)
             placed = restore_model(source, mesh, rules, dtype=dtype)
-            tokenizer = tokenizer or run_tokenizer(source)
+            tokenizer = tokenizer or model_tokenizer(source)
             context = max_len or source.seq_len or 1 << 30
         vocab = tokenizer.vocab_size if tokenizer is not None else None
         return cls(Generator(placed, mesh, rules, max_len=context, vocab_limit=vocab), tokenizer)

@@ -6,13 +6,9 @@ per token and layer two all-reduces of [batch, 1, embed] and no weight moves, so
 every decode step would all-gather every weight, a step's whole parameter bytes over the links per token.
 Parameters are replicated over `data` and never sharded over `embed` (the rules of ZeRO stage 0).
 
-Sources of a model (`TransformerConfig` + parameters, from anywhere):
-- an `nnx` `Transformer` (from `Transformer(...)`, training, or `spmdkit.load_model`): `place_model` re-lays its
-  parameters out on the inference mesh;
-- an spmdkit run or checkpoint directory: `open_checkpoint` reads the newest step's saved config (the model
-  preset and overrides, the run's sequence length and data source), `restore_model` reads only the parameters
-  (`state/model`, never the optimizer state), each device reading only its own blocks, and `run_tokenizer` finds
-  the tokenizer that travels with the run (its `tokenizer.json`, else its data source's: bytes for stdlib).
+An `nnx` `Transformer` (from `Transformer(...)`, training, or `spmdkit.load_model`) is re-laid out on the inference
+mesh by `place_model`; a checkpoint or a Hugging Face directory is read straight onto it by
+`spmdkit.inference.sources`.
 
 Generation always runs mixture-of-experts layers with the `dropless` dispatch (nothing dropped: a capacity limit
 would make a token's output depend on the padding and the other prompts of its batch).
@@ -20,24 +16,16 @@ would make a token's output depend on the padding and the other prompts of its b
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdkit.checkpoint.manager import Checkpointer
-from spmdkit.data.config import DataConfig
-from spmdkit.data.resolve import source_tokenizer
-from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
-from spmdkit.data.tokenizer.tokenizer import TOKENIZER_FILE
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
 from spmdkit.models.transformer import Transformer
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.mesh_config import AXES, MeshConfig, format_sizes
@@ -108,120 +96,6 @@ def place_model(
     if param_dtype is not None:
         state = jax.tree.map(lambda a: a.astype(param_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
     return nnx.merge(graphdef, jax.device_put(state, shardings))
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSource:
-    """A step of an spmdkit checkpoint and what its saved run config says."""
-
-    directory: Path  # the checkpoint directory (RUN_DIR/checkpoints)
-    step: int
-    config: dict[str, Any]  # the run config saved with the step (sections model, data, run, ...)
-
-    @property
-    def model(self) -> TransformerConfig:
-        """The model: the preset named by `model.name` with every field the run overrode."""
-        settings = self.config.get("model", {})
-        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-        changes = {k: v for k, v in settings.items() if k in fields and k != "attention" and v is not None}
-        return model_preset(settings.get("name", "tiny")).replace(**changes)
-
-    @property
-    def seq_len(self) -> int | None:
-        """The sequence length the run trained on: the context generation allows by default."""
-        return self.config.get("run", {}).get("seq_len")
-
-    @property
-    def data(self) -> DataConfig:
-        fields = {f.name for f in dataclasses.fields(DataConfig)}
-        return DataConfig(**{k: v for k, v in self.config.get("data", {}).items() if k in fields})
-
-
-def open_checkpoint(path: str | Path, step: int | None = None) -> CheckpointSource:
-    """The newest step (or `step`) of a run directory or checkpoint directory, with its saved config."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise SpmdkitError(f"{path} does not exist: pass a run directory or its checkpoints/ directory")
-    checkpointer = Checkpointer(path, read_only=True)
-    try:
-        steps = checkpointer.steps()
-        if not steps:
-            raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise SpmdkitError(f"step {step} is not in {checkpointer.directory}: it holds {', '.join(map(str, steps))}")
-        try:
-            config = checkpointer.read_config(step)
-        except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
-            raise SpmdkitError(
-                f"step {step} of {checkpointer.directory} holds no config item: only checkpoints written by "
-                "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
-            ) from None
-        return CheckpointSource(checkpointer.directory, step, config)
-    finally:
-        checkpointer.close()
-
-
-def restore_model(
-    source: CheckpointSource,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    dtype: str | None = None,
-    param_dtype: str | None = None,
-    config: TransformerConfig | None = None,
-) -> Transformer:
-    """The checkpoint's parameters (only: the optimizer state is never read) on `mesh`, each device reading its
-    own blocks, cast to `param_dtype` (default: the compute dtype, halving the bytes every token reads), as a
-    module of `config` (default: the saved model's `generation_config`; evaluation passes the saved one)."""
-    config = config or generation_config(source.model, dtype)
-    param_dtype = param_dtype or config.dtype
-    graphdef, abstract, shardings = param_shardings(config.replace(param_dtype=param_dtype), mesh, rules)
-    leaves, treedef = jax.tree.flatten(abstract)
-    wanted = treedef.unflatten(
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-        ]
-    )
-    target = {"model": nnx.to_pure_dict(wanted)}
-    _check_shapes(source, target["model"])
-    args = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-    )
-    with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
-        restored = reader.restore(source.directory / str(source.step) / "state", args=args)["model"]
-    nnx.replace_by_pure_dict(abstract, restored)
-    return nnx.merge(graphdef, abstract)
-
-
-def _check_shapes(source: CheckpointSource, wanted: dict[str, Any]) -> None:
-    checkpointer = Checkpointer(source.directory, read_only=True)
-    try:
-        saved = checkpointer.saved_shapes(source.step)
-    finally:
-        checkpointer.close()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(wanted):
-        name = "model/" + "/".join(str(getattr(p, "key", p)) for p in path)
-        found = saved.get(name, (None, None))[0]
-        if found != tuple(leaf.shape):
-            raise SpmdkitError(
-                f"step {source.step} of {source.directory} does not match its saved model config: {name} is "
-                f"{'missing' if found is None else found} there but {tuple(leaf.shape)} here"
-            )
-
-
-def run_tokenizer(source: CheckpointSource) -> Tokenizer | None:
-    """The tokenizer of the run: `tokenizer.json` in the run or checkpoint directory, else the data source's
-    (bytes for stdlib, a prepared dataset's own); None for token files and synthetic data."""
-    for directory in (source.directory, source.directory.parent):
-        if (directory / TOKENIZER_FILE).is_file():
-            return load_tokenizer(directory)
-    try:
-        return source_tokenizer(source.data)
-    except SpmdkitError as error:
-        raise SpmdkitError(f"the tokenizer of {source.directory} cannot be found ({error})") from None
 
 
 def describe_mesh(mesh: Mesh) -> str:
