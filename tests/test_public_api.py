@@ -19,7 +19,7 @@ EXPECTED = {
     ],
     "spmdkit.inspect": ["CollectiveReport", "collective_report", "parameter_rows", "parameter_table"],
     "spmdkit.interop": ["find_tokenizer_dir", "from_hf_config", "hf_config", "load_model", "load_params", "save_hf"],
-    "spmdkit": ["load_model", "save_hf"],
+    "spmdkit": ["generate", "load_model", "save_hf"],
 }  # fmt: skip
 
 

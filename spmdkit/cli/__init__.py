@@ -24,6 +24,8 @@ COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit 
     "plan": "spmdkit.cli.plan",
     "launch": "spmdkit.cli.launch",
     "bench": "spmdkit.cli.bench",
+    "generate": "spmdkit.cli.generate",
+    "eval": "spmdkit.cli.eval",
 }
 SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own help
     "train": "train a model",
@@ -32,6 +34,8 @@ SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own hel
     "plan": "predict memory, traffic, bubble and MFU of a layout; recommend one",
     "launch": "run a command as the processes of one JAX job (here, or as a SLURM job)",
     "bench": "benchmark every strategy: speed, memory, traffic vs the planner",
+    "generate": "complete prompts with a trained model: KV-cache decoding, sampling, sharded",
+    "eval": "loss, perplexity and bits per byte of a checkpoint on held-out data",
 }
 DESCRIPTION = "SPMD sharding toolkit for training transformers with JAX."
 

@@ -1,4 +1,5 @@
-"""`spmdkit plan`: predict a layout's memory, traffic, bubble, step time and MFU, or recommend one. No JAX."""
+"""`spmdkit plan`: predict a layout's memory, traffic, bubble, step time and MFU, or recommend one; with
+`--inference`, decode latency and throughput by batch size. No JAX."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import build_model
 from spmdkit.models.config import PRESETS
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
-from spmdkit.plan.devices import DEVICE_TYPES, make_device, parse_mesh
+from spmdkit.plan.devices import DEVICE_TYPES, Device, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
+from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
 from spmdkit.plan.report import explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
 from spmdkit.sharding.mesh_config import format_sizes
@@ -58,6 +60,13 @@ def parser() -> ArgumentParser:
     add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
     add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
     add("--top", type=int, default=5, help="layouts to list (default: 5)")
+    add(
+        "--inference",
+        action="store_true",
+        help="predict decode latency and throughput by batch size instead "
+        "(meshes of tensor x data; --seq-len is the context, --batch-size one batch; default: compare the meshes)",
+    )
+    add("--hbm-gbs", type=float, help="HBM bandwidth in GB/s (custom devices; overrides the table)")
     add("--json", action="store_true", help="print JSON instead of text")
     add("--plot", metavar="FILE.png", help="write memory and step-time bars of the listed layouts")
     return parser
@@ -89,6 +98,26 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(list(argv))
 
 
+def inference(args: argparse.Namespace, dev: Device) -> int:
+    """`spmdkit plan --inference`: decode latency and throughput of each mesh (or --mesh) by batch size."""
+    model = build_model({"name": args.model}).replace(dtype=args.dtype, param_dtype=args.dtype)
+    meshes = [parse_mesh(args.mesh, args.devices)] if args.mesh else inference_meshes(args.devices, model)
+    batches = (args.batch_size,) if args.batch_size else BATCHES
+    reports = []
+    for sizes in meshes:
+        if args.batch_size and args.batch_size % sizes["data"]:
+            raise SpmdkitError(f"--batch-size {args.batch_size} is not a multiple of data={sizes['data']}")
+        per_replica = tuple(b // sizes["data"] for b in batches) if args.batch_size else batches
+        reports.append(
+            inference_report(model, sizes, dev, context=args.seq_len, batches=per_replica, efficiency=args.efficiency)
+        )
+    if args.json:
+        print(json.dumps({"model": args.model, "inference": reports}, indent=1))
+    else:
+        print(format_inference(args.model, model, dev, reports))
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     """`spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
     args = parse(argv)
@@ -100,8 +129,11 @@ def main(argv: Sequence[str]) -> int:
         intra_node_gbs=args.intra_node_gbs,
         inter_node_gbs=args.inter_node_gbs,
         gpus_per_node=args.gpus_per_node,
+        hbm_gbs=args.hbm_gbs,
     )
     _check_args(args)
+    if args.inference:
+        return inference(args, dev)
     if args.mesh:
         meshes = [parse_mesh(args.mesh, args.devices)]
         replicas = meshes[0]["data"] * meshes[0]["fsdp"] * meshes[0]["expert"]

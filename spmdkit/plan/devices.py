@@ -20,7 +20,8 @@ from spmdkit.sharding.mesh_config import AXES, MeshConfig
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """One accelerator: HBM bytes, dense bf16 peak FLOP/s, bytes/s per direction inside a node and across nodes.
+    """One accelerator: HBM bytes, dense bf16 peak FLOP/s, bytes/s per direction inside a node and across nodes,
+    HBM bandwidth and the latency of a small in-node collective (the inference planner's `spmdkit.plan.inference`).
 
     `kinds`: substrings of JAX's `device_kind` that name this accelerator (the longest match wins), so a running
     job finds its peak FLOP/s for MFU in this same table."""
@@ -33,32 +34,52 @@ class Device:
     gpus_per_node: int = 8
     backend: str = "gpu"  # "cpu": XLA's CPU pipeline, which lacks AllReduceReassociate and ReduceScatterCreator
     kinds: tuple[str, ...] = ()
+    hbm_bw: float = 0.0  # HBM bytes/s (nominal): decode reads every weight and the KV cache per token from it
+    link_latency: float = 10e-6  # seconds of one small collective in a node (latency-bound: decode's all-reduces)
 
 
 DEVICES: dict[str, Device] = {
+    # HBM bandwidth (hbm_bw) is the datasheet's: H100 SXM 3.35 TB/s, H200 4.8, A100 80GB 2.04, L40S 0.864 (GDDR6),
+    # B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
+    # (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
     # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
-    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, kinds=("H100", "H800")),
-    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, kinds=("H200", "GH200")),
+    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, kinds=("H100", "H800"), hbm_bw=3.35e12, link_latency=8e-6),
+    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, kinds=("H200", "GH200"), hbm_bw=4.8e12, link_latency=8e-6),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
-    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, kinds=("A100", "A800")),
+    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, kinds=("A100", "A800"), hbm_bw=2.039e12, link_latency=10e-6),
     # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
-    "l40s": Device("l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",)),
+    "l40s": Device("l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",), hbm_bw=0.864e12, link_latency=20e-6),
     # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
-    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",)),
+    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",), hbm_bw=8e12, link_latency=8e-6),
     # GB200 NVL72: 186 GB usable, 2.5 PFLOP/s dense bf16, NVLink5 1.8 TB/s in a 72-GPU domain.
-    "gb200": Device("gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",)),
+    "gb200": Device("gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",), hbm_bw=8e12),
     # TPU v4: 32 GB HBM, 275 TFLOP/s; ICI ~ 2 x 45 GB/s per link, 6 links. TPU v5e: 16 GB, 197 TFLOP/s.
-    "tpu-v4": Device("tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",)),
+    "tpu-v4": Device(
+        "tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",), hbm_bw=1.2e12
+    ),
     "tpu-v5e": Device(
-        "tpu-v5e", 16e9, 197e12, 100e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5 lite", "TPU v5e")
+        "tpu-v5e",
+        16e9,
+        197e12,
+        100e9,
+        25e9,
+        gpus_per_node=256,
+        backend="tpu",
+        kinds=("TPU v5 lite", "TPU v5e"),
+        hbm_bw=0.819e12,
     ),
     # TPU v5p: 95 GB HBM, 459 TFLOP/s; a bidirectional ring along one torus axis ~2 x 100 GB/s; DCN ~25 GB/s.
-    "tpu-v5p": Device("tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5",)),
+    "tpu-v5p": Device(
+        "tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5",), hbm_bw=2.765e12
+    ),
     # TPU v6e (Trillium): 32 GB HBM, 918 TFLOP/s bf16, ICI ~ 2 x 200 GB/s.
-    "tpu-v6e": Device("tpu-v6e", 32e9, 918e12, 400e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v6",)),
+    "tpu-v6e": Device(
+        "tpu-v6e", 32e9, 918e12, 400e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v6",), hbm_bw=1.64e12
+    ),
     # Simulated host devices (--xla_force_host_platform_device_count): the compiler-proof target. Its bytes are
-    # real; its FLOP/s and bandwidths are placeholders (no `kinds`: MFU on a CPU is reported as unknown).
-    "cpu": Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu"),
+    # real; its FLOP/s and bandwidths are placeholders (no `kinds`: MFU on a CPU is reported as unknown;
+    # `scripts/bench_generate.py` measures this machine's copy bandwidth instead).
+    "cpu": Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu", hbm_bw=10e9, link_latency=20e-6),
 }
 
 
@@ -79,6 +100,7 @@ def make_device(
     intra_node_gbs: float | None = None,
     inter_node_gbs: float | None = None,
     gpus_per_node: int | None = None,
+    hbm_gbs: float | None = None,
 ) -> Device:
     """A named device (a key of `DEVICES`) with optional overrides, or `custom` (all given)."""
     if kind == "custom":
@@ -99,6 +121,7 @@ def make_device(
         "intra_node_bw": None if intra_node_gbs is None else intra_node_gbs * 1e9,
         "inter_node_bw": None if inter_node_gbs is None else inter_node_gbs * 1e9,
         "gpus_per_node": gpus_per_node,
+        "hbm_bw": None if hbm_gbs is None else hbm_gbs * 1e9,
     }
     device = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     for field in ("hbm_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "gpus_per_node"):

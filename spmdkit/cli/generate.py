@@ -1,0 +1,114 @@
+"""`spmdkit generate`: complete prompts with a trained model, streaming the text as tokens arrive."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
+from spmdkit.errors import SpmdkitError
+
+PATH_HELP = "a run directory, its checkpoints/ directory (the newest step is used) or a Hugging Face model directory"
+
+HELP = SUMMARIES["generate"]
+
+
+def parser() -> ArgumentParser:
+    """`spmdkit generate` (its handler is `main`)."""
+    p = ArgumentParser(
+        prog="spmdkit generate",
+        description="Complete prompts with the newest checkpoint of a run or a Hugging Face model directory: prefill, "
+        "then a compiled decode loop with a KV cache. One prompt streams its text to stdout as the tokens arrive; "
+        "several are decoded as one batch and printed in order. The model's own tokenizer is used (the one saved with "
+        "the run, bytes for stdlib-trained runs, or the Hugging Face directory's) and its EOS stops a prompt. "
+        "--mesh tensor=N splits every layer's heads and MLP over N devices (lower latency per token); data=N runs "
+        "N replicas, each with its share of the prompts (more tokens per second). fsdp is refused: it would "
+        "all-gather every weight for every token.",
+    )
+    add = p.add_argument
+    add("path", metavar="PATH", help=PATH_HELP)
+    add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
+    add("--prompt-file", action="append", default=[], metavar="F", help="a file whose whole text is one prompt")
+    add("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt at most (default: 64)")
+    add("--temperature", type=float, default=0.8, metavar="T", help="0: greedy; higher: more random (default: 0.8)")
+    add("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default: 0, off)")
+    add("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass in (0, 1] (default: 0.95)")
+    add("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same tokens on any mesh")
+    add("--mesh", default="", help="inference mesh over tensor and data, e.g. 'tensor=2,data=4' (default: one device)")
+    add(
+        "--max-len",
+        type=int,
+        metavar="N",
+        help="longest context, prompt + new tokens (default: the run's seq_len or the model's max positions)",
+    )
+    add("--json", action="store_true", help="one JSON object per prompt per line, with token ids and timing")
+    add_cpu_devices(p)
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return parser().parse_args(list(argv))
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    for name in args.prompt_file:
+        try:
+            prompts.append(Path(name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as error:
+            raise SpmdkitError(
+                f"--prompt-file {name}: cannot read it as UTF-8 text ({error.__class__.__name__})"
+            ) from None
+    if not prompts:
+        raise SpmdkitError("no prompt given: pass --prompt TEXT or --prompt-file F")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise SpmdkitError(f"prompt {i + 1} is empty: give it some text")
+    return prompts
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    prompts = _prompts(args)
+    from spmdkit.inference.sampling import Sampling
+
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_len is not None and args.max_len < 2:
+        raise SpmdkitError(f"--max-len {args.max_len} must be at least 2")
+    from spmdkit.inference.loading import check_mesh_spec, inference_mesh
+
+    if args.mesh:
+        check_mesh_spec(args.mesh)
+    if not Path(args.path).expanduser().exists():
+        raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
+    use_cpu_devices(args.cpu_devices)
+    from spmdkit.inference.api import TextGenerator
+
+    mesh = inference_mesh(args.mesh)
+    model = TextGenerator.load(args.path, mesh=mesh, max_len=args.max_len)
+    if model.tokenizer is None:
+        raise SpmdkitError(
+            f"{args.path} has no tokenizer (trained on token ids, or saved without one): it cannot take text prompts"
+        )
+    stream = not args.json and len(prompts) == 1
+    if stream:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+
+    def show(row: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    completions = model.generate(prompts, sampling, on_text=show if stream else None)
+    for prompt, completion in zip(prompts, completions, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **completion.to_dict()}), flush=True)
+        elif stream:
+            print()
+        else:
+            print(f"{prompt}{completion.text}\n", flush=True)
+    return 0

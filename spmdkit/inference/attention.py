@@ -1,0 +1,33 @@
+"""Attention of new queries against the key/value cache, grouped-query heads without repeating K/V.
+
+`cache_attention(q, k, v, positions)`: q [batch, tokens, heads, head_dim] (tokens = 1 when decoding, the prompt
+bucket when prefilling); k, v [batch, keys, kv_heads, head_dim] where key slot j holds position j. Each query sees
+the slots at or before its own position: that is causal attention within a prompt, and, in decode, every row
+attending to exactly its own length (rows of different lengths share one batch; slots past a row's length hold
+stale or padding keys and are masked). Heads = kv_heads x group: q is viewed as [batch, tokens, kv_heads, group,
+head_dim], so K/V are read once per KV head, never repeated. Scores and softmax in float32, the output in q's dtype.
+
+Under tensor parallelism q's heads and the cache's kv_heads are both split over `tensor`: the kernel is local.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim)) v over the key slots j <= position of each query.
+
+    q: [batch, tokens, heads, head_dim]; k, v: [batch, keys, kv_heads, head_dim]; positions: [batch, tokens] int.
+    Returns [batch, tokens, heads, head_dim] in q's dtype.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    grouped = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [batch, tokens, keys]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)

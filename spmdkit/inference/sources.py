@@ -1,0 +1,198 @@
+"""Where a model to generate with or to evaluate comes from, read straight onto the inference mesh.
+
+`open_source(path)` takes either
+- an spmdkit run or checkpoint directory: the newest step (or `step`) and the run config saved with it (the model
+  settings, resolved by `spmdkit.interop.sources.build_model` as the trainer resolves them; the run's sequence
+  length and data source), or
+- a Hugging Face model directory (`save_pretrained`'s: `config.json` and safetensors; or one `.safetensors` file
+  or an index JSON): its `config.json` read strictly by `spmdkit.interop`, computed in the dtype it is stored in.
+
+`restore_model` reads only the parameters (an spmdkit checkpoint's `state/model`, never its optimizer state; the
+safetensors of a Hugging Face model), each device reading only its own blocks. `model_tokenizer` finds the tokenizer
+that travels with the model: `tokenizer.json` (+ `tokenizer_config.json`, as `Tokenizer.save` writes them) in the
+checkpoint directory or the run directory, the Hugging Face files of an imported checkpoint (its `hf/`) or of a
+model directory (`spmdkit.interop.find_tokenizer_dir`), else the run's data source's (bytes for stdlib).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.data.config import DataConfig
+from spmdkit.data.resolve import source_tokenizer
+from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
+from spmdkit.data.tokenizer.tokenizer import TOKENIZER_FILE
+from spmdkit.errors import SpmdkitError
+from spmdkit.inference.loading import generation_config, param_shardings
+from spmdkit.interop.hf_config import read_hf_config
+from spmdkit.interop.hf_files import find_tokenizer_dir
+from spmdkit.interop.loading import load_params, stored_dtype
+from spmdkit.interop.loading import param_shardings as pure_shardings
+from spmdkit.interop.safetensors_files import TensorFiles
+from spmdkit.interop.sources import build_model, hf_config_path, source_kind
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.transformer import Transformer
+from spmdkit.sharding.partition import abstract_state
+from spmdkit.sharding.rules import Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model on disk: an spmdkit checkpoint step with its saved run config, or a Hugging Face model."""
+
+    directory: Path  # the checkpoint directory (RUN_DIR/checkpoints), or the Hugging Face path as given
+    kind: Literal["spmdkit", "hf"]
+    step: int | None = None  # the checkpoint step (None for a Hugging Face model)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the saved run config ({} for Hugging Face)
+    hf_model: TransformerConfig | None = None  # a Hugging Face model's config, in its stored dtype
+
+    @property
+    def model(self) -> TransformerConfig:
+        """The model's config, as training (or the Hugging Face config) defines it."""
+        if self.hf_model is not None:
+            return self.hf_model
+        return build_model(self.config.get("model") or {})
+
+    @property
+    def seq_len(self) -> int | None:
+        """The longest context the model is meant for: the run's training sequence length, or a Hugging Face
+        model's `max_position_embeddings` (None when unknown)."""
+        if self.kind == "hf":
+            return self.model.max_positions or None
+        return self.config.get("run", {}).get("seq_len")
+
+    @property
+    def data(self) -> DataConfig | None:
+        """The run's data source (None for a Hugging Face model: it names none)."""
+        if self.kind == "hf":
+            return None
+        fields = {f.name for f in dataclasses.fields(DataConfig)}
+        return DataConfig(**{k: v for k, v in self.config.get("data", {}).items() if k in fields})
+
+    def describe(self) -> str:
+        return str(self.directory) if self.step is None else f"{self.directory} step {self.step}"
+
+
+def open_source(path: str | Path, step: int | None = None) -> ModelSource:
+    """The model at `path`: the newest step (or `step`) of a run or checkpoint directory, or a Hugging Face model."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise SpmdkitError(
+            f"{path} does not exist: pass a run directory, its checkpoints/ directory or a Hugging Face model directory"
+        )
+    if source_kind(path) == "hf":
+        if step is not None:
+            raise SpmdkitError(f"{path} is a Hugging Face model: it has no checkpoint steps to choose from")
+        dtype = stored_dtype(TensorFiles(path))
+        model = read_hf_config(hf_config_path(path))[1].replace(dtype=dtype, param_dtype=dtype)
+        return ModelSource(path, "hf", hf_model=model)
+    checkpointer = Checkpointer(path, read_only=True)
+    try:
+        steps = checkpointer.steps()
+        if not steps:
+            raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise SpmdkitError(f"step {step} is not in {checkpointer.directory}: it holds {', '.join(map(str, steps))}")
+        try:
+            config = checkpointer.read_config(step)
+        except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
+            raise SpmdkitError(
+                f"step {step} of {checkpointer.directory} holds no config item: only checkpoints written by "
+                "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
+            ) from None
+        return ModelSource(checkpointer.directory, "spmdkit", step, config)
+    finally:
+        checkpointer.close()
+
+
+def restore_model(
+    source: ModelSource,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    config: TransformerConfig | None = None,
+) -> Transformer:
+    """The source's parameters (only: an optimizer state is never read) on `mesh`, each device reading its own
+    blocks, cast to `param_dtype` (default: the compute dtype, which for a checkpoint halves the bytes every token
+    reads), as a module of `config` (default: the source model's `generation_config`; evaluation passes its own)."""
+    config = config or generation_config(source.model, dtype)
+    param_dtype = param_dtype or config.dtype
+    config = config.replace(param_dtype=param_dtype)
+    if source.kind == "hf":
+        params = load_params(source.directory, config, pure_shardings(config, mesh, rules), param_dtype)
+        graphdef, abstract = abstract_state(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        nnx.replace_by_pure_dict(abstract, params)
+        return nnx.merge(graphdef, abstract)
+    graphdef, abstract, shardings = param_shardings(config, mesh, rules)
+    leaves, treedef = jax.tree.flatten(abstract)
+    wanted = treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
+        ]
+    )
+    target = {"model": nnx.to_pure_dict(wanted)}
+    _check_shapes(source, target["model"])
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
+        restored = reader.restore(source.directory / str(source.step) / "state", args=args)["model"]
+    nnx.replace_by_pure_dict(abstract, restored)
+    return nnx.merge(graphdef, abstract)
+
+
+def _check_shapes(source: ModelSource, wanted: dict[str, Any]) -> None:
+    checkpointer = Checkpointer(source.directory, read_only=True)
+    try:
+        saved = checkpointer.saved_shapes(source.step)
+    finally:
+        checkpointer.close()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(wanted):
+        name = "model/" + "/".join(str(getattr(p, "key", p)) for p in path)
+        found = saved.get(name, (None, None))[0]
+        if found != tuple(leaf.shape):
+            raise SpmdkitError(
+                f"step {source.step} of {source.directory} does not match its saved model config: {name} is "
+                f"{'missing' if found is None else found} there but {tuple(leaf.shape)} here"
+            )
+
+
+def model_tokenizer(source: ModelSource) -> Tokenizer | None:
+    """The tokenizer that travels with the model (see the module docstring); None for a run trained on token ids
+    (token files, synthetic data) or a Hugging Face model saved without one."""
+    directories = [source.directory, source.directory.parent] if source.kind == "spmdkit" else []
+    for directory in directories:  # the trainer's `Tokenizer.save(checkpoint_dir)`; older runs: the run directory
+        if (directory / TOKENIZER_FILE).is_file():
+            return load_tokenizer(directory)
+    found = find_tokenizer_dir(source.directory)
+    if found is not None and (found / TOKENIZER_FILE).is_file():
+        return load_tokenizer(found)
+    if found is not None:
+        raise SpmdkitError(
+            f"{found} holds a tokenizer without a {TOKENIZER_FILE} (a slow tokenizer): save it with a fast tokenizer "
+            "(transformers' AutoTokenizer(...).save_pretrained writes tokenizer.json)"
+        )
+    if source.kind == "hf":
+        return None
+    try:
+        return source_tokenizer(source.data)
+    except SpmdkitError as error:
+        raise SpmdkitError(f"the tokenizer of {source.directory} cannot be found ({error})") from None
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map text to the same ids (the same tokenizer.json, or both spmdkit's bytes)."""
+    return a.sha256 == b.sha256 or a.name == b.name == "bytes"
