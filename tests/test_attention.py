@@ -183,10 +183,11 @@ def test_an_explicit_kernel_that_cannot_run_is_one_clear_error(kind, settings, m
 def test_the_trainer_names_the_kernel_it_runs(tmp_path):
     from spmdkit.train.config import MeshSettings, RunSettings, TrainConfig
     from spmdkit.train.loop import Trainer
+    from spmdkit.train.report import describe_run
 
     run = RunSettings(steps=1, batch_size=8, seq_len=1024, run_dir=str(tmp_path), progress=False)
     trainer = Trainer(TrainConfig(mesh=MeshSettings(mesh="fsdp=8"), run=run), log=lambda _: None)
-    kernels = [line for line in trainer.describe().splitlines() if line.startswith("kernels")]
+    kernels = [line for line in describe_run(trainer).splitlines() if line.startswith("kernels")]
     assert kernels == ["kernels      attention blockwise (auto); loss over 2 chunk(s) of 512 positions"]
     trainer.checkpointer.close()
 

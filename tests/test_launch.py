@@ -131,7 +131,8 @@ def test_two_processes_train_like_one(tmp_path):
     assert 0 < records[-1]["eval_loss"] < records[0]["loss"]
     # byte tokens: a scored target is one byte of text (BOS/EOS between files none), so bits per byte ~ loss / ln 2
     for record in records:
-        assert record["loss"] / math.log(2) <= record["bits_per_byte"] <= 1.02 * record["loss"] / math.log(2)
+        bits_per_token = record["loss"] / math.log(2)  # float32 on device: equal within rounding when no specials
+        assert bits_per_token * (1 - 1e-5) <= record["bits_per_byte"] <= 1.02 * bits_per_token
     assert records[-1]["eval_bits_per_byte"] == pytest.approx(records[-1]["eval_loss"] / math.log(2), rel=0.02)
     assert (run_dir / "checkpoints" / "hf" / "tokenizer.json").is_file()  # the bytes tokenizer travels with the run
     config = json.loads((run_dir / "config.json").read_text())
