@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import source_tokenizer
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
@@ -94,22 +95,9 @@ def open_source(path: str | Path, step: int | None = None) -> ModelSource:
         dtype = stored_dtype(TensorFiles(path))
         model = read_hf_config(hf_config_path(path))[1].replace(dtype=dtype, param_dtype=dtype)
         return ModelSource(path, "hf", hf_model=model)
-    checkpointer = Checkpointer(path, read_only=True)
+    checkpointer, step = open_step(path, step)
     try:
-        steps = checkpointer.steps()
-        if not steps:
-            raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise SpmdkitError(f"step {step} is not in {checkpointer.directory}: it holds {', '.join(map(str, steps))}")
-        try:
-            config = checkpointer.read_config(step)
-        except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
-            raise SpmdkitError(
-                f"step {step} of {checkpointer.directory} holds no config item: only checkpoints written by "
-                "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
-            ) from None
+        config = saved_config(checkpointer, step)
         return ModelSource(checkpointer.directory, "spmdkit", step, config)
     finally:
         checkpointer.close()

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit.errors import SpmdkitError
+
 F32 = jnp.float32
 INIT_MAX = float(np.finfo(np.float32).min)  # finite, so fully masked blocks never give exp(-inf + inf)
 
@@ -121,3 +123,19 @@ def block_grads(
     dq = jnp.einsum("...hgqk,...hkd->...hgqd", ds.astype(k.dtype), k, preferred_element_type=F32) * scale
     dk = jnp.einsum("...hgqk,...hgqd->...hkd", ds.astype(q.dtype), q, preferred_element_type=F32) * scale
     return dq, dk, dv
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> None:
+    """One SpmdkitError line unless q is [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim]
+    with heads a multiple of kv_heads (`kernel` names the caller in the message)."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise SpmdkitError(
+            f"{kernel} takes q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] of equal "
+            f"shape; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise SpmdkitError(f"q {q.shape} and k/v {k.shape} differ in batch, seq or head_dim: make them equal")
+    if q.shape[2] % k.shape[2]:
+        raise SpmdkitError(
+            f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
+        )

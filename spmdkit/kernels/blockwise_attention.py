@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import F32, block_grads, finish, fold, initial_state, row_delta, visible
+from spmdkit.kernels.attention_block import F32, block_grads, check_qkv, finish, fold, initial_state, row_delta, visible
 from spmdkit.kernels.block_plan import BLOCK_K, BLOCK_Q, BlockPlan, Step
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockPlan", "blockwise_attention"]
@@ -192,17 +192,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _check(q, k, v, segment_ids, block_q: int, block_k: int) -> None:
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise SpmdkitError(
-            f"blockwise attention takes q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] "
-            f"of equal shape; got q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
-        raise SpmdkitError(f"q {q.shape} and k/v {k.shape} differ in batch, seq or head_dim: make them equal")
-    if q.shape[2] % k.shape[2]:
-        raise SpmdkitError(
-            f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
-        )
+    check_qkv(q, k, v, "blockwise attention")
     if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
         raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
     if block_q < 1 or block_k < 1:

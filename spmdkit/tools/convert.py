@@ -22,6 +22,7 @@ from flax import nnx
 
 from spmdkit.checkpoint.failures import describe_error
 from spmdkit.checkpoint.manager import Checkpointer, DamagedStep
+from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
@@ -30,31 +31,8 @@ from spmdkit.train.optimizer import make_optimizer
 from spmdkit.train.state import abstract_train_state
 
 
-def _open_step(directory: str | Path, step: int | None) -> tuple[Checkpointer, int]:
-    checkpointer = Checkpointer(directory, read_only=True)
-    steps = checkpointer.steps()
-    if not steps:
-        checkpointer.close()
-        raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-    if step is None:
-        return checkpointer, steps[-1]
-    if step not in steps:
-        checkpointer.close()
-        raise SpmdkitError(
-            f"step {step} is not in {checkpointer.directory}: it holds steps {', '.join(map(str, steps))}"
-        )
-    return checkpointer, step
-
-
 def _saved_config(checkpointer: Checkpointer, step: int) -> TrainConfig:
-    try:
-        saved = checkpointer.read_config(step)
-    except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
-        raise SpmdkitError(
-            f"step {step} of {checkpointer.directory} holds no config item: only checkpoints written by "
-            "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
-        ) from None
-    return config_from_json(json.dumps(saved))
+    return config_from_json(json.dumps(saved_config(checkpointer, step)))
 
 
 def fresh_output(out: str | Path) -> Path:
@@ -94,7 +72,7 @@ def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nn
 def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: int | None = None) -> int:
     """Restore `step` (default: the newest) of `directory` onto `mesh` and save it into `out`; returns the step."""
     out = fresh_output(out)
-    source, step = _open_step(directory, step)
+    source, step = open_step(directory, step)
     try:
         config = _saved_config(source, step)
         config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
@@ -120,7 +98,7 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
 
 def read_params(directory: str | Path, step: int | None = None) -> tuple[int, TrainConfig, dict[str, Any]]:
     """(step, saved config, model parameters as a pure dict of host arrays); the optimizer state is not read."""
-    checkpointer, step = _open_step(directory, step)
+    checkpointer, step = open_step(directory, step)
     try:
         config = _saved_config(checkpointer, step)
         metadata = checkpointer.manager.item_metadata(step)["state"]

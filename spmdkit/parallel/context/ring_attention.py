@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import F32, finish, initial_state, row_delta
+from spmdkit.kernels.attention_block import F32, check_qkv, finish, initial_state, row_delta
 from spmdkit.parallel.context.chunk_pair import (
     bwd_pair,
     fwd_pair,
@@ -275,20 +275,6 @@ def _present(mesh: Mesh, axis: str | None) -> bool:
     return axis is not None and mesh.shape.get(axis, 1) > 1
 
 
-def _check_shapes(q, k, v) -> None:
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise SpmdkitError(
-            f"ring attention takes q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] "
-            f"of equal shape; got q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
-        raise SpmdkitError(f"q {q.shape} and k/v {k.shape} differ in batch, seq or head_dim: make them equal")
-    if q.shape[2] % k.shape[2]:
-        raise SpmdkitError(
-            f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
-        )
-
-
 def _check_segments(segment_ids: jax.Array | None, q: jax.Array) -> jax.Array | None:
     if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
         raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
@@ -306,7 +292,7 @@ def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> N
 
 def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile) -> _Ring:
     """Check every user input and resolve the axes (size-1 and absent axes are dropped)."""
-    _check_shapes(q, k, v)
+    check_qkv(q, k, v, "ring attention")
     load_balance = check_load_balance(load_balance)
     if axis_name not in mesh.shape:
         raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: pass axis_name=")

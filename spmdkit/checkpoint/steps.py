@@ -1,0 +1,42 @@
+"""Opening one step of a checkpoint directory for reading: which step, and the config saved with it.
+
+Every reader of a saved run (`ckpt` tools, generation, evaluation) picks a step the same way: the newest unless one
+is asked for, and a missing directory, step or config item is one line saying what to pass instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.errors import SpmdkitError
+
+
+def open_step(directory: str | Path, step: int | None = None) -> tuple[Checkpointer, int]:
+    """A read-only `Checkpointer` on `directory` and the step to read: `step`, or the newest (the caller closes
+    the checkpointer)."""
+    checkpointer = Checkpointer(directory, read_only=True)
+    steps = checkpointer.steps()
+    if not steps:
+        checkpointer.close()
+        raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
+    if step is None:
+        return checkpointer, steps[-1]
+    if step not in steps:
+        checkpointer.close()
+        raise SpmdkitError(
+            f"step {step} is not in {checkpointer.directory}: it holds steps {', '.join(map(str, steps))}"
+        )
+    return checkpointer, step
+
+
+def saved_config(checkpointer: Checkpointer, step: int) -> dict[str, Any]:
+    """The run config saved with `step` (the JSON object `TrainConfig.to_json` wrote)."""
+    try:
+        return checkpointer.read_config(step)
+    except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
+        raise SpmdkitError(
+            f"step {step} of {checkpointer.directory} holds no config item: only checkpoints written by "
+            "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
+        ) from None
