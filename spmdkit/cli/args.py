@@ -1,4 +1,4 @@
-"""What every subcommand shares: one-line parse errors, and simulated CPU devices.
+"""What every subcommand shares: one-line parse errors, simulated CPU devices, and command groups (`ckpt`, `data`).
 
 The contract of every `spmdkit` command: a user error (a bad flag included) is one line on stderr and exit 2, with
 no usage dump and no traceback. `ArgumentParser.error` raises `SpmdkitError`, which `spmdkit.cli.main` prints.
@@ -7,8 +7,12 @@ no usage dump and no traceback. `ArgumentParser.error` raises `SpmdkitError`, wh
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from spmdkit.errors import SpmdkitError
+
+# A command group's subcommands: name -> (one-line help, adds the subcommand's arguments, runs it -> exit code).
+Subcommands = dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -35,3 +39,26 @@ def use_cpu_devices(count: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as error:  # the backend is already running (JAX was used before the command)
         raise SpmdkitError(f"--cpu-devices {count} comes too late: {error}") from None
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + "."
+
+
+def group_parser(prog: str, summary: str, subcommands: Subcommands) -> ArgumentParser:
+    """The parser of a command group (`spmdkit ckpt`): one subparser per subcommand, whose `handler` runs it."""
+    top = ArgumentParser(prog=prog, description=_sentence(summary))
+    commands = top.add_subparsers(dest="subcommand", required=True, metavar="{" + ",".join(subcommands) + "}")
+    for name, (text, add, run) in subcommands.items():
+        sub = commands.add_parser(name, help=text, description=_sentence(text))
+        add(sub)
+        sub.set_defaults(handler=run)
+    return top
+
+
+def subcommand_parser(prog: str, subcommands: Subcommands, name: str) -> ArgumentParser:
+    """The parser of one subcommand of a group alone, `PROG NAME` (for the CLI reference)."""
+    text, add, _ = subcommands[name]
+    sub = ArgumentParser(prog=f"{prog} {name}", description=_sentence(text))
+    add(sub)
+    return sub

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
+from spmdkit.cli.args import ArgumentParser, Subcommands, add_cpu_devices, group_parser, use_cpu_devices
+from spmdkit.cli.args import subcommand_parser as args_subcommand_parser
 
 HELP = SUMMARIES["ckpt"]
 
@@ -106,7 +107,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+SUBCOMMANDS: Subcommands = {
     "inspect": ("steps, saved config, and every array's shape, dtype and size", _inspect, run_inspect),
     "verify": ("read every step in full; exit 1 if any is damaged", _verify, run_verify),
     "reshard": ("restore a step onto another mesh and save it to a new directory", _reshard, run_reshard),
@@ -117,21 +118,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 
 def parser() -> ArgumentParser:
     """`spmdkit ckpt` with its subcommands."""
-    top = ArgumentParser(prog="spmdkit ckpt", description=HELP[0].upper() + HELP[1:] + ".")
-    commands = top.add_subparsers(dest="ckpt_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    for name, (text, add, run) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        add(sub)
-        sub.set_defaults(handler=run)
-    return top
+    return group_parser("spmdkit ckpt", HELP, SUBCOMMANDS)
 
 
 def subcommand_parser(name: str) -> ArgumentParser:
     """The parser of `spmdkit ckpt NAME` alone (for the CLI reference)."""
-    text, add, _ = SUBCOMMANDS[name]
-    sub = ArgumentParser(prog=f"spmdkit ckpt {name}", description=text[0].upper() + text[1:] + ".")
-    add(sub)
-    return sub
+    return args_subcommand_parser("spmdkit ckpt", SUBCOMMANDS, name)
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

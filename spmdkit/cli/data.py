@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser
+from spmdkit.cli.args import ArgumentParser, Subcommands, group_parser
+from spmdkit.cli.args import subcommand_parser as args_subcommand_parser
 
 HELP = SUMMARIES["data"]
 
@@ -91,7 +92,7 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+SUBCOMMANDS: Subcommands = {
     "prepare": ("tokenize text into a prepared dataset: shards, document index, dataset.json", _prepare, run_prepare),
     "inspect": ("what a prepared dataset holds (quick checks of its files)", _directory, run_inspect),
     "verify": ("read every file of a prepared dataset and check its hashes", _directory, run_verify),
@@ -100,21 +101,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 
 def parser() -> ArgumentParser:
     """`spmdkit data` with its subcommands."""
-    top = ArgumentParser(prog="spmdkit data", description=HELP[0].upper() + HELP[1:] + ".")
-    commands = top.add_subparsers(dest="data_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    for name, (text, add, run) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        add(sub)
-        sub.set_defaults(handler=run)
-    return top
+    return group_parser("spmdkit data", HELP, SUBCOMMANDS)
 
 
 def subcommand_parser(name: str) -> ArgumentParser:
     """The parser of `spmdkit data NAME` alone (for the CLI reference)."""
-    text, add, _ = SUBCOMMANDS[name]
-    sub = ArgumentParser(prog=f"spmdkit data {name}", description=text[0].upper() + text[1:] + ".")
-    add(sub)
-    return sub
+    return args_subcommand_parser("spmdkit data", SUBCOMMANDS, name)
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
