@@ -93,7 +93,6 @@ class Trainer:
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
-        self.token_bytes = self.data.token_bytes  # int32 [vocab]: bits per byte are logged when the data has text
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
         self.tx = make_optimizer(config.optimizer, run.steps)
@@ -279,7 +278,8 @@ class Trainer:
             checkpointer.close()
             self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
             return TrainResult({}, {}, self.state, self.run_dir, 0)
-        keys, token_bytes = self.data.keys, self.token_bytes
+        # token_bytes: int32 [vocab] UTF-8 bytes per token (None without a tokenizer): bits per byte are logged
+        keys, token_bytes = self.data.keys, self.data.token_bytes
         self.batch_shardings = batch_shardings(self.mesh, self.rules, keys)
         step_fn = make_train_step(
             self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline,
