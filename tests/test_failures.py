@@ -115,15 +115,18 @@ def unwritable_disk(where: Path, kind: str):
             pytest.skip("root without setpriv: file modes cannot make a directory read-only here")
         prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
 
-    def read_only() -> None:
-        for path in [where, *where.rglob("*")]:
-            path.chmod(0o555 if path.is_dir() else 0o444)
+    def chmod_tree(directory_mode: int, file_mode: int) -> None:
+        # Top-down (a directory before its entries), while the run still writes: Orbax renames and deletes its
+        # temporary files meanwhile, so a path the walk listed may be gone by the time it is reached.
+        for root, _, files in os.walk(where):
+            for path, mode in ((root, directory_mode), *((os.path.join(root, f), file_mode) for f in files)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(path, mode)
 
     try:
-        yield where, read_only, "Permission denied", prefix
+        yield where, lambda: chmod_tree(0o555, 0o444), "Permission denied", prefix
     finally:
-        for path in [where, *where.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        chmod_tree(0o755, 0o644)
 
 
 def _logged(run_dir: Path) -> int:
