@@ -84,7 +84,7 @@ def test_strategies_fit_only_their_device_count():
 def test_existing_xla_flags_win(monkeypatch):
     count = "--xla_force_host_platform_device_count"
     monkeypatch.setenv("XLA_FLAGS", f"{count}=4 --xla_gpu_enable_pipelined_all_gather=false")
-    bench._add_flags((f"{count}=8", *bench.GPU_XLA_FLAGS))
+    bench.add_xla_flags((f"{count}=8", *bench.GPU_XLA_FLAGS))
     flags = bench.os.environ["XLA_FLAGS"].split()
     assert f"{count}=4" in flags and f"{count}=8" not in flags
     assert "--xla_gpu_enable_pipelined_all_gather=false" in flags

@@ -64,3 +64,19 @@ def test_replica_groups_with_a_device_order():
     assert "device_ids=" in compiled.as_text()
     report = collective_report(compiled)
     assert [(c.opcode, c.group_size) for c in report.collectives] == [("all-reduce", 4), ("all-gather", 2)]
+
+
+def test_flops_multiply_loop_bodies_by_their_trip_counts():
+    """A scanned matmul: 7 iterations of [32, 64] x [64, 48], plus one [32, 48] x [48, 16] outside the loop; XLA's
+    own cost_analysis counts the loop body once."""
+    from spmdkit.inspect.flops import hlo_flops
+
+    @jax.jit
+    def program(x, w, v):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w) @ w.T, None), x, None, length=7)
+        return (y @ w) @ v
+
+    compiled = program.lower(jnp.ones((32, 64)), jnp.ones((64, 48)), jnp.ones((48, 16))).compile()
+    per_iteration = 2 * (2 * 32 * 64 * 48)  # c @ w, then [32, 48] @ [48, 64]
+    outside = 2 * 32 * 64 * 48 + 2 * 32 * 48 * 16
+    assert hlo_flops(compiled)["matmul"] == 7 * per_iteration + outside

@@ -55,6 +55,8 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
 
 def _device_bits(x: jax.Array) -> jax.Array:
     """[*shape] uint32 of an array's bits (8-byte elements folded: low ^ high * golden)."""
+    if x.dtype == jnp.bool_:  # a bool's bits are its value (JAX 0.11 refuses to bitcast bool)
+        return x.astype(jnp.uint32)
     size = np.dtype(x.dtype).itemsize
     if size == 8:
         pair = jax.lax.bitcast_convert_type(x, jnp.uint32)

@@ -22,6 +22,7 @@ COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit 
     "data": "spmdkit.cli.data",
     "ckpt": "spmdkit.cli.ckpt",
     "plan": "spmdkit.cli.plan",
+    "compile": "spmdkit.cli.compile",
     "launch": "spmdkit.cli.launch",
     "bench": "spmdkit.cli.bench",
     "generate": "spmdkit.cli.generate",
@@ -32,12 +33,14 @@ SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own hel
     "data": "prepare a dataset from text (tokenize, shard, index); inspect or verify one",
     "ckpt": "inspect, verify, reshard or convert (Hugging Face) checkpoints",
     "plan": "predict memory, traffic, bubble and MFU of a layout; recommend one",
+    "compile": "compile the training step for a GPU cluster that is not here (H100, H200, ...): memory, fits, kernels",
     "launch": "run a command as the processes of one JAX job (here, or as a SLURM job)",
     "bench": "benchmark every strategy: speed, memory, traffic vs the planner",
     "generate": "complete prompts with a trained model: KV-cache decoding, sampling, sharded",
     "eval": "loss, perplexity and bits per byte of a checkpoint on held-out data",
 }
 DESCRIPTION = "SPMD sharding toolkit for training transformers with JAX."
+JAX_FREE = {"plan", "launch"}  # commands that never start JAX (the planner answers in well under two seconds)
 
 
 def command(name: str) -> ModuleType:
@@ -85,7 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())
             return 0 if argv else 2
-        return command(argv[0]).main(argv[1:])
+        module = command(argv[0])
+        if argv[0] not in JAX_FREE:
+            from spmdkit.distributed.platform import gpu_present, start_jax
+            from spmdkit.targets.flags import add_xla_flags
+
+            if gpu_present():  # the XLA:GPU flags `spmdkit compile` compiles with, so a run is what was compiled
+                add_xla_flags()
+            start_jax()  # the CPU when no GPU is present; the CUDA plugin's driver-missing noise filtered
+        return module.main(argv[1:])
     except SpmdkitError as error:
         print(f"spmdkit: error: {error}", file=sys.stderr)
         return 2

@@ -76,6 +76,7 @@ class Collective:
     group_size: int  # devices taking part in one group (0 when unknown, e.g. collective-permute)
     executions: int = 1  # times it runs per call of the program (loop trip counts multiplied)
     form: str = ""  # how the backend spelled it, where that differs from `opcode`
+    asynchronous: bool = False  # a start/done pair (XLA:GPU), which the scheduler may overlap with compute
 
 
 @dataclasses.dataclass
@@ -94,11 +95,12 @@ class CollectiveReport:
 
     def by_opcode(self) -> dict[str, dict[str, int]]:
         totals: dict[str, dict[str, int]] = collections.defaultdict(
-            lambda: {"instructions": 0, "executions": 0, "operand_bytes": 0, "result_bytes": 0}
+            lambda: {"instructions": 0, "asynchronous": 0, "executions": 0, "operand_bytes": 0, "result_bytes": 0}
         )
         for c in self.collectives:
             t = totals[c.opcode]
             t["instructions"] += 1
+            t["asynchronous"] += c.asynchronous
             t["executions"] += c.executions
             t["operand_bytes"] += c.operand_bytes * c.executions
             t["result_bytes"] += c.result_bytes * c.executions
@@ -277,7 +279,10 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
             if base not in COLLECTIVES or ins.opcode.endswith("-done"):
                 continue
             group = _group_size(ins.attrs)
-            common = dict(name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1)
+            common = dict(
+                name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1,
+                asynchronous=ins.opcode.endswith("-start"),
+            )  # fmt: skip
             if base == "all-reduce":
                 operand_types = [types.get(o, "") for o in ins.operands]
                 for scattered, rtype, otype in zip(

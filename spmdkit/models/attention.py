@@ -33,10 +33,14 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import visible
 from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.device_facts import compute_capability, device_platform
 from spmdkit.parallel.context.ring_attention import ring_attention
 from spmdkit.sharding.logical import active_rules
 
-__all__ = ["attend", "blockwise_attention", "context_attention", "cudnn_attention", "dot_attention", "platform"]
+__all__ = [
+    "attend", "blockwise_attention", "context_attention", "cudnn_attention", "device_platform", "dot_attention",
+    "platform",
+]  # fmt: skip
 
 KEY_TILE = 512  # keys per tile inside a ring chunk pair: bounds attention scratch at long context
 
@@ -76,13 +80,23 @@ def dot_attention(
     return out.reshape(b, s, h, d)
 
 
-def platform() -> str:
-    """Where the model runs: "cuda" on an NVIDIA GPU, else JAX's platform name ("cpu", "gpu", "tpu")."""
+def _device() -> jax.Device:
+    """The first device of the mesh in force, else JAX's first device."""
     active = active_rules()
-    device = active[1].devices.flat[0] if active else jax.devices()[0]
-    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
-        return "cuda"
-    return device.platform
+    return active[1].devices.flat[0] if active else jax.devices()[0]
+
+
+def platform() -> str:
+    """Where the model runs: the platform (`device_platform`) of the mesh in force, else of JAX's first device."""
+    return device_platform(_device())
+
+
+def in_manual_region() -> bool:
+    """Is the trace inside a `shard_map` that is manual over some mesh axes and automatic over others (pipeline
+    stages, accumulation over replica axes)?"""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return bool(manual) and any(a not in manual for a in mesh.axis_names)
 
 
 def context_size() -> int:
@@ -140,23 +154,29 @@ def cudnn_attention(
     segment_ids: jax.Array | None = None,
     implementation: str = "cudnn",
 ) -> jax.Array:
-    """cuDNN's fused attention, per device: a `shard_map` over the batch and head axes of the active rules.
+    """cuDNN's fused attention, per device: a `shard_map` over every mesh axis not already manual, the batch split
+    over the batch axes of the active rules and the heads over their head axes, whole on the rest.
 
     Shapes as `dot_attention`. The sequence is whole on every device (context parallelism runs ring attention);
     when the kv heads do not split over the head axes (kv_heads < tensor), K/V are repeated to the query heads
-    first. `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
+    first. The region spans all free axes, size-1 ones included: cuDNN's custom partitioner fails inside a
+    `shard_map` that leaves some mesh axes automatic (`get_num_ways_dim_sharded` AssertionError in XLA:GPU's SPMD
+    partitioner). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
     """
     kernel = functools.partial(_fused_local, causal=causal, implementation=implementation)
     active = active_rules()
     if active is None:
         return kernel(q, k, v, segment_ids)
     rules, mesh = active
+    context_mesh = jax.sharding.get_abstract_mesh()
+    manual = set(context_mesh.manual_axes)
+    free = tuple(a for a in mesh.axis_names if a not in manual)
+    if not free:  # already per device (inside a shard_map over every axis)
+        return kernel(q, k, v, segment_ids)
     batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
     for what, size, axes in (("batch", q.shape[0], batch), ("heads", q.shape[2], heads)):
         if size % math.prod(mesh.shape[a] for a in axes):
             raise SpmdkitError(f"cuDNN attention: {what}={size} does not split over mesh axes {axes}: change it")
-    if not batch and not heads:
-        return kernel(q, k, v, segment_ids)
     if k.shape[2] % math.prod(mesh.shape[a] for a in heads):
         group = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
@@ -169,8 +189,10 @@ def cudnn_attention(
         return kernel(q, k, v, segments[0] if segments else None)
 
     # check_vma=False: no collective runs inside, and the cuDNN custom call does not declare how it varies.
+    # Nested in another shard_map (the pipeline's), the region is over the context's abstract mesh.
+    region_mesh = context_mesh if manual else mesh
     return jax.shard_map(
-        local, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=set(batch + heads), check_vma=False
+        local, mesh=region_mesh, in_specs=specs, out_specs=tokens, axis_names=set(free), check_vma=bool(manual)
     )(*args)
 
 
@@ -186,9 +208,11 @@ def attend(
     """Causal attention with the kernel `choose_attention` picks for the setting `kind` here (mesh, platform,
     dtype, head_dim); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise kernel's query
     and key block size."""
+    device = _device()
     kernel = choose_attention(
-        kind, context=context_size(), platform=platform(), dtype=q.dtype.name, head_dim=q.shape[3]
-    )
+        kind, context=context_size(), platform=device_platform(device), dtype=q.dtype.name, head_dim=q.shape[3],
+        compute_capability=compute_capability(device), manual_region=in_manual_region(),
+    )  # fmt: skip
     if kernel == "ring":
         return context_attention(q, k, v, segment_ids)
     if kernel == "cudnn":

@@ -3,7 +3,13 @@
 `choose_attention(kind, ...)` turns the model's `attention` setting into the kernel that runs:
 
 - `auto`: ring attention when the mesh has a context axis > 1; else cuDNN's fused kernel on an NVIDIA GPU where
-  cuDNN supports the shape (bfloat16 or float16, head_dim a multiple of 8 up to 128); else the blockwise kernel.
+  cuDNN supports the shape (bfloat16 or float16, head_dim a multiple of 8 up to 128, 256 on Hopper) and the
+  attention does not run inside a partly manual region; else the blockwise kernel.
+- A partly manual region: pipeline stages, and gradient accumulation over replica axes, run the model inside a
+  `shard_map` that is manual over some mesh axes and automatic over the rest. cuDNN's kernel cannot be placed
+  there in JAX 0.10: called directly, its custom partitioner fails (`get_num_ways_dim_sharded`); in a nested
+  `shard_map` over the remaining axes, its residuals lose their varying-axes type (checked by compiling for an
+  H100 target, `tests/test_gpu_compile.py`). There `auto` runs the blockwise kernel and `cudnn` is refused.
   On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
   (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
 - `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
@@ -16,31 +22,43 @@ from spmdkit.errors import SpmdkitError
 
 KERNELS = ("dot", "blockwise", "cudnn", "ring")
 CUDNN_DTYPES = ("bfloat16", "float16")
-CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention: <= 128 before Hopper (256 on Hopper); kept to what all run
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention before Hopper
+CUDNN_MAX_HEAD_DIM_HOPPER = 256  # sm_90 and later
 
 
-def cudnn_refusal(dtype: str, head_dim: int) -> str | None:
-    """Why cuDNN's fused kernel cannot take this shape, or None when it can."""
+def cudnn_refusal(dtype: str, head_dim: int, compute_capability: int = 0) -> str | None:
+    """Why cuDNN's fused kernel cannot take this shape, or None when it can. `compute_capability`: the GPU's major
+    version (9: Hopper; 0: unknown, the limit every GPU runs)."""
     if dtype not in CUDNN_DTYPES:
         return f"cuDNN attention needs a bfloat16 or float16 compute dtype, not {dtype}: set --dtype bfloat16"
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
-        return f"cuDNN attention needs head_dim a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}"
+    limit = CUDNN_MAX_HEAD_DIM_HOPPER if compute_capability >= 9 else CUDNN_MAX_HEAD_DIM
+    if head_dim % 8 or head_dim > limit:
+        return f"cuDNN attention needs head_dim a multiple of 8 up to {limit}, not {head_dim}"
     return None
 
 
-def choose_attention(kind: str, *, context: int, platform: str | None, dtype: str, head_dim: int) -> str:
+def choose_attention(
+    kind: str,
+    *,
+    context: int,
+    platform: str | None,
+    dtype: str,
+    head_dim: int,
+    compute_capability: int = 0,
+    manual_region: bool = False,
+) -> str:
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
 
     context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
-    or None (unknown: the platform rules are not checked); dtype: the compute dtype's name. Raises SpmdkitError
-    when an explicit choice cannot run.
+    or None (unknown: the platform rules are not checked); dtype: the compute dtype's name; compute_capability:
+    the GPU's major version (0: unknown); manual_region: the attention runs inside a partly manual `shard_map`
+    (pipeline stages, accumulation over replica axes). Raises SpmdkitError when an explicit choice cannot run.
     """
     if kind == "auto":
         if context > 1:
             return "ring"
-        if platform == "cuda" and cudnn_refusal(dtype, head_dim) is None:
-            return "cudnn"
-        return "blockwise"
+        cudnn_ok = cudnn_refusal(dtype, head_dim, compute_capability) is None and not manual_region
+        return "cudnn" if platform == "cuda" and cudnn_ok else "blockwise"
     if kind not in KERNELS:
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
     if kind == "ring" and context <= 1:
@@ -53,6 +71,11 @@ def choose_attention(kind: str, *, context: int, platform: str | None, dtype: st
     if kind == "cudnn":
         if platform is not None and platform != "cuda":
             raise SpmdkitError(f"--attention cudnn needs an NVIDIA GPU, not {platform}: use blockwise (or auto)")
-        if reason := cudnn_refusal(dtype, head_dim):
+        if reason := cudnn_refusal(dtype, head_dim, compute_capability):
             raise SpmdkitError(reason)
+        if manual_region:
+            raise SpmdkitError(
+                "--attention cudnn cannot run inside pipeline stages or gradient accumulation over replica axes "
+                "(cuDNN's partitioner fails in a partly manual shard_map): use blockwise (or auto)"
+            )
     return kind

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import numpy as np
 
 from spmdkit.data.sources import SyntheticSource
 from spmdkit.distributed.initialize import FORCED_COUNT
+from spmdkit.distributed.platform import gpu_present
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.models.attention import platform
@@ -41,6 +41,7 @@ from spmdkit.plan.estimate import estimate
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.mesh_config import MeshConfig, format_sizes
 from spmdkit.sharding.rules import make_rules
+from spmdkit.targets.flags import GPU_XLA_FLAGS, add_xla_flags
 from spmdkit.train.config import OptimizerConfig
 from spmdkit.train.metrics import peak_flops, throughput
 from spmdkit.train.optimizer import make_optimizer
@@ -66,43 +67,12 @@ DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "fsdp_tp"]
 PEER_STRATEGIES = ["fsdp", "fsdp_tp"]
 CPU_DEVICES = 8
 
-# XLA GPU flags (MaxText's GPU scripts, NVIDIA JAX-Toolbox "GPU performance", JAX "GPU performance tips"):
-# overlap collectives with compute, and combine small collectives into few large ones.
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_highest_priority_async_stream=true",
-    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
-    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
-    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
-    "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true",
-    "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_while_loop_double_buffering=true",
-    "--xla_gpu_enable_all_gather_combine_by_dim=false",
-    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
-)
-
-
-def _add_flags(flags: tuple[str, ...]) -> None:
-    """Append each flag to XLA_FLAGS unless the user already set that flag (theirs wins)."""
-    current = os.environ.get("XLA_FLAGS", "")
-    names = {f.split("=")[0] for f in current.split()}
-    extra = [f for f in flags if f.split("=")[0] not in names]
-    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
-
-
-def gpu_present() -> bool:
-    """A CUDA device and driver are visible (checked without importing JAX)."""
-    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
-        return False
-    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
-
 
 def configure_platform() -> str:
     """The GPU flags on a GPU host, else `CPU_DEVICES` simulated CPU devices (unless XLA_FLAGS already forces a
     count); returns "gpu" or "cpu". When JAX's backend is already running it is too late: report what it has."""
     if gpu_present():
-        _add_flags(GPU_XLA_FLAGS)
+        add_xla_flags(GPU_XLA_FLAGS)
         return "gpu"
     try:
         jax.config.update("jax_platforms", "cpu")

@@ -28,23 +28,16 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import parameter_rows
 from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
 from spmdkit.interop.loading import check_source
-from spmdkit.models.attention import platform
-from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
-from spmdkit.parallel.pipeline.schedule import Schedule
-from spmdkit.plan.layout import Layout, check_layout
-from spmdkit.sharding.mesh import MeshConfig, make_mesh
-from spmdkit.sharding.rules import make_rules
-from spmdkit.train.config import TrainConfig, checkpoint_directory, with_data_vocab
+from spmdkit.train.config import TrainConfig, checkpoint_directory
 from spmdkit.train.metrics import MetricsWriter, peak_flops, replace_text, throughput, trim_metrics
-from spmdkit.train.optimizer import make_optimizer, schedule
-from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.preemption import StopRequest
 from spmdkit.train.preflight import check_resume, check_writable
+from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState, create_train_state
-from spmdkit.train.step import batch_shardings, make_eval_step, make_train_step
+from spmdkit.train.step import batch_shardings, make_eval_step
 
 
 @dataclasses.dataclass
@@ -61,28 +54,17 @@ class Trainer:
     """One run: `Trainer(config).run()`."""
 
     def __init__(self, config: TrainConfig, log: Callable[[str], None] | None = None):
-        # The saved config names the model's full shape (not a preset or a path that may move) and its learning rate
-        # (the fine-tuning defaults when it starts from --init-from weights).
-        fine_tuning = bool(config.model.init_from)
-        config = with_data_vocab(config)
-        config = dataclasses.replace(
-            config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning)
-        )
-        self.config = config
+        # Mesh, model, rules, kernel, schedule and optimizer, resolved and checked once (`build_program`): an
+        # explicit attention kernel that cannot run here is an error now, before anything is built.
+        self.program = program = build_program(config)
+        self.config = config = program.config
         self.is_main = jax.process_index() == 0
         self.log = log or (lambda text: print(text, flush=True) if self.is_main else None)
         self.run_dir = Path(config.run.run_dir).absolute()
-        self.mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn))
-        self.context = self.mesh.shape["context"]
-        self.model_config: TransformerConfig = config.model.build(self.context)
-        self.rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+        self.mesh, self.context, self.rules = program.mesh, program.context, program.rules
+        self.model_config: TransformerConfig = program.model_config
+        self.attention, self.pipeline = program.attention, program.pipeline
         run = config.run
-        check_layout(self.layout())  # everything the mesh, model and batch must agree on, before anything is built
-        cfg = self.model_config
-        self.attention = choose_attention(  # the kernel that will run (an explicit one that cannot: an error now)
-            cfg.attention, context=self.context, platform=platform(), dtype=cfg.dtype, head_dim=cfg.head_dim
-        )
-        self.pipeline = self._pipeline_schedule()
         # Paths and data first: a bad directory or an unreadable or too short file is reported before any
         # compilation, and before anything is written.
         check_writable(self.run_dir, "--run-dir")
@@ -95,8 +77,7 @@ class Trainer:
         )  # fmt: skip
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
-        self.tx = make_optimizer(config.optimizer, run.steps)
-        self.lr_schedule = schedule(config.optimizer, run.steps)
+        self.tx, self.lr_schedule = program.tx, program.lr_schedule
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
@@ -111,34 +92,6 @@ class Trainer:
         rows = parameter_rows(self.state.state, self.state.shardings)
         params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
         return params, sum(r.bytes_per_device for r in rows) - params
-
-    def microbatches(self) -> int:
-        """Pipeline microbatches (default: twice the stages) with a pipeline axis, else gradient accumulation."""
-        stages, settings, run = self.mesh.shape["pipeline"], self.config.mesh, self.config.run
-        if stages > 1 and run.grad_accum != 1:
-            raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
-        return (settings.microbatches or 2 * stages) if stages > 1 else run.grad_accum
-
-    def layout(self) -> Layout:
-        """The run's layout as the planner describes it (and `check_layout` checks it)."""
-        settings, run = self.config.mesh, self.config.run
-        return Layout(
-            self.model_config, tuple(self.mesh.shape.items()), run.batch_size, run.seq_len, settings.zero,
-            settings.sequence_parallel, self.microbatches(), settings.pipeline_schedule, settings.virtual_stages,
-        )  # fmt: skip
-
-    def _pipeline_schedule(self) -> Schedule | None:
-        """The pipeline schedule when the mesh has a pipeline axis."""
-        if self.mesh.shape["pipeline"] == 1:
-            return None
-        settings = self.config.mesh
-        return pipeline_schedule(
-            settings.pipeline_schedule,
-            self.mesh,
-            self.microbatches(),
-            settings.virtual_stages,
-            self.model_config.layers,
-        )
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -281,10 +234,7 @@ class Trainer:
         # token_bytes: int32 [vocab] UTF-8 bytes per token (None without a tokenizer): bits per byte are logged
         keys, token_bytes = self.data.keys, self.data.token_bytes
         self.batch_shardings = batch_shardings(self.mesh, self.rules, keys)
-        step_fn = make_train_step(
-            self.state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline,
-            keys, token_bytes,
-        )  # fmt: skip
+        step_fn = self.program.train_step(self.state, keys, token_bytes)
         if self.pipeline is not None and self.is_main:
             self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
         eval_step = make_eval_step(self.state, self.mesh, self.rules, keys, token_bytes)

@@ -62,15 +62,21 @@ def abstract_train_state(
     return graphdef, abstract, train_state_shardings(abstract, mesh, rules)
 
 
+def gradient_shardings(graphdef: nnx.GraphDef, abstract: nnx.State, mesh: Mesh, rules: Rules) -> Any:
+    """Shardings of the parameters' gradients: the optimizer's table under ZeRO-2 (reduce-scattered), else the
+    parameters'."""
+    param_abstract = nnx.state(nnx.merge(graphdef, abstract)[0], nnx.Param)
+    grad_table = rules.optimizer if rules.gradients_like_optimizer else rules.params
+    return state_shardings(param_abstract, mesh, grad_table)
+
+
 def create_train_state(
     config: TransformerConfig, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules, seed: int = 0
 ) -> TrainState:
     """Initialise model + optimizer inside `jax.jit` with sharded outputs (no full copy on any device)."""
     make = train_state_maker(config, tx, seed)
     graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed)
-    param_abstract = nnx.state(nnx.merge(graphdef, abstract)[0], nnx.Param)
-    grad_table = rules.optimizer if rules.gradients_like_optimizer else rules.params
-    grad_shardings = state_shardings(param_abstract, mesh, grad_table)
+    grad_shardings = gradient_shardings(graphdef, abstract, mesh, rules)
 
     def create() -> nnx.State:
         with nnx.use_eager_sharding(False):

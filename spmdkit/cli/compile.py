@@ -1,0 +1,73 @@
+"""`spmdkit compile`: compile a run's training step for a GPU cluster that is not here, and say whether it fits.
+
+Takes every flag `spmdkit train` takes (the same config dataclasses, `--config FILE.toml` too), plus the target:
+`--target` (h100, h200, a100, b200), `--devices N`, `--devices-per-host` (default 8: 64 devices are 8 hosts of 8
+GPUs as one topology) and `--json`. Runs on a CPU-only machine (deviceless ahead-of-time compilation: the
+`gpu-aot` extra). Exit 0: it fits; 1: it compiled but does not fit (one line with the numbers); 2: bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from spmdkit.cli import SUMMARIES
+from spmdkit.cli.args import ArgumentParser
+from spmdkit.cli.train import parse_flags, toml_args
+from spmdkit.errors import SpmdkitError
+from spmdkit.targets.topology import TARGETS, require_aot
+from spmdkit.train.config import TrainConfig
+
+HELP = SUMMARIES["compile"]
+PROG = "spmdkit compile"
+
+
+def parser() -> ArgumentParser:
+    """The target's flags; every other flag is `spmdkit train`'s."""
+    parser = ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [--target TARGET] [--devices N] [--devices-per-host N] [--json] [spmdkit train flags ...]",
+        description="Compile the exact training step of a `spmdkit train` command line for N GPUs of the target, on "
+        "this machine without a GPU (XLA's deviceless ahead-of-time compilation; needs pip install "
+        "'spmdkit[gpu-aot]'), and print per-device memory against the GPU's HBM and whether it fits, the attention "
+        "kernel and the collectives in the compiled program, its FLOPs (loops multiplied) and the planner's "
+        "prediction; a layout that does not fit exits 1 and names a remat policy that does, if one does. Every "
+        "flag of spmdkit train is accepted (--model, --mesh, --seq-len, --batch-size, --model.remat, --config, ...).",
+    )
+    parser.add_argument("--target", default="h100", help=f"the GPU: {', '.join(TARGETS)} (default h100)")
+    parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (default 8)")
+    parser.add_argument("--devices-per-host", type=int, default=8, help="GPUs per host (default 8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    parser.add_argument("--config", help="defaults from a TOML file, as spmdkit train --config")
+    return parser
+
+
+def parse(argv: Sequence[str]) -> tuple[TrainConfig, object]:
+    """(the train config, the target flags) of `spmdkit compile ARGV`."""
+    known, rest = parser().parse_known_args(list(argv))
+    if "--cpu-devices" in rest or any(a.startswith("--cpu-devices=") for a in rest):
+        raise SpmdkitError("spmdkit compile compiles for --target GPUs: drop --cpu-devices")
+    config = TrainConfig()
+    if known.config:
+        config = parse_flags(toml_args(known.config), config, where=f"config file {known.config}: ")
+    return parse_flags(rest, config), known
+
+
+def main(argv: Sequence[str]) -> int:
+    config, args = parse(argv)
+    from spmdkit.targets.topology import _check_counts, gpu_target
+
+    gpu_target(args.target)  # the bad-input checks first, before JAX starts
+    _check_counts(args.devices, args.devices_per_host)
+    require_aot()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: no driver is needed, nor looked for
+    from spmdkit.tools.gpu_compile import compile_for_target, format_report, not_fit_line
+
+    report = compile_for_target(config, args.target, args.devices, args.devices_per_host)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if not report["fits"]:
+        print(f"spmdkit: {not_fit_line(report)}", file=sys.stderr)
+        return 1
+    return 0

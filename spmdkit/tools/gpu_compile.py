@@ -1,0 +1,193 @@
+"""Compile a run's exact training step for a GPU cluster that is not here, and read what XLA:GPU made of it.
+
+`compile_for_target(config, target="h100", devices=8, per_host=8)` builds the run's program (`build_program`: the
+same mesh, rules, kernel and schedule `spmdkit train` uses) over compile-only devices of the target, lowers the
+train step on `ShapeDtypeStruct`s (nothing is allocated, no weight exists), compiles it with spmdkit's XLA:GPU
+flags and returns a report: per-device bytes against the target's HBM, the attention kernel found in the compiled
+program, the collectives (kind, count, bytes, async), the FLOPs with loop trip counts multiplied, and the
+planner's prediction of the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from typing import Any
+
+from spmdkit.inspect.flops import hlo_flops
+from spmdkit.inspect.hlo import collective_report
+from spmdkit.models.device_facts import cudnn_checks_for
+from spmdkit.plan.estimate import estimate
+from spmdkit.sharding.mesh_config import format_sizes
+from spmdkit.targets import gpu_target, target_devices
+from spmdkit.targets.flags import compile_with_options, gpu_compiler_options
+from spmdkit.train.config import TrainConfig
+from spmdkit.train.program import TrainProgram, build_program
+
+BLOCK_SCORES = "...hgqd,...hkd->...hgqk"  # the score einsum of `spmdkit.kernels.attention_block`
+DOT_SCORES = "bqkgd,bskd->bkgqs"  # the score einsum of `spmdkit.models.attention.dot_attention`
+REMAT_ORDER = ("dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recomputation first
+USABLE_HBM = 0.95  # of the device's memory: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers take the rest
+
+
+def attention_in_hlo(text: str, context: int = 1) -> str:
+    """The attention kernel the compiled program holds, read from its instructions and their source names:
+    `cudnn` (cuDNN's fused-attention custom calls), `ring` (the block kernel's score einsum and K/V hopping by
+    collective-permute), `blockwise` (the block kernel's score einsum, `spmdkit.kernels.attention_block`) or `dot`
+    (the reference's full score einsum); `none` when none is there."""
+    if "__cudnn$fmha" in text:
+        return "cudnn"
+    if BLOCK_SCORES in text:
+        return "ring" if context > 1 and "collective-permute" in text else "blockwise"
+    return "dot" if DOT_SCORES in text else "none"
+
+
+def memory_bytes(compiled: Any) -> dict[str, int]:
+    """Per-device bytes of the compiled step; `total` = arguments + outputs - aliased (donated) + temporaries."""
+    m = compiled.memory_analysis()
+    out = {
+        "argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes, "generated_code": m.generated_code_size_in_bytes,
+        "host_temp": m.host_temp_size_in_bytes,
+    }  # fmt: skip
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
+    return out
+
+
+def planner_estimate(program: TrainProgram, target: str, remat: str | None = None) -> Any:
+    """`spmdkit.plan.estimate` of the program's layout on the target (optionally with another remat policy)."""
+    layout, model = program.layout(), program.model_config
+    if remat is not None:
+        model = model.replace(remat=remat)
+    return estimate(
+        model, layout.sizes, device=target, batch_size=layout.batch_size, seq_len=layout.seq_len, zero=layout.zero,
+        sequence_parallel=layout.sequence_parallel, microbatches=layout.microbatches, schedule=layout.schedule,
+        virtual_stages=layout.virtual_stages,
+    )  # fmt: skip
+
+
+def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_bytes: float) -> str | None:
+    """The first remat policy, least recomputation first, whose compiled step fits in `usable` bytes per device
+    (each one compiled: the answer is XLA's, not the planner's). None at once when the state alone (`state_bytes`:
+    parameters, gradients and optimizer, which no remat policy changes) does not fit."""
+    if state_bytes > usable:
+        return None
+    for policy in REMAT_ORDER:
+        if policy == config.model.remat:
+            continue
+        trial = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
+        compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices)), gpu_compiler_options())
+        if memory_bytes(compiled)["total"] <= usable:
+            return policy
+    return None
+
+
+def state_bytes(plan: Any) -> float:
+    """The planner's per-device parameters, gradients and optimizer state (they match the compiled arguments)."""
+    return sum(plan.memory.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
+
+
+def lower_train_step(program: TrainProgram) -> Any:
+    """The program's train step lowered on `ShapeDtypeStruct`s (state and batch as the trainer shards them), JAX's
+    cuDNN checks answering for the target GPU (`cudnn_checks_for`: they run while the whole step is traced)."""
+    state, keys = program.abstract_state(), program.batch_keys()
+    with cudnn_checks_for(program.mesh.devices.flat[0]):
+        return program.train_step(state, keys).lower(state.state, program.abstract_batch(keys))
+
+
+def collectives_table(compiled: Any) -> dict[str, dict[str, int]]:
+    """opcode -> instructions, how many are async (start/done pairs), runs per step and operand bytes per step."""
+    return collective_report(compiled).by_opcode()
+
+
+def model_flops(program: TrainProgram) -> float:
+    """The model's FLOPs of one step (`TransformerConfig.flops_per_token`: what MFU counts), all devices."""
+    run = program.config.run
+    return program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
+
+
+def compile_for_target(
+    config: TrainConfig, target: str = "h100", devices: int = 8, per_host: int = 8
+) -> dict[str, Any]:
+    """Compile `config`'s train step for `devices` GPUs of `target` (`per_host` per host); the report as a dict."""
+    info = gpu_target(target)
+    gpus = target_devices(target, devices, per_host)
+    program = build_program(config, gpus)
+    started = time.perf_counter()
+    compiled, dropped = compile_with_options(lower_train_step(program), gpu_compiler_options())
+    seconds = time.perf_counter() - started
+    text = compiled.as_text()
+    memory = memory_bytes(compiled)
+    plan = planner_estimate(program, target)
+    usable = int(USABLE_HBM * info.hbm_bytes)
+    fits = memory["total"] <= usable
+    run = program.config.run
+    flops = hlo_flops(text)
+    return {
+        "target": target,
+        "device_kind": info.device_kind,
+        "devices": devices,
+        "hosts": max(1, devices // per_host),
+        "mesh": format_sizes(dict(program.mesh.shape)),
+        "model": program.config.model.name,
+        "batch_size": run.batch_size,
+        "seq_len": run.seq_len,
+        "remat": program.model_config.remat,
+        "zero": program.rules.zero_stage,
+        "fits": fits,
+        "per_device_bytes": memory,
+        "hbm_bytes": info.hbm_bytes,
+        "usable_hbm_bytes": usable,
+        "attention_kernel": attention_in_hlo(text, program.context),
+        "collectives": collectives_table(compiled),
+        "flops_per_device": flops,
+        "model_flops_per_device": model_flops(program) / devices,
+        "planner_bytes": plan.total_memory,
+        "planner_memory": dict(plan.memory),
+        "planner_ratio": plan.total_memory / memory["total"] if memory["total"] else None,
+        "planner_collective_bytes": dict(plan.collective_bytes),
+        "remat_that_fits": None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
+        "compile_seconds": round(seconds, 2),
+        "flags_left_out": dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
+    }
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f} GB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as the lines `spmdkit compile` prints."""
+    m, r = report["per_device_bytes"], report
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    lines = [
+        f"target       {r['devices']} x {r['device_kind']} ({r['hosts']} host(s)), mesh {r['mesh']}, ZeRO-{r['zero']}",
+        f"model        {r['model']}, batch {r['batch_size']} x {r['seq_len']}, remat {r['remat']}",
+        f"memory       per device {_gb(m['total'])}: arguments {_gb(m['argument'])} + outputs {_gb(m['output'])} "
+        f"- aliased {_gb(m['alias'])} + temporaries {_gb(m['temp'])}",
+        f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
+        f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
+        f"attention    {r['attention_kernel']} (found in the compiled program)",
+        f"FLOPs        {r['flops_per_device']['total'] / 1e12:.2f} TFLOP per device per step in the program (loops "
+        f"multiplied), model {r['model_flops_per_device'] / 1e12:.2f}",
+        "collectives  " + (", ".join(
+            f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async, {_gb(t['operand_bytes'])})"
+            for op, t in r["collectives"].items()
+        ) or "none"),
+        f"compile      {r['compile_seconds']:.1f} s",
+    ]  # fmt: skip
+    if r["remat_that_fits"]:
+        lines.append(f"hint         --model.remat {r['remat_that_fits']} fits this mesh (compiled)")
+    return "\n".join(lines)
+
+
+def not_fit_line(report: dict[str, Any]) -> str:
+    """The one line of a layout that does not fit (exit 1)."""
+    m = report["per_device_bytes"]
+    hint = f": try --model.remat {report['remat_that_fits']}" if report["remat_that_fits"] else ""
+    return (
+        f"does not fit: {_gb(m['total'])} per device on {report['mesh']} against {_gb(report['usable_hbm_bytes'])} "
+        f"usable of {report['device_kind']}'s {_gb(report['hbm_bytes'])}{hint}"
+    )

@@ -1,0 +1,148 @@
+"""What a training step is compiled from, decided once: `build_program(config, devices)`.
+
+The run's config resolves to a `TrainProgram`: the mesh over `devices` (real ones, or compile-only GPU devices of
+`spmdkit.targets`), the model config, the logical-axis rules, the attention kernel that runs on those devices, the
+pipeline schedule and the optimizer. The Trainer runs it on real devices; `spmdkit compile` lowers the same step on
+`ShapeDtypeStruct`s (`abstract_state`, `abstract_batch`) for a GPU target, so both compile the one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from spmdkit.data.packing.rows import FIELDS
+from spmdkit.data.resolve import resolve_source
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.device_facts import compute_capability, device_platform
+from spmdkit.parallel.pipeline.schedule import Schedule
+from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.sharding.mesh import MeshConfig, make_mesh
+from spmdkit.sharding.rules import Rules, make_rules
+from spmdkit.train.config import TrainConfig, with_data_vocab
+from spmdkit.train.optimizer import make_optimizer, schedule
+from spmdkit.train.pipeline_step import pipeline_schedule
+from spmdkit.train.state import TrainState, abstract_train_state, gradient_shardings
+from spmdkit.train.step import StepFn, batch_shardings, make_train_step, replica_axes
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    """The resolved run: `config` (model settings resolved, vocabulary from the data, optimizer defaults for a
+    fresh or fine-tuning run), the mesh, the model, the rules, the attention kernel, the pipeline schedule (None
+    without a pipeline axis), the optimizer and its learning-rate schedule."""
+
+    config: TrainConfig
+    mesh: Mesh
+    model_config: TransformerConfig
+    rules: Rules
+    attention: str  # the kernel that runs: dot, blockwise, cudnn or ring
+    pipeline: Schedule | None
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+
+    @property
+    def context(self) -> int:
+        return self.mesh.shape["context"]
+
+    def microbatches(self) -> int:
+        return microbatches(self.config, self.mesh)
+
+    def layout(self) -> Layout:
+        return layout(self.config, self.mesh, self.model_config)
+
+    def batch_keys(self) -> tuple[str, ...]:
+        """The batch's arrays as the data gives them (packed documents add `segment_ids` and `loss_mask`)."""
+        return FIELDS[resolve_source(self.config.data).packing]
+
+    def abstract_state(self) -> TrainState:
+        """The train state as `ShapeDtypeStruct`s carrying their shardings: nothing is allocated."""
+        graphdef, abstract, shardings = abstract_train_state(
+            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed
+        )
+        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        shapes = jax.tree.map(
+            lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+            abstract, shardings, is_leaf=is_variable,
+        )  # fmt: skip
+        grads = gradient_shardings(graphdef, abstract, self.mesh, self.rules)
+        return TrainState(graphdef, shapes, shardings, grads)
+
+    def abstract_batch(self, keys: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
+        """int32 [batch, seq] `ShapeDtypeStruct`s named by `keys`, sharded as the step takes them."""
+        run = self.config.run
+        shardings = batch_shardings(self.mesh, self.rules, tuple(keys))
+        return {k: jax.ShapeDtypeStruct((run.batch_size, run.seq_len), "int32", sharding=shardings[k]) for k in keys}
+
+    def train_step(self, state: TrainState, keys: Sequence[str], token_bytes: Any = None) -> StepFn:
+        """The jitted train step of this program (see `spmdkit.train.step.make_train_step`)."""
+        run = self.config.run
+        return make_train_step(
+            state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline,
+            tuple(keys), token_bytes,
+        )  # fmt: skip
+
+
+def microbatches(config: TrainConfig, mesh: Mesh) -> int:
+    """Pipeline microbatches (default: twice the stages) with a pipeline axis, else gradient accumulation."""
+    stages, settings, run = mesh.shape["pipeline"], config.mesh, config.run
+    if stages > 1 and run.grad_accum != 1:
+        raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
+    return (settings.microbatches or 2 * stages) if stages > 1 else run.grad_accum
+
+
+def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
+    """The run's layout as the planner describes it (and `check_layout` checks it)."""
+    settings, run = config.mesh, config.run
+    return Layout(
+        model, tuple(mesh.shape.items()), run.batch_size, run.seq_len, settings.zero, settings.sequence_parallel,
+        microbatches(config, mesh), settings.pipeline_schedule, settings.virtual_stages,
+    )  # fmt: skip
+
+
+def in_manual_region(config: TrainConfig, mesh: Mesh) -> bool:
+    """Does the model run inside a partly manual `shard_map`: pipeline stages, or gradient accumulation over replica
+    axes (`spmdkit.train.step.replica_axes`: data, and fsdp below ZeRO-3)?"""
+    if mesh.shape["pipeline"] > 1:
+        return True
+    return config.run.grad_accum > 1 and bool(replica_axes(mesh, make_rules(config.mesh.zero)))
+
+
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """The config as the run saves it: the model's full shape (not a preset or a path that may move), its
+    vocabulary from the data, and the learning rate of a fresh run or of a fine-tuning one (`--init-from`)."""
+    fine_tuning = bool(config.model.init_from)
+    config = with_data_vocab(config)
+    return dataclasses.replace(config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning))
+
+
+def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> TrainProgram:
+    """The program of `config` on `devices` (default: every device of every process). Everything the mesh, model
+    and batch must agree on is checked here, before any array exists; an explicit attention kernel that cannot run
+    on these devices is an error now."""
+    config = resolve_config(config)
+    mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn), devices)
+    model = config.model.build(mesh.shape["context"])
+    rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+    check_layout(layout(config, mesh, model))
+    device = mesh.devices.flat[0]
+    kernel = choose_attention(
+        model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
+        head_dim=model.head_dim, compute_capability=compute_capability(device),
+        manual_region=in_manual_region(config, mesh),
+    )  # fmt: skip
+    settings, run = config.mesh, config.run
+    pipeline = None
+    if mesh.shape["pipeline"] > 1:
+        count = microbatches(config, mesh)
+        pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
+    tx = make_optimizer(config.optimizer, run.steps)
+    return TrainProgram(config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps))
