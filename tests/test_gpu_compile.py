@@ -182,3 +182,15 @@ def test_a_layout_that_does_not_fit_is_a_result_not_a_traceback():
     assert report["fits"] is False and report["per_device_bytes"]["total"] > report["usable_hbm_bytes"]
     assert report["remat_that_fits"] is None  # 70B's state alone is ~140 GB per device on 8 GPUs
     assert "does not fit" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_decode_step_compiles_for_h100_with_tensor_parallel_all_reduces():
+    result = run_spmdkit(
+        "compile", "--decode", "--model", "tiny", "--mesh", "tensor=4,data=2", "--seq-len", "64", "--batch-size", "8",
+        "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["program"] == "decode" and report["fits"] and report["attention_kernel"] == "dot"
+    assert report["collectives"]["all-reduce"]["asynchronous"] > 0  # TP's per-layer sums, async pairs
+    assert 0.5 < report["planner_ratio"] < 1.5  # weights + KV cache, as the inference planner counts them

@@ -40,6 +40,11 @@ def parser() -> ArgumentParser:
     parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (default 8)")
     parser.add_argument("--devices-per-host", type=int, default=8, help="GPUs per host (default 8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="compile the decode step of spmdkit generate instead (--batch-size rows, a cache of --seq-len "
+        "positions; the inference mesh: tensor and data only)",
+    )  # fmt: skip
     parser.add_argument("--config", help="defaults from a TOML file, as spmdkit train --config")
     return parser
 
@@ -63,9 +68,10 @@ def main(argv: Sequence[str]) -> int:
     _check_counts(args.devices, args.devices_per_host)
     require_aot()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: no driver is needed, nor looked for
-    from spmdkit.tools.gpu_compile import compile_for_target, format_report, not_fit_line
+    from spmdkit.tools.gpu_compile import compile_for_target, decode_report, format_report, not_fit_line
 
-    report = compile_for_target(config, args.target, args.devices, args.devices_per_host)
+    build = decode_report if args.decode else compile_for_target
+    report = build(config, args.target, args.devices, args.devices_per_host)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if not report["fits"]:
         print(f"spmdkit: {not_fit_line(report)}", file=sys.stderr)

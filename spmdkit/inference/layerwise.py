@@ -69,7 +69,10 @@ def _take(array: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _slice_layer(array: jax.Array, index: int) -> jax.Array:
-    """array[index] as its own buffer, sharded as the stack was (minus the `layers` dim)."""
+    """array[index] as its own buffer, sharded as the stack was (minus the `layers` dim); for an abstract array
+    (`ShapeDtypeStruct`: compiling without weights, `spmdkit compile --decode`) its abstract slice."""
+    if isinstance(array, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(array.shape[1:], array.dtype, sharding=_layer_sharding(array))
     return jax.device_put(_take(array, index), _layer_sharding(array))
 
 

@@ -15,6 +15,8 @@ import resource
 import time
 from typing import Any
 
+import jax
+
 from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.models.device_facts import cudnn_checks_for
@@ -25,6 +27,7 @@ from spmdkit.targets.flags import compile_with_options, gpu_compiler_options
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import TrainProgram, build_program
 
+CACHE_SCORES = "btkgd,bskd->bkgts"  # generation's attention over the KV cache (`spmdkit.inference.attention`)
 BLOCK_SCORES = "...hgqd,...hkd->...hgqk"  # the score einsum of `spmdkit.kernels.attention_block`
 DOT_SCORES = "bqkgd,bskd->bkgqs"  # the score einsum of `spmdkit.models.attention.dot_attention`
 REMAT_ORDER = ("dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recomputation first
@@ -40,7 +43,7 @@ def attention_in_hlo(text: str, context: int = 1) -> str:
         return "cudnn"
     if BLOCK_SCORES in text:
         return "ring" if context > 1 and "collective-permute" in text else "blockwise"
-    return "dot" if DOT_SCORES in text else "none"
+    return "dot" if DOT_SCORES in text or CACHE_SCORES in text else "none"
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:
@@ -107,6 +110,52 @@ def model_flops(program: TrainProgram) -> float:
     return program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
 
 
+def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, dict[str, float]]:
+    """The decode program of `spmdkit generate` for `config`'s model on the inference mesh `--mesh` names (tensor
+    and data only) over `devices`: `batch_size` rows, a cache of `seq_len` positions, its weights abstract.
+    Returns (compiled, mesh, the inference planner's {weights, kv_cache} bytes per device)."""
+    from flax import nnx
+
+    from spmdkit.inference.engine import Generator
+    from spmdkit.inference.loading import generation_config, inference_mesh, inference_rules, param_shardings
+    from spmdkit.plan.inference import decode_memory
+    from spmdkit.train.program import resolve_config
+
+    resolved, run = resolve_config(config), config.run
+    model = generation_config(resolved.model.build())
+    mesh, rules = inference_mesh(config.mesh.mesh, devices), inference_rules()
+    graphdef, abstract, shardings = param_shardings(model, mesh, rules)
+    state = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )  # fmt: skip
+    generator = Generator(nnx.merge(graphdef, state), mesh, rules, max_len=run.seq_len)
+    compiled = generator.decode_program(run.batch_size, run.seq_len)
+    plan = decode_memory(model, dict(mesh.shape), None, batch=run.batch_size, context=run.seq_len)
+    return compiled, mesh, plan
+
+
+def decode_report(config: TrainConfig, target: str, devices: int, per_host: int) -> dict[str, Any]:
+    """`spmdkit compile --decode`: the report of `compile_decode` (the keys of `compile_for_target`'s)."""
+    info = gpu_target(target)
+    started = time.perf_counter()
+    compiled, mesh, plan = compile_decode(config, target_devices(target, devices, per_host))
+    seconds, text, memory = time.perf_counter() - started, compiled.as_text(), memory_bytes(compiled)
+    usable = int(USABLE_HBM * info.hbm_bytes)
+    planned = sum(plan.values())
+    return {
+        "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": max(1, devices // per_host),
+        "program": "decode", "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name,
+        "batch_size": config.run.batch_size, "seq_len": config.run.seq_len, "fits": memory["total"] <= usable,
+        "per_device_bytes": memory, "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable,
+        "attention_kernel": attention_in_hlo(text), "collectives": collectives_table(compiled),
+        "flops_per_device": hlo_flops(text), "planner_bytes": planned, "planner_memory": plan,
+        "planner_ratio": planned / memory["total"] if memory["total"] else None, "remat_that_fits": None,
+        "compile_seconds": round(seconds, 2),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }  # fmt: skip
+
+
 def compile_for_target(
     config: TrainConfig, target: str = "h100", devices: int = 8, per_host: int = 8
 ) -> dict[str, Any]:
@@ -162,16 +211,19 @@ def format_report(report: dict[str, Any]) -> str:
     """The report as the lines `spmdkit compile` prints."""
     m, r = report["per_device_bytes"], report
     verdict = "fits" if r["fits"] else "does NOT fit"
+    decode = r.get("program") == "decode"
+    layout = "decode step" if decode else f"train step, ZeRO-{r['zero']}, remat {r['remat']}"
+    model_flops = "" if decode else f", model {r['model_flops_per_device'] / 1e12:.2f}"
     lines = [
-        f"target       {r['devices']} x {r['device_kind']} ({r['hosts']} host(s)), mesh {r['mesh']}, ZeRO-{r['zero']}",
-        f"model        {r['model']}, batch {r['batch_size']} x {r['seq_len']}, remat {r['remat']}",
+        f"target       {r['devices']} x {r['device_kind']} ({r['hosts']} host(s)), mesh {r['mesh']}",
+        f"program      {r['model']} {layout}, batch {r['batch_size']} x {r['seq_len']}",
         f"memory       per device {_gb(m['total'])}: arguments {_gb(m['argument'])} + outputs {_gb(m['output'])} "
         f"- aliased {_gb(m['alias'])} + temporaries {_gb(m['temp'])}",
         f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
         f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
         f"attention    {r['attention_kernel']} (found in the compiled program)",
-        f"FLOPs        {r['flops_per_device']['total'] / 1e12:.2f} TFLOP per device per step in the program (loops "
-        f"multiplied), model {r['model_flops_per_device'] / 1e12:.2f}",
+        f"FLOPs        {r['flops_per_device']['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
+        f"multiplied){model_flops}",
         "collectives  " + (", ".join(
             f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async, {_gb(t['operand_bytes'])})"
             for op, t in r["collectives"].items()
