@@ -86,6 +86,26 @@ def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_
     return None
 
 
+def planner_layout(program: TrainProgram, target: str, devices: int, per_host: int) -> str | None:
+    """The flags of the fastest layout the planner says fits these devices (`spmdkit plan`'s search), or None."""
+    from spmdkit.plan.devices import make_device
+    from spmdkit.plan.search import candidate_meshes, search
+
+    run, model = program.config.run, program.model_config
+    meshes = list(candidate_meshes(model, devices, per_host, run.batch_size, run.seq_len))
+    fitting, _ = search(model, meshes, make_device(target, gpus_per_node=per_host), run.batch_size, run.seq_len)
+    if not fitting:
+        return None
+    best = fitting[0]
+    flags = [f"--mesh {format_sizes({k: v for k, v in best.mesh.items() if v > 1}) or 'fsdp=1'}"]
+    flags += [f"--zero {best.zero}", f"--model.remat {best.remat}"]
+    if best.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if best.microbatches > 1:
+        flags.append(f"{'--microbatches' if best.mesh.get('pipeline', 1) > 1 else '--grad-accum'} {best.microbatches}")
+    return " ".join(flags)
+
+
 def state_bytes(plan: Any) -> float:
     """The planner's per-device parameters, gradients and optimizer state (they match the compiled arguments)."""
     return sum(plan.memory.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
@@ -197,6 +217,7 @@ def compile_for_target(
         "planner_ratio": plan.total_memory / memory["total"] if memory["total"] else None,
         "planner_collective_bytes": dict(plan.collective_bytes),
         "remat_that_fits": None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
+        "planner_layout": None if fits else planner_layout(program, target, devices, per_host),
         "compile_seconds": round(seconds, 2),
         "flags_left_out": dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
@@ -232,6 +253,10 @@ def format_report(report: dict[str, Any]) -> str:
     ]  # fmt: skip
     if r["remat_that_fits"]:
         lines.append(f"hint         --model.remat {r['remat_that_fits']} fits this mesh (compiled)")
+    elif r.get("planner_layout"):
+        lines.append(
+            f"hint         the planner's fastest layout that fits: {r['planner_layout']} (compile it to check)"
+        )
     return "\n".join(lines)
 
 
@@ -239,6 +264,8 @@ def not_fit_line(report: dict[str, Any]) -> str:
     """The one line of a layout that does not fit (exit 1)."""
     m = report["per_device_bytes"]
     hint = f": try --model.remat {report['remat_that_fits']}" if report["remat_that_fits"] else ""
+    if not hint and report.get("planner_layout"):
+        hint = f": the planner suggests {report['planner_layout']}"
     return (
         f"does not fit: {_gb(m['total'])} per device on {report['mesh']} against {_gb(report['usable_hbm_bytes'])} "
         f"usable of {report['device_kind']}'s {_gb(report['hbm_bytes'])}{hint}"
