@@ -168,11 +168,12 @@ def cudnn_attention(
     if active is None:
         return kernel(q, k, v, segment_ids)
     rules, mesh = active
-    context_mesh = jax.sharding.get_abstract_mesh()
-    manual = set(context_mesh.manual_axes)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     free = tuple(a for a in mesh.axis_names if a not in manual)
     if not free:  # already per device (inside a shard_map over every axis)
         return kernel(q, k, v, segment_ids)
+    if manual:  # see spmdkit.models.attention_choice: no way to place cuDNN's kernel in a partly manual region
+        raise SpmdkitError("cuDNN attention cannot run inside a partly manual shard_map: use the blockwise kernel")
     batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
     for what, size, axes in (("batch", q.shape[0], batch), ("heads", q.shape[2], heads)):
         if size % math.prod(mesh.shape[a] for a in axes):
@@ -189,11 +190,9 @@ def cudnn_attention(
         return kernel(q, k, v, segments[0] if segments else None)
 
     # check_vma=False: no collective runs inside, and the cuDNN custom call does not declare how it varies.
-    # Nested in another shard_map (the pipeline's), the region is over the context's abstract mesh.
-    region_mesh = context_mesh if manual else mesh
-    return jax.shard_map(
-        local, mesh=region_mesh, in_specs=specs, out_specs=tokens, axis_names=set(free), check_vma=bool(manual)
-    )(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=set(free), check_vma=False)(
+        *args
+    )
 
 
 def attend(
