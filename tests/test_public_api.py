@@ -70,3 +70,20 @@ def test_import_spmdkit_stays_light():
     code = "import sys, spmdkit, spmdkit.interop, spmdkit.train.config; assert 'jax' not in sys.modules, 'jax'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_transformer_builds_and_runs_on_one_device_without_a_mesh():
+    """The first line a user writes: no mesh, no Flax switch. The logical names stay as metadata for sharding."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from spmdkit.models import Transformer
+    from spmdkit.models.config import model_preset
+
+    config = model_preset("tiny")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % config.vocab_size
+    x, _ = model.hidden(tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)))
+    loss, _ = model.loss(x, tokens)
+    assert x.shape == (2, 8, config.embed) and abs(float(loss) - float(jnp.log(config.vocab_size))) < 1.5
+    assert model.embedding.out_sharding == ("vocab", "embed")

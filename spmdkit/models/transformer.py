@@ -61,6 +61,13 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        # The parameters carry logical names (`out_sharding=("vocab", "embed")`) that spmdkit maps to mesh axes itself
+        # (`spmdkit.sharding.partition`); Flax's eager sharding would read them as mesh axes and, without a mesh,
+        # refuse. Off here: `Transformer(config, rngs=...)` is a plain model on one device; `init_sharded` shards.
+        with nnx.use_eager_sharding(False):
+            self._build(config, rngs)
+
+    def _build(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
         c = config
         self.config = config
         table = jax.random.normal(rngs.params(), (c.vocab_size, c.embed), c.param_dtype)
