@@ -4,6 +4,11 @@ Host-device syncs are kept off the hot path: metrics stay on device and are fetc
 the only per-step read is the previous step's bad-step counter, which is already computed while the current
 step runs. The Trainer owns a `Checkpointer`: it resumes from the newest intact step at the start of `run()` and
 saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs after every step (tests use it).
+
+`Trainer.run` is set-up (`_start`, `_compile`), a step iterator (`_steps`) and the hooks after each step (metrics and
+eval: `_MetricsHook`; save and poll; `step_hook`; stop request), with one `ExitStack` as the only clean-up path. The
+other public methods work in any order after `__init__`: `Trainer(config).evaluate()` before `run()` evaluates the
+fresh state.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +42,13 @@ from spmdkit.train.preflight import check_resume, check_writable
 from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState, create_train_state
-from spmdkit.train.step import batch_shardings, make_eval_step
+from spmdkit.train.step import Batch, batch_shardings, make_eval_step
 
 
 @dataclasses.dataclass
 class TrainResult:
+    """What `Trainer.run` returns: the logged train and eval losses, the final state, where the run wrote."""
+
     losses: dict[int, float]  # step (1-based) -> loss, for the logged steps
     eval_losses: dict[int, float]
     state: TrainState
@@ -54,6 +61,8 @@ class Trainer:
     """One run: `Trainer(config).run()`."""
 
     def __init__(self, config: TrainConfig, log: Callable[[str], None] | None = None):
+        """Check the config, the paths and the data, build the state and the eval step, open the checkpointer;
+        nothing is compiled or written yet. `log` takes the run's messages (default: print on process 0)."""
         # Mesh, model, rules, kernel, schedule and optimizer, resolved and checked once (`build_program`): an
         # explicit attention kernel that cannot run here is an error now, before anything is built.
         self.program = program = build_program(config)
@@ -75,10 +84,13 @@ class Trainer:
             config.data, seq_len=run.seq_len, global_batch=run.batch_size,
             vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
         )  # fmt: skip
+        self.batch_shardings = batch_shardings(self.mesh, self.rules, self.data.keys)
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
         self.tx, self.lr_schedule = program.tx, program.lr_schedule
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
+        # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
+        self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
@@ -95,7 +107,8 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------------
 
-    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def global_batch(self, local: dict[str, np.ndarray]) -> Batch:
+        """This process's rows of a batch as global arrays on the mesh (zigzagged first for ring attention)."""
         if self.model_config.attention == "ring":
             local = zigzag_batch(local, self.context)
         return global_batch_arrays(local, self.batch_shardings)
@@ -111,10 +124,11 @@ class Trainer:
         except SpmdkitError as error:
             raise SpmdkitError(f"{error} (or pass --eval-every 0 to train without evaluation)") from None
 
-    def evaluate(self, eval_step: Any) -> dict[str, float]:
+    def evaluate(self, eval_step: Callable[[Any, Batch], dict[str, jax.Array]] | None = None) -> dict[str, float]:
         """`eval_loss` (the mean over the scored tokens of up to `eval_batches` batches of the eval split) and,
-        when the data has text, `eval_bits_per_byte`."""
-        run = self.config.run
+        when the data has text, `eval_bits_per_byte`, of the current state: before `run`, the fresh (or, after
+        `resume()`, the resumed) one. `eval_step` defaults to the Trainer's own (`self.eval_step`)."""
+        run, eval_step = self.config.run, eval_step or self.eval_step
         stream = self._eval_stream()
         sums = []
         for _ in range(run.eval_batches):
@@ -209,76 +223,33 @@ class Trainer:
             raise SpmdkitError(f"{error}: lower --lr, or check the data") from None
 
     def run(self) -> TrainResult:
-        config, run = self.config, self.config.run
-        self.log(describe_run(self))
-        try:
-            self.resume()
-            self.initialise_from()
-        except BaseException:
-            self.checkpointer.close()
-            raise
-        if self.is_main:  # only once the resume checks passed: a refused run changes nothing
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                replace_text(self.run_dir / "config.json", config.to_json())
-                self.save_tokenizer()
-            except OSError as error:
-                self.checkpointer.close()
-                where = error.filename or self.run_dir / "config.json"
-                raise SpmdkitError(f"cannot write {where} ({error.strerror or error})") from None
-        checkpointer = self.checkpointer
-        if self.start_step >= run.steps:
-            checkpointer.close()
-            self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
-            return TrainResult({}, {}, self.state, self.run_dir, 0)
-        # token_bytes: int32 [vocab] UTF-8 bytes per token (None without a tokenizer): bits per byte are logged
-        keys, token_bytes = self.data.keys, self.data.token_bytes
-        self.batch_shardings = batch_shardings(self.mesh, self.rules, keys)
-        step_fn = self.program.train_step(self.state, keys, token_bytes)
-        if self.pipeline is not None and self.is_main:
-            self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
-        eval_step = make_eval_step(self.state, self.mesh, self.rules, keys, token_bytes)
-        batch = self.global_batch(next(self.data))
-        started = time.perf_counter()
-        compiled = step_fn.lower(self.state.state, batch).compile()
-        self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
+        """Train from the newest checkpoint (or the `--init-from` weights, or scratch) to `run.steps`, then summarise.
 
-        try:
-            writer = MetricsWriter(self.run_dir, enabled=self.is_main)
-        except BaseException:
-            checkpointer.close()
-            raise
-        peak = peak_flops(override_tflops=run.peak_tflops)
-        flops_per_token = self.model_config.flops_per_token(run.seq_len)
-        tokens_per_step = run.batch_size * run.seq_len
-        result = TrainResult({}, {}, self.state, self.run_dir, 0)
-        progress = Progress(run.steps - self.start_step, self.start_step, self.is_main and run.progress)
-        window_start, window_steps, previous = time.perf_counter(), 0, None
-        stop = StopRequest().install()  # SIGTERM / SIGINT: finish this step, save, return
-        try:
-            for step in range(self.start_step + 1, run.steps + 1):
-                if step > self.start_step + 1:
-                    batch = self.global_batch(next(self.data))
-                self.state.state, metrics = compiled(self.state.state, batch)
-                window_steps += 1
-                if previous is not None:
-                    self._check_bad_steps(previous, step - 1)
-                previous = metrics
-                if step % run.log_every == 0 or step in (self.start_step + 1, run.steps):
-                    fetched = jax.device_get(metrics)
-                    elapsed = time.perf_counter() - window_start
-                    speed = throughput(
-                        tokens_per_step, elapsed / window_steps, flops_per_token, jax.device_count(), peak
-                    )
-                    record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
-                    record.update(step_time_s=elapsed / window_steps, **speed)
-                    if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-                        record.update(self.evaluate(eval_step))
-                        result.eval_losses[step] = record["eval_loss"]
-                    result.losses[step] = record["loss"]
-                    writer.write(record)
-                    progress.update(record, step)
-                    window_start, window_steps = time.perf_counter(), 0
+        Set-up (`_start`, `_compile`), then one step after another (`_steps`), each followed by its hooks: metrics
+        and eval (`_MetricsHook`), the save when due and a poll for a failed background save, `step_hook`, and a
+        SIGTERM / SIGINT request (finish the step, save, wait, return with `stopped_at`). One `ExitStack` is the
+        only clean-up path: it puts the signal handlers back and closes the progress bar, the checkpointer and the
+        metrics writer on every way out. While a failure propagates, failures to close are swallowed (the first
+        failure is the one reported); on a clean exit everything is closed and the first failure to close raised.
+        """
+        run, checkpointer = self.config.run, self.checkpointer
+        self.log(describe_run(self))
+        with contextlib.ExitStack() as stack:
+            stack.push(_closing(checkpointer.close))
+            self._start()
+            if self.start_step >= run.steps:
+                stack.close()
+                self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
+                return TrainResult({}, {}, self.state, self.run_dir, 0)
+            compiled, batch = self._compile()
+            writer = self._open_writer(stack)
+            progress = Progress(run.steps - self.start_step, self.start_step, self.is_main and run.progress)
+            stack.push(_closing(progress.close))
+            stop = stack.enter_context(StopRequest())  # SIGTERM / SIGINT: finish this step, save, return
+            result = TrainResult({}, {}, self.state, self.run_dir, 0)
+            log_metrics = _MetricsHook(self, writer, progress, result)
+            for step, metrics in self._steps(compiled, batch):
+                log_metrics(step, metrics)
                 self.save(step, force=step == run.steps)
                 checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
@@ -288,35 +259,74 @@ class Trainer:
                     self.save(step, force=True)
                     checkpointer.wait()
                     break
-            self._check_bad_steps(previous, step)
-        except BaseException:
-            stop.uninstall()  # a second Ctrl-C while closing interrupts as usual
-            # The first failure is the one to report: closing what remains must not replace it.
-            for close in (checkpointer.close, writer.close, progress.close):
-                with contextlib.suppress(Exception):
-                    close()
-            raise
-        stop.uninstall()
-        progress.close()
-        failures = []
-        for close in (checkpointer.close, writer.close):  # both, whichever fails; the first failure is reported
-            try:
-                close()
-            except SpmdkitError as error:
-                failures.append(error)
-        if failures:
-            raise failures[0]
+            self._check_bad_steps(metrics, step)  # the last step's counter: `_steps` checks each one before
+        return self._finish(result, stop)
+
+    def _start(self) -> None:
+        """Resume (or initialise from `--init-from`), then write config.json and the tokenizer into the run
+        directory: only once the resume checks passed, so that a refused run changes nothing."""
+        self.resume()
+        self.initialise_from()
+        if not self.is_main:
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            replace_text(self.run_dir / "config.json", self.config.to_json())
+            self.save_tokenizer()
+        except OSError as error:
+            where = error.filename or self.run_dir / "config.json"
+            raise SpmdkitError(f"cannot write {where} ({error.strerror or error})") from None
+
+    def _compile(self) -> tuple[Callable[[Any, Batch], tuple[Any, dict[str, jax.Array]]], Batch]:
+        """The train step, compiled for the first batch, and that batch (the first step runs on it); with a
+        pipeline, its schedule drawn into the run directory first."""
+        # token_bytes: int32 [vocab] UTF-8 bytes per token (None without a tokenizer): bits per byte are logged
+        step_fn = self.program.train_step(self.state, self.data.keys, self.data.token_bytes)
+        if self.pipeline is not None and self.is_main:
+            self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
+        batch = self.global_batch(next(self.data))
+        started = time.perf_counter()
+        compiled = step_fn.lower(self.state.state, batch).compile()
+        self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
+        return compiled, batch
+
+    def _open_writer(self, stack: contextlib.ExitStack) -> MetricsWriter:
+        """The metrics writer, registered on `stack` to close after what `stack` already closes (the checkpointer):
+        on a clean exit a failed last save, the failure that loses work, is the one reported."""
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        opened_before = stack.pop_all()  # their callbacks, moved to run before the writer's
+        stack.push(_closing(writer.close))
+        stack.enter_context(opened_before)
+        return writer
+
+    def _steps(self, compiled: Callable[..., Any], batch: Batch) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+        """Run the steps after `start_step` (the first on `batch`), yielding each (1-based) step and its metrics,
+        still on device. Each step's bad-step counter is read once the next step is running (no sync on the hot
+        path): the caller checks the last one."""
+        previous = None
+        for step in range(self.start_step + 1, self.config.run.steps + 1):
+            if step > self.start_step + 1:
+                batch = self.global_batch(next(self.data))
+            self.state.state, metrics = compiled(self.state.state, batch)
+            if previous is not None:
+                self._check_bad_steps(previous, step - 1)
+            previous = metrics
+            yield step, metrics
+
+    def _finish(self, result: TrainResult, stop: StopRequest) -> TrainResult:
+        """`result` with the skipped steps counted; the summary and, after a stop request, how to resume, logged."""
         result.skipped_steps = int(jax.device_get(self.state.state[1]["opt_state"]["total_notfinite"][...]))
         if self.is_main and result.losses:
             self.log(summary(self.run_dir, result.skipped_steps))
         if result.stopped_at is not None:
             self.log(
                 f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved in "
-                f"{checkpointer.directory}: run the same command again to resume"
+                f"{self.checkpointer.directory}: run the same command again to resume"
             )
         return result
 
     def _check_bad_steps(self, metrics: dict[str, jax.Array], step: int) -> None:
+        """Stop the run (SpmdkitError) once `max_bad_steps` consecutive steps up to `step` had NaN/Inf gradients."""
         bad = int(metrics["bad_steps"])
         limit = self.config.optimizer.max_bad_steps
         if bad >= limit:
@@ -324,6 +334,54 @@ class Trainer:
                 f"the gradients were NaN or Inf for {bad} consecutive steps (steps {step - bad + 1}-{step}); the "
                 f"parameters are those of step {step - bad}: lower --lr, check the data, or raise max_bad_steps"
             )
+
+
+class _MetricsHook:
+    """After each step: at the logged ones (every `log_every`, the first and the last) the record of the step, its
+    metrics fetched, its speed over the steps since the previous record and, when due, the eval figures; written
+    (metrics.jsonl, TensorBoard), shown (the progress bar) and kept (the result's losses)."""
+
+    def __init__(self, trainer: Trainer, writer: MetricsWriter, progress: Progress, result: TrainResult):
+        run = trainer.config.run
+        self.trainer, self.writer, self.progress, self.result = trainer, writer, progress, result
+        self.peak = peak_flops(override_tflops=run.peak_tflops)
+        self.flops_per_token = trainer.model_config.flops_per_token(run.seq_len)
+        self.tokens_per_step = run.batch_size * run.seq_len
+        self.window_start, self.window_step = time.perf_counter(), trainer.start_step
+
+    def __call__(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """The record of `step` (metrics still on device), if it is a logged step."""
+        trainer, run = self.trainer, self.trainer.config.run
+        if not (step % run.log_every == 0 or step in (trainer.start_step + 1, run.steps)):
+            return
+        fetched = jax.device_get(metrics)
+        step_time = (time.perf_counter() - self.window_start) / (step - self.window_step)
+        speed = throughput(self.tokens_per_step, step_time, self.flops_per_token, jax.device_count(), self.peak)
+        record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
+        record.update(step_time_s=step_time, **speed)
+        if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
+            record.update(trainer.evaluate())
+            self.result.eval_losses[step] = record["eval_loss"]
+        self.result.losses[step] = record["loss"]
+        self.writer.write(record)
+        self.progress.update(record, step)
+        self.window_start, self.window_step = time.perf_counter(), step
+
+
+def _closing(close: Callable[[], object]) -> Callable[..., bool]:
+    """`close` as an `ExitStack` exit callback. On a clean exit a failure to close propagates (the callbacks after it
+    then see it in flight); while an exception propagates, a failure to close is swallowed, so that the first
+    failure is the one reported."""
+
+    def exit_callback(exc_type: type[BaseException] | None, exc: BaseException | None, traceback: Any) -> bool:
+        if exc_type is None:
+            close()
+        else:
+            with contextlib.suppress(Exception):
+                close()
+        return False
+
+    return exit_callback
 
 
 def train(config: TrainConfig) -> TrainResult:
