@@ -234,6 +234,20 @@ class MeshSettings:
         _require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
 
 
+def parse_steps(spec: str | None) -> tuple[int, int] | None:
+    """'3:5' -> (3, 5); None -> None; anything else is one line saying what to write."""
+    if spec is None:
+        return None
+    first, sep, last = spec.partition(":")
+    try:
+        bounds = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        bounds = (0, -1)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise SpmdkitError(f"--profile-steps {spec!r}: give A:B with 1 <= A <= B (e.g. 3:5), or one step N")
+    return bounds
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The loop. `batch_size` is global, in sequences; `fail_steps` poisons those steps' gradients with NaN (for
@@ -255,6 +269,12 @@ class RunSettings:
     )
     progress: bool = _field(True, "show a progress bar", "--progress")
     fail_steps: tuple[int, ...] = _field((), "steps whose gradients are made NaN (testing the NaN guard)")
+    profile_steps: str | None = _field(
+        None, "write a jax.profiler trace of steps A to B (A:B, e.g. 3:5) into RUN_DIR/profile/", "--profile-steps"
+    )
+    dump_hlo: bool = _field(
+        False, "write the compiled step's optimized HLO to RUN_DIR/train_step.hlo.txt", "--dump-hlo"
+    )
 
     def __post_init__(self) -> None:
         check_types(self, "run")
@@ -265,6 +285,7 @@ class RunSettings:
         _require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
         _require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
+        parse_steps(self.profile_steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ step runs. The Trainer owns a `Checkpointer`: it resumes from the newest intact 
 saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs after every step (tests use it).
 
 `Trainer.run` is set-up (`_start`, `_compile`), a step iterator (`_steps`) and the hooks after each step (metrics and
-eval: `_MetricsHook`; save and poll; `step_hook`; stop request), with one `ExitStack` as the only clean-up path. The
+eval: `MetricsHook`; save and poll; `step_hook`; stop request), with one `ExitStack` as the only clean-up path. The
 other public methods work in any order after `__init__`: `Trainer(config).evaluate()` before `run()` evaluates the
 fresh state.
 """
@@ -36,9 +36,11 @@ from spmdkit.interop.loading import check_source
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.train.config import TrainConfig, checkpoint_directory
-from spmdkit.train.metrics import MetricsWriter, peak_flops, replace_text, throughput, trim_metrics
+from spmdkit.train.hooks import MetricsHook, closing
+from spmdkit.train.metrics import MetricsWriter, replace_text, trim_metrics
 from spmdkit.train.preemption import StopRequest
 from spmdkit.train.preflight import check_resume, check_writable
+from spmdkit.train.profiling import StepProfiler, dump_hlo, phase
 from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState, create_train_state
@@ -91,6 +93,7 @@ class Trainer:
         self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
         # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
         self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
+        self.profiler = StepProfiler(run.profile_steps, self.run_dir)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
@@ -226,7 +229,7 @@ class Trainer:
         """Train from the newest checkpoint (or the `--init-from` weights, or scratch) to `run.steps`, then summarise.
 
         Set-up (`_start`, `_compile`), then one step after another (`_steps`), each followed by its hooks: metrics
-        and eval (`_MetricsHook`), the save when due and a poll for a failed background save, `step_hook`, and a
+        and eval (`MetricsHook`), the save when due and a poll for a failed background save, `step_hook`, and a
         SIGTERM / SIGINT request (finish the step, save, wait, return with `stopped_at`). One `ExitStack` is the
         only clean-up path: it puts the signal handlers back and closes the progress bar, the checkpointer and the
         metrics writer on every way out. While a failure propagates, failures to close are swallowed (the first
@@ -235,7 +238,7 @@ class Trainer:
         run, checkpointer = self.config.run, self.checkpointer
         self.log(describe_run(self))
         with contextlib.ExitStack() as stack:
-            stack.push(_closing(checkpointer.close))
+            stack.push(closing(checkpointer.close))
             self._start()
             if self.start_step >= run.steps:
                 stack.close()
@@ -244,13 +247,15 @@ class Trainer:
             compiled, batch = self._compile()
             writer = self._open_writer(stack)
             progress = Progress(run.steps - self.start_step, self.start_step, self.is_main and run.progress)
-            stack.push(_closing(progress.close))
+            stack.push(closing(progress.close))
             stop = stack.enter_context(StopRequest())  # SIGTERM / SIGINT: finish this step, save, return
+            stack.callback(self.profiler.close)
             result = TrainResult({}, {}, self.state, self.run_dir, 0)
-            log_metrics = _MetricsHook(self, writer, progress, result)
+            log_metrics = MetricsHook(self, writer, progress, result)
             for step, metrics in self._steps(compiled, batch):
                 log_metrics(step, metrics)
-                self.save(step, force=step == run.steps)
+                with phase("checkpoint"):
+                    self.save(step, force=step == run.steps)
                 checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
                     self.step_hook(step, self)
@@ -288,6 +293,8 @@ class Trainer:
         started = time.perf_counter()
         compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
+        if self.config.run.dump_hlo and self.is_main:
+            self.log(f"wrote the compiled step's HLO to {dump_hlo(compiled, self.run_dir)}")
         return compiled, batch
 
     def _open_writer(self, stack: contextlib.ExitStack) -> MetricsWriter:
@@ -295,7 +302,7 @@ class Trainer:
         on a clean exit a failed last save, the failure that loses work, is the one reported."""
         writer = MetricsWriter(self.run_dir, enabled=self.is_main)
         opened_before = stack.pop_all()  # their callbacks, moved to run before the writer's
-        stack.push(_closing(writer.close))
+        stack.push(closing(writer.close))
         stack.enter_context(opened_before)
         return writer
 
@@ -305,9 +312,13 @@ class Trainer:
         path): the caller checks the last one."""
         previous = None
         for step in range(self.start_step + 1, self.config.run.steps + 1):
-            if step > self.start_step + 1:
-                batch = self.global_batch(next(self.data))
-            self.state.state, metrics = compiled(self.state.state, batch)
+            with self.profiler.step(step):  # `--profile-steps`: a trace of the steps asked for, each annotated
+                if step > self.start_step + 1:
+                    with phase("data"):
+                        batch = self.global_batch(next(self.data))
+                with phase("step"):
+                    self.state.state, metrics = compiled(self.state.state, batch)
+            self.profiler.finished(step, metrics)
             if previous is not None:
                 self._check_bad_steps(previous, step - 1)
             previous = metrics
@@ -336,59 +347,6 @@ class Trainer:
             )
 
 
-class _MetricsHook:
-    """After each step: at the logged ones (every `log_every`, the first and the last) the record of the step, its
-    metrics fetched, its speed over the steps since the previous record and, when due, the eval figures; written
-    (metrics.jsonl, TensorBoard), shown (the progress bar) and kept (the result's losses)."""
-
-    def __init__(self, trainer: Trainer, writer: MetricsWriter, progress: Progress, result: TrainResult):
-        run = trainer.config.run
-        self.trainer, self.writer, self.progress, self.result = trainer, writer, progress, result
-        self.peak = peak_flops(override_tflops=run.peak_tflops)
-        self.flops_per_token = trainer.model_config.flops_per_token(run.seq_len)
-        self.tokens_per_step = run.batch_size * run.seq_len
-        self.window_start, self.window_step = time.perf_counter(), trainer.start_step
-
-    def __call__(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        """The record of `step` (metrics still on device), if it is a logged step."""
-        trainer, run = self.trainer, self.trainer.config.run
-        if not (step % run.log_every == 0 or step in (trainer.start_step + 1, run.steps)):
-            return
-        fetched = jax.device_get(metrics)
-        step_time = (time.perf_counter() - self.window_start) / (step - self.window_step)
-        speed = throughput(self.tokens_per_step, step_time, self.flops_per_token, jax.device_count(), self.peak)
-        record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
-        record.update(step_time_s=step_time, **speed)
-        if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-            record.update(trainer.evaluate())
-            self.result.eval_losses[step] = record["eval_loss"]
-        self.result.losses[step] = record["loss"]
-        self.writer.write(record)
-        self.progress.update(record, step)
-        self.window_start, self.window_step = time.perf_counter(), step
-
-
-def _closing(close: Callable[[], object]) -> Callable[..., bool]:
-    """`close` as an `ExitStack` exit callback. On a clean exit a failure to close propagates (the callbacks after it
-    then see it in flight); while an exception propagates, a failure to close is swallowed, so that the first
-    failure is the one reported."""
-
-    def exit_callback(exc_type: type[BaseException] | None, exc: BaseException | None, traceback: Any) -> bool:
-        if exc_type is None:
-            close()
-        else:
-            with contextlib.suppress(Exception):
-                close()
-        return False
-
-    return exit_callback
-
-
 def train(config: TrainConfig) -> TrainResult:
     """Run training as configured and return its losses and final state."""
     return Trainer(config).run()
-
-
-def _plain(value: np.ndarray) -> float | list[float]:
-    """A fetched metric as JSON: a float, or a list (e.g. `expert_load`, one share per expert)."""
-    return float(value) if np.ndim(value) == 0 else [round(float(v), 6) for v in np.ravel(value)]
