@@ -30,7 +30,8 @@ from spmdkit.train.program import TrainProgram, build_program
 CACHE_SCORES = "btkgd,bskd->bkgts"  # generation's attention over the KV cache (`spmdkit.inference.attention`)
 BLOCK_SCORES = "...hgqd,...hkd->...hgqk"  # the score einsum of `spmdkit.kernels.attention_block`
 DOT_SCORES = "bqkgd,bskd->bkgqs"  # the score einsum of `spmdkit.models.attention.dot_attention`
-REMAT_ORDER = ("dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recomputation first
+# least recomputation (most memory) first: a layout that does not fit tries the policies after its own
+REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
 USABLE_HBM = 0.95  # of the device's memory: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers take the rest
 
 
@@ -58,15 +59,13 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
     return out
 
 
-def planner_estimate(program: TrainProgram, target: str, remat: str | None = None) -> Any:
-    """`spmdkit.plan.estimate` of the program's layout on the target (optionally with another remat policy)."""
-    layout, model = program.layout(), program.model_config
-    if remat is not None:
-        model = model.replace(remat=remat)
+def planner_estimate(program: TrainProgram, target: str) -> Any:
+    """`spmdkit.plan.estimate` of the program's layout on the target."""
+    layout = program.layout()
     return estimate(
-        model, layout.sizes, device=target, batch_size=layout.batch_size, seq_len=layout.seq_len, zero=layout.zero,
-        sequence_parallel=layout.sequence_parallel, microbatches=layout.microbatches, schedule=layout.schedule,
-        virtual_stages=layout.virtual_stages,
+        layout.model, layout.sizes, device=target, batch_size=layout.batch_size, seq_len=layout.seq_len,
+        zero=layout.zero, sequence_parallel=layout.sequence_parallel, microbatches=layout.microbatches,
+        schedule=layout.schedule, virtual_stages=layout.virtual_stages,
     )  # fmt: skip
 
 
@@ -76,9 +75,9 @@ def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_
     parameters, gradients and optimizer, which no remat policy changes) does not fit."""
     if state_bytes > usable:
         return None
-    for policy in REMAT_ORDER:
-        if policy == config.model.remat:
-            continue
+    current = config.model.remat
+    lighter = REMAT_ORDER[REMAT_ORDER.index(current) + 1 :] if current in REMAT_ORDER else REMAT_ORDER
+    for policy in lighter:
         trial = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
         compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices)), gpu_compiler_options())
         if memory_bytes(compiled)["total"] <= usable:
