@@ -112,7 +112,7 @@ SUBCOMMANDS: Subcommands = {
     "verify": ("read every step in full; exit 1 if any is damaged", _verify, run_verify),
     "reshard": ("restore a step onto another mesh and save it to a new directory", _reshard, run_reshard),
     "export": ("a complete Hugging Face model directory (weights, config, tokenizer)", _export, run_export),
-    "import-hf": ("an spmdkit checkpoint from a Hugging Face Llama or Qwen2 model", _import_hf, run_import_hf),
+    "import-hf": ("an spmdkit checkpoint from a Hugging Face Llama, Qwen2 or Qwen3 model", _import_hf, run_import_hf),
 }
 
 

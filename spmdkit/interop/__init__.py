@@ -1,5 +1,5 @@
-"""Hugging Face interchange: strict import (Llama, Qwen2; sharded or single safetensors; both RoPE config styles),
-complete export, and the Python API to load a model from any source and save one as a Hugging Face directory.
+"""Hugging Face interchange: strict import (Llama, Qwen2, Qwen3; sharded or single safetensors; both RoPE config
+styles), complete export, and the Python API to load a model from any source and save one as a Hugging Face directory.
 
 - `load_model(path, mesh=None, rules=None, dtype=...)`: the `Transformer` of a Hugging Face directory, an spmdkit
   checkpoint or a run directory; sharded over `mesh` when given (each device reads only its slices).

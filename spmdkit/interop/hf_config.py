@@ -1,12 +1,15 @@
 """A Hugging Face `config.json` -> `TransformerConfig`, strictly (pure Python: no JAX, no transformers).
 
 Families: `llama` (Llama 2/3, SmolLM, ...: `attention_bias` puts biases on q, k, v and o; `mlp_bias` on gate, up
-and down) and `qwen2` (q/k/v biases always, no o or MLP bias). Every key that changes what transformers' modeling
-code for the family computes is read and implemented, or refused with one line naming it: `hidden_act`, the RoPE
-block in either style (transformers 5 `rope_parameters`, or a top-level `rope_theta` with the older
-`rope_scaling`; `rope_type` default, linear and llama3), `partial_rotary_factor`, a sliding window shorter than
-`max_position_embeddings`, `attention_dropout`, custom code (`auto_map`) and `quantization_config`. Keys the
-family's modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the function.
+and down), `qwen2` (q/k/v biases always, no o or MLP bias) and `qwen3` (per-head q/k RMSNorms, `attention_bias` on
+q, k, v and o, no MLP bias; `head_dim` defaults to 128). A key a config leaves out means what the family's
+transformers config class defaults it to (Qwen: a 4096-token `sliding_window`, 32768 positions, 32 kv heads).
+Every key that changes what transformers' modeling code for the family computes is read and implemented, or refused
+with one line naming it: `hidden_act`, the RoPE block in either style (transformers 5 `rope_parameters`, or a
+top-level `rope_theta` with the older `rope_scaling`; `rope_type` default, linear and llama3),
+`partial_rotary_factor`, a sliding window (`use_sliding_window`) shorter than `max_position_embeddings` on any
+layer it applies to, `attention_dropout`, custom code (`auto_map`) and `quantization_config`. Keys the family's
+modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the function.
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ from typing import Any
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import ACTIVATIONS, TransformerConfig
 
-FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768, "num_key_value_heads": 32}
+# What transformers' config class of a family assumes for a key config.json leaves out (where it matters here).
+DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": _QWEN, "qwen3": _QWEN | {"head_dim": 128}}
 ROPE_TYPES = ("default", "linear", "llama3")
 # TransformerConfig fields a Hugging Face config fixes: the parameters' shapes and the function they compute.
 FUNCTION_FIELDS = (
     "vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp", "rope_theta", "norm_eps", "qkv_bias",
     "o_bias", "mlp_bias", "tie_embeddings", "activation", "rope_type", "rope_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_positions",
+    "rope_high_freq_factor", "rope_original_max_positions", "qk_norm",
 )  # fmt: skip
 
 
@@ -47,7 +53,7 @@ def _refuse(where: str, key: str, why: str) -> SpmdkitError:
 
 
 def family_of(hf: dict[str, Any], where: str) -> str:
-    """The family (`llama` or `qwen2`) of a config, from `model_type` and `architectures`."""
+    """The family (`llama`, `qwen2` or `qwen3`) of a config, from `model_type` and `architectures`."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise _refuse(where, f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
@@ -94,20 +100,38 @@ def _rope_fields(hf: dict[str, Any], max_positions: int, where: str) -> dict[str
 
 
 def _check_sliding_window(hf: dict[str, Any], layers: int, max_positions: int, where: str) -> None:
-    """Qwen2 attends within `sliding_window` tokens on its "sliding_attention" layers when `use_sliding_window`;
-    a window at least as long as the model's positions changes nothing, a shorter one is refused."""
+    """Qwen2/Qwen3 attend within `sliding_window` tokens on their "sliding_attention" layers (`layer_types`, else
+    the layers from `max_window_layers` on) when `use_sliding_window`; a window at least as long as the model's
+    positions changes nothing, a shorter one (or one next to unknown positions) is refused."""
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if window is None:
         return
-    types = hf.get("layer_types") or [
-        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(layers)
-    ]
-    if "sliding_attention" in types and window < max_positions:
+    first = hf.get("max_window_layers")
+    if not hf.get("layer_types") and not isinstance(first, int):
+        raise _refuse(where, f"max_window_layers={first!r}", "must be an integer when use_sliding_window is true")
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if "sliding_attention" not in types:
+        return
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise _refuse(where, f"sliding_window={window!r}", "must be an integer when use_sliding_window is true")
+    if not max_positions or window < max_positions:
         raise _refuse(
             where,
             f"sliding_window={window}",
             f"is shorter than max_position_embeddings={max_positions}: sliding-window attention is not implemented",
         )
+
+
+def _family_fields(hf: dict[str, Any], family: str, layers: int, max_positions: int, where: str) -> dict[str, Any]:
+    """The biases and q/k norms of the family's attention and MLP (Qwen: after the sliding-window check)."""
+    if family.startswith("qwen"):
+        _check_sliding_window(hf, layers, max_positions, where)
+    attention_bias = bool(hf.get("attention_bias", False))
+    if family == "qwen2":
+        return {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
+    if family == "qwen3":
+        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": False, "qk_norm": True}
+    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
 
 
 def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> TransformerConfig:
@@ -116,6 +140,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     `where` names the file in errors. Raises SpmdkitError, one line naming the key, for anything not implemented.
     """
     family = family_of(hf, where)
+    hf = DEFAULTS.get(family, {}) | hf
     for key in ("auto_map", "quantization_config"):
         if hf.get(key):
             raise _refuse(where, key, "is not supported: spmdkit loads plain (unquantised) transformers models")
@@ -132,12 +157,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
         raise _refuse(where, f"attention_dropout={hf['attention_dropout']}", "is not implemented (no dropout)")
     heads, embed, layers = hf["num_attention_heads"], hf["hidden_size"], hf["num_hidden_layers"]
     max_positions = hf.get("max_position_embeddings") or 0
-    if family == "qwen2":
-        _check_sliding_window(hf, layers, max_positions, where)
-        biases = {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
-    else:
-        attention_bias = bool(hf.get("attention_bias", False))
-        biases = {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
+    biases = _family_fields(hf, family, layers, max_positions, where)
     eps = hf.get("rms_norm_eps", 1e-6)
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
         raise _refuse(where, f"rms_norm_eps={eps!r}", "must be a positive number")

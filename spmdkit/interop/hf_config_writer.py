@@ -3,7 +3,8 @@
 A model imported from Hugging Face keeps its config: when the model still computes what that config says, it is
 written back as it was (its RoPE block, extra keys and style included), with only the dtype, token ids and
 `max_position_embeddings` brought up to date. Otherwise a config of the family the model fits is built: `llama`
-when q/k/v and o biases go together (`attention_bias`), `qwen2` for q/k/v biases alone. The RoPE block takes the
+when q/k/v and o biases go together (`attention_bias`), `qwen2` for q/k/v biases alone, `qwen3` for q/k norms
+(`qk_norm`, with or without q/k/v/o biases, no MLP biases). The RoPE block takes the
 style of the transformers installed (5: `rope_parameters`; 4: `rope_theta` + `rope_scaling`), or both styles
 when transformers is not installed, which either version reads the same way.
 """
@@ -31,16 +32,22 @@ def transformers_major() -> int | None:
 def family_for(model: TransformerConfig, preferred: str | None = None) -> str:
     """The Hugging Face family that computes what `model` does (`preferred` when both can)."""
     if model.experts:
-        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen2 Hugging Face layout: export a dense model")
+        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen Hugging Face layout: export a dense model")
     fits = {
-        "llama": model.qkv_bias == model.o_bias,
-        "qwen2": model.qkv_bias and not model.o_bias and not model.mlp_bias,
+        "llama": model.qkv_bias == model.o_bias and not model.qk_norm,
+        "qwen2": model.qkv_bias and not model.o_bias and not model.mlp_bias and not model.qk_norm,
+        "qwen3": model.qkv_bias == model.o_bias and not model.mlp_bias and model.qk_norm,
     }
     if preferred in fits and fits[preferred]:
         return preferred
     for family, ok in fits.items():
         if ok:
             return family
+    if model.qk_norm:
+        raise SpmdkitError(
+            "q/k norms fit only Hugging Face Qwen3, which has no MLP biases and biases on all of q, k, v and o or "
+            "none (attention_bias): change qk_norm/qkv_bias/o_bias/mlp_bias"
+        )
     raise SpmdkitError(
         "q/k/v biases without an output bias, together with MLP biases, fit neither Hugging Face Llama "
         "(attention_bias covers q, k, v and o) nor Qwen2 (no MLP biases): change qkv_bias/o_bias/mlp_bias"
@@ -92,6 +99,8 @@ def _fresh(model: TransformerConfig, family: str, places: set[str]) -> dict[str,
     else:
         out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.layers}
         out["layer_types"] = ["full_attention"] * model.layers
+    if family == "qwen3":
+        out["attention_bias"] = model.qkv_bias
     return out
 
 

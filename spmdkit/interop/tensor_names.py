@@ -1,9 +1,10 @@
 """Which Hugging Face tensor each spmdkit parameter is, and how its layout differs (pure numpy, no JAX).
 
-Llama and Qwen2 share their tensor names. Hugging Face stores a linear layer as [out, in]; spmdkit keeps the
-input dim first and splits the head dims: q [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed]
-transposed, o [heads, head_dim, embed] is `o_proj.weight` [embed, heads x head_dim] transposed. Both use
-rotate-half RoPE, so q and k need no permutation. Block parameters are stacked on a leading [layers] dim in
+Llama, Qwen2 and Qwen3 share their tensor names (Qwen3 adds the [head_dim] scales `self_attn.q_norm.weight` and
+`k_norm.weight`). Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the
+head dims: q [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim,
+embed] is `o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no
+permutation. Block parameters are stacked on a leading [layers] dim in
 spmdkit and are one tensor per layer (`model.layers.{i}.`) in Hugging Face.
 
 A `TensorMap` says how spmdkit's dims group into the Hugging Face tensor's dims (q: (embed), (heads, head_dim)),
@@ -83,7 +84,7 @@ class TensorMap:
 def tensor_maps(model: TransformerConfig) -> list[TensorMap]:
     """Every parameter of `model` as a `TensorMap`, in the order Hugging Face lists them."""
     if model.experts:
-        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen2 Hugging Face layout: use a dense model")
+        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen Hugging Face layout: use a dense model")
     E, H, K, D, F, V = model.embed, model.heads, model.kv_heads, model.head_dim, model.mlp, model.vocab_size
     layer = "model.layers.{i}."
 
@@ -103,6 +104,8 @@ def tensor_maps(model: TransformerConfig) -> list[TensorMap]:
                  (("q", H), ("k", K), ("v", K))]  # fmt: skip
     if model.o_bias:
         maps.append(block("attention.o_bias", "self_attn.o_proj.bias", (E,), (1,), False))
+    if model.qk_norm:
+        maps += [block(f"attention.{n}_norm.scale", f"self_attn.{n}_norm.weight", (D,), (1,), False) for n in "qk"]
     maps += [
         block("mlp_norm.scale", "post_attention_layernorm.weight", (E,), (1,), False),
         block("mlp.gate", "mlp.gate_proj.weight", (E, F), (1, 1), True),

@@ -1,9 +1,9 @@
 """`TransformerConfig`: the shape of a Llama-style decoder, with presets from `tiny` to `405b`.
 
 Presets are starting points: every field can be set (the `[model]` table, `--model.FIELD`), and the features of the
-Hugging Face families spmdkit runs (Llama 2/3, Qwen2, SmolLM) are fields too: q/k/v and output biases, MLP biases,
-tied input/output embeddings, RoPE scaling (`linear`, `llama3`) and the MLP's activation. The big presets are shapes
-only: the planner uses them; nobody initialises 405B parameters on a laptop.
+Hugging Face families spmdkit runs (Llama 2/3, Qwen2, Qwen3, SmolLM) are fields too: q/k/v and output biases, MLP
+biases, per-head q/k RMSNorms, tied input/output embeddings, RoPE scaling (`linear`, `llama3`) and the MLP's
+activation. The big presets are shapes only: the planner uses them; nobody initialises 405B parameters on a laptop.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class TransformerConfig:
     qkv_bias: bool = _field(False, "biases on the q, k and v projections (HF attention_bias; Qwen2)")
     o_bias: bool = _field(False, "a bias on the attention output projection (HF Llama attention_bias)")
     mlp_bias: bool = _field(False, "biases on the gate, up and down projections (HF mlp_bias)")
+    qk_norm: bool = _field(False, "RMSNorm over head_dim on each query and key head before RoPE (Qwen3 q/k_norm)")
     tie_embeddings: bool = _field(False, "the LM head is the embedding table, one parameter (HF tie_word_embeddings)")
     activation: Activation = _field("silu", "the MLP's gate activation: silu, gelu (erf) or gelu_pytorch_tanh")
     rope_type: RopeType = _field("default", "RoPE frequency scaling: default (none), linear or llama3")
@@ -158,12 +159,12 @@ class TransformerConfig:
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head (none when
-        tied), biases included.
+        tied), biases and q/k norm scales included.
 
         A mixture-of-experts block has `experts` MLPs (+ the shared one) and a router [embed, experts];
         `active=True` counts only the `top_k` experts a token runs through (what its FLOPs see).
         """
-        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_biases
+        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_vectors
         mlp = 3 * self.embed * self.mlp + self.mlp_bias * (2 * self.mlp + self.embed)
         dense = attention + mlp + 2 * self.embed
         routed = self.top_k if active else self.experts
@@ -176,6 +177,11 @@ class TransformerConfig:
     def _attention_biases(self) -> int:
         return self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
 
+    @property
+    def _attention_vectors(self) -> int:
+        """Per layer: the attention's biases and its q/k norm scales (not matmul weights)."""
+        return self._attention_biases + 2 * self.qk_norm * self.head_dim
+
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
 
@@ -183,7 +189,7 @@ class TransformerConfig:
         gather, not a matmul, so an untied table is left out, as are norm scales and biases). Attention adds QK^T
         and PV: 2 x 2 x seq x heads x head_dim per layer forward, times 3 with backward, halved for causal masking.
         """
-        vectors = (2 * self.layers + 1) * self.embed + self.layers * self._attention_biases
+        vectors = (2 * self.layers + 1) * self.embed + self.layers * self._attention_vectors
         vectors += (self.layers - self.moe_layers) * self.mlp_bias * (2 * self.mlp + self.embed)
         table = 0 if self.tie_embeddings else self.vocab_size * self.embed
         matmul_params = self.num_params(active=True) - table - vectors
@@ -262,6 +268,10 @@ PRESETS["llama3.2-3b"] = TransformerConfig(
 PRESETS["qwen2.5-0.5b"] = TransformerConfig(
     vocab_size=151_936, embed=896, layers=24, heads=14, kv_heads=2, head_dim=64, mlp=4864, rope_theta=1_000_000.0,
     norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_positions=32_768,
+)  # fmt: skip
+PRESETS["qwen3-8b"] = TransformerConfig(
+    vocab_size=151_936, embed=4096, layers=36, heads=32, kv_heads=8, head_dim=128, mlp=12288, rope_theta=1_000_000.0,
+    norm_eps=1e-6, qk_norm=True, max_positions=40_960,
 )  # fmt: skip
 PRESETS["smollm-135m"] = TransformerConfig(
     vocab_size=49_152, embed=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536, tie_embeddings=True,

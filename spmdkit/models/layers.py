@@ -38,10 +38,11 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * scale, over the last dim; computed in float32. scale: [embed] (`norm`)."""
+    """y = x / rms(x) * scale, over the last dim; computed in float32. scale: [size] (`norm`; size: embed, or
+    head_dim for the per-head q/k norms)."""
 
-    def __init__(self, config: TransformerConfig):
-        self.scale = nnx.Param(jnp.ones((config.embed,), config.param_dtype), out_sharding=("norm",))
+    def __init__(self, config: TransformerConfig, size: int | None = None):
+        self.scale = nnx.Param(jnp.ones((size or config.embed,), config.param_dtype), out_sharding=("norm",))
         self.eps = config.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -110,8 +111,9 @@ class Attention(nnx.Module):
     """Grouped-query self-attention. Weights: q [embed, heads, head_dim], k/v [embed, kv_heads, head_dim],
     o [heads, head_dim, embed]; with `qkv_bias`, q_bias [heads, head_dim] and k/v_bias [kv_heads, head_dim]; with
     `o_bias`, o_bias [embed] (split like the weights' embed: over fsdp under ZeRO-3, whole on `tensor`, added once
-    after the row-parallel sum). Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o:
-    one all-reduce, or reduce-scatter under SP, per block forward)."""
+    after the row-parallel sum); with `qk_norm`, q_norm and k_norm (`RMSNorm` over head_dim, shared by the heads).
+    Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o: one all-reduce, or
+    reduce-scatter under SP, per block forward)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c, pd = config, config.param_dtype
@@ -127,6 +129,8 @@ class Attention(nnx.Module):
             self.v_bias = zeros_param((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
         if c.o_bias:
             self.o_bias = zeros_param((c.embed,), ("embed",), pd)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(c, c.head_dim), RMSNorm(c, c.head_dim)
         self.config = config
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,6 +146,8 @@ class Attention(nnx.Module):
             return constrain(y, ("batch", "seq", heads, None))
 
         q, k, v = project("q", "heads"), project("k", "kv_heads"), project("v", "kv_heads")
+        if c.qk_norm:  # each head normalised over head_dim after the projection, before the rotation (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         frequencies = rope_frequencies(c)
         return rotary(q, positions, frequencies), rotary(k, positions, frequencies), v
 
