@@ -90,7 +90,9 @@ def planner_layout(program: TrainProgram, target: str, devices: int, per_host: i
     from spmdkit.plan.devices import make_device
     from spmdkit.plan.search import candidate_meshes, search
 
-    run, model = program.config.run, program.model_config
+    run = program.config.run
+    # the attention *setting* (auto: ring where a candidate has a context axis), not the kernel of this mesh
+    model = program.model_config.replace(attention=program.config.model.attention)
     meshes = list(candidate_meshes(model, devices, per_host, run.batch_size, run.seq_len))
     fitting, _ = search(model, meshes, make_device(target, gpus_per_node=per_host), run.batch_size, run.seq_len)
     if not fitting:
