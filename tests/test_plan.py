@@ -41,9 +41,12 @@ STRATEGIES = {  # name: (mesh, ZeRO stage, sequence parallel)
 
 
 def _state_per_param(model: TransformerConfig) -> float:
-    """Parameters + gradients + optimizer bytes per parameter the planner gives one unsharded device."""
+    """Parameters + gradients + optimizer bytes per parameter the planner gives one unsharded device, less the
+    chunked loss's float32 accumulator of the LM head's gradient [embed, vocab], which the gradients hold at the
+    step's peak (the loss phase of a short sequence) beside the head's own gradient."""
     e = estimate(model, {}, device="h100", batch_size=1, seq_len=128)
-    return (e.memory["parameters"] + e.memory["gradients"] + e.memory["optimizer"]) / model.num_params()
+    state = e.memory["parameters"] + e.memory["gradients"] + e.memory["optimizer"]
+    return (state - 4 * model.embed * model.vocab_size) / model.num_params()
 
 
 def test_mixed_precision_adam_is_16_bytes_per_parameter():
@@ -309,3 +312,34 @@ def test_spmdkit_plan_command_answers():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "recommended: " in out.stdout and "tensor=" in out.stdout
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full"])
+def test_planner_keeps_what_autodiff_saves_per_layer_and_token(remat):
+    """The residuals the planner counts per token and layer (`activation_bytes`: for remat none the norms' float32
+    inputs and x/rms(x), six [mlp] arrays, ...) are those JAX's autodiff saves for the scanned blocks of a bfloat16
+    model: the residuals of the step's vjp (shapes only, nothing runs) that carry the [layers] and batch dims. On
+    CPU the kernel is the blockwise one, whose block scores dots_saveable keeps."""
+    from flax import nnx
+
+    from spmdkit.models import Transformer
+    from spmdkit.models.attention import KEY_TILE
+    from spmdkit.plan.memory import RING_KEY_TILE, activation_bytes
+    from spmdkit.train.step import objective
+
+    assert RING_KEY_TILE == KEY_TILE
+    layers, batch, seq = 2, 3, 256  # batch 3: no weight dim is 3, so the batch dim marks the activations
+    config = TransformerConfig(dtype="bfloat16", embed=128, layers=layers, heads=8, kv_heads=2, head_dim=16, mlp=384)
+    config = config.replace(vocab_size=512, remat=remat)
+    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+
+    def residuals(params, tokens):
+        data = {"inputs": tokens, "targets": tokens, "positions": positions}
+        return jax.vjp(lambda p: objective(nnx.merge(graphdef, p, rest), data)[0], params)[1]
+
+    saved = jax.tree.leaves(jax.eval_shape(residuals, params, tokens))
+    per_layer = [x for x in saved if x.shape[:1] == (layers,) and batch in x.shape[1:3]]
+    kept = sum(x.size * x.dtype.itemsize for x in per_layer) / (layers * batch * seq)
+    assert kept == activation_bytes(config, 1, False, 1, seq, "cpu")[0], sorted(map(str, per_layer))

@@ -7,23 +7,17 @@ B global batch (sequences) of S tokens, M microbatches; t = B S / (D Fs X C) tok
 batch is split over data, fsdp and expert). Mixture of experts: L_moe MoE layers of n experts, top_k, Q expert
 slots per sequence (n x capacity, `spmdkit.plan.layout`), the parameter inventory in `spmdkit.plan.layout`.
 
-Memory per device (each parameter tensor divided by the mesh axes its logical names map to, as
+Memory per device at the step's peak (`spmdkit.plan.memory`: the formulas, checked against XLA:GPU's buffer
+assignment); each parameter tensor divided by the mesh axes its logical names map to, as
 `spmdkit.sharding.rules.make_rules` maps them: heads/kv_heads/mlp/vocab -> tensor, layers -> pipeline,
-embed -> fsdp for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gradients at ZeRO >= 2):
-  parameters p N/shards, gradients p N/shards (x2 while accumulating microbatches), AdamW moments 2 p N/shards;
-  compute-dtype copies (one layer cast at use, a != p); communication buffers (two gathered layers under ZeRO-3);
-  activations = tokens in flight x bytes per token (below).
-Activation bytes per token per layer (r = a E, divided by T under SP; heads and mlp widths divided by T):
-  none:   4r + a(H+2K)d + aHd + 3aF + (4+a) H S  [the last term: the `dot` kernel keeps the float32 softmax and
-          its compute-dtype copy, [H, S] per query; the O(S) kernels (blockwise, cudnn, ring) keep the float32
-          log-sum-exp instead, 4H; the kernel is `choose_attention`'s for the device's platform]
-  dots_with_no_batch_dims_saveable: 3r + a(H+2K)d + 2aF    dots_saveable: that + aHd (+ 4 H S, dot's f32 scores)
-  full:   r (the block input), plus one layer's "none" set while it is recomputed.
-  The loss (`spmdkit.models.loss`) runs over n = `loss_chunks` sequence chunks: one chunk's float32 logits and
-  their gradient, 8V/(T n) per token, plus the embeddings aE and the float32 log-sum-exp, 4. The blockwise
-  kernel adds, while a layer runs, 3 float32 score arrays of its widest step (`attention_scratch`).
-  An MoE layer (roughly): its routed MLP's per-token terms (3aF, 2aF) give way to Q/S slots per token of
-  4aE + 3aF/T (none: dispatch and returned buffers on both sides of the all-to-alls, gate, up, hidden) or
+embed -> fsdp for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gradients at ZeRO >= 2.
+  Persistent: parameters p N/shards, AdamW moments 2 p N/shards, the residuals (tokens in flight x bytes kept
+  per token and layer under the remat policy, `activation_bytes`), without remat the layers' compute-dtype casts.
+  Transient, the largest phase: the forward (attention scratch, gathered layers), the loss (gradients, the LM
+  head's float32 gradient accumulators, its cast and gathered copy, one loss chunk's float32 logits and their
+  gradient, 8V/(T n) per token), or a layer's backward (gradients, its recompute, scratch, gathered layers).
+  An MoE layer (roughly): its routed MLP's per-token terms (6aF, 2aF) give way to Q/S slots per token of
+  4aE + 6aF/T (none: dispatch and returned buffers on both sides of the all-to-alls, the gated MLP's six) or
   aE + 2aF/T (dots_saveable: the expert matmuls' outputs); the others keep nothing per slot (the expert
   einsums have a batch dim); a shared expert keeps its dense MLP terms.
   Pipeline (spmdkit's 1F1B/interleaved recompute each chunk from its stashed input): stash slots (1F1B: P,
@@ -68,17 +62,22 @@ import math
 from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.block_plan import BlockPlan
-from spmdkit.models.attention_choice import choose_attention
-from spmdkit.models.config import PRESETS, TransformerConfig, loss_chunks, model_preset
+from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
-from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
 from spmdkit.plan.devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
-from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, check_layout
+from spmdkit.plan.layout import BATCH_AXES, Layout, check_layout
+from spmdkit.plan.memory import (
+    activation_bytes,
+    attention_kernel,
+    attention_scratch,
+    manual_region,
+    memory,
+    pipeline_schedule,
+)
 
 __all__ = [
     "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "attention_kernel", "attention_scratch",
-    "collectives", "estimate", "evaluate", "memory", "pipeline_schedule", "planner_platform",
+    "collectives", "estimate", "evaluate", "manual_region", "memory", "pipeline_schedule", "planner_platform",
 ]  # fmt: skip
 REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
 
@@ -133,61 +132,9 @@ class Estimate:
         return {**dataclasses.asdict(self), "total_memory": self.total_memory, "fits": self.fits, "margin": self.margin}
 
 
-@functools.cache
-def pipeline_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule table the pipeline program would run (its bubble and stash slots are the planner's)."""
-    return make_schedule(kind, stages, microbatches, virtual_stages)
-
-
 def planner_platform(dev: Device) -> str:
     """The platform `choose_attention` sees on `dev` (the device table's GPUs are NVIDIA: "cuda")."""
     return "cuda" if dev.backend == "gpu" else dev.backend
-
-
-def attention_kernel(m: TransformerConfig, C: int, platform: str | None) -> str:
-    """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`)."""
-    return choose_attention(m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim)
-
-
-def activation_bytes(
-    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None
-) -> tuple[float, float]:
-    """(bytes kept per token per layer under `m.remat`, per token of one layer's recompute); see the module doc."""
-    a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
-    K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
-    r = a * E / (T if sp else 1)
-    qkv, out = a * (H + 2 * K) * d, a * H * d
-    dot = attention_kernel(m, C, platform) == "dot"
-    none = 4 * r + qkv + out + 3 * a * F + ((4 + a) * H * seq if dot else 4 * H)
-    kept = {
-        "none": none,
-        "dots_with_no_batch_dims_saveable": 3 * r + qkv + 2 * a * F,
-        "dots_saveable": 3 * r + qkv + 2 * a * F + out + (4 * H * seq if dot else 0),
-        "full": r,
-    }[m.remat]
-    return kept, (0.0 if m.remat == "none" else none)
-
-
-def attention_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float, platform: str | None) -> float:
-    """Bytes the blockwise kernel holds while one layer runs: 3 float32 score arrays (P, dP, dS) of its widest step
-    (`spmdkit.kernels.block_plan`), for `seqs` sequences per device and the local heads; 0 for the other kernels."""
-    if attention_kernel(m, C, platform) != "blockwise":
-        return 0.0
-    block = min(m.attention_block, seq)
-    pairs = BlockPlan(seq, block, block, True, 1.0).widest_step()
-    return 3 * 4 * pairs * block * block * m.heads / T * seqs
-
-
-def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:
-    """What an MoE layer adds to `activation_bytes` per token (kept, recompute): Q/S slots x per-slot bytes, less
-    the routed dense MLP's terms; see the module doc. Rough: the router's float32 logits and one-hots are left out."""
-    a, E, F = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T
-    mlp = {"none": 3 * a * F, "dots_saveable": 2 * a * F, "dots_with_no_batch_dims_saveable": 2 * a * F}
-    routed = 0.0 if m.shared_expert else 1.0  # a shared expert keeps the dense MLP's terms
-    none = slots_per_token * (4 * a * E + 3 * a * F) - routed * mlp["none"]
-    per_slot = {"none": 4 * a * E + 3 * a * F, "dots_saveable": a * E + 2 * a * F}.get(m.remat, 0.0)
-    kept = slots_per_token * per_slot - routed * mlp.get(m.remat, 0.0)
-    return kept, (0.0 if m.remat == "none" else none)
 
 
 @dataclasses.dataclass
@@ -221,8 +168,8 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
         elif "fsdp" in p.grads:
             add("reduce-scatter", ("fsdp",), full)
             add("all-reduce", ("data", *expert, "context"), full / s["fsdp"])
-        else:  # replicated gradients; norm scales under SP also sum over the sequence shards on `tensor`
-            norm_sp = ("tensor",) if s.sequence_parallel and p.name.endswith("norm") else ()
+        else:  # replicated gradients; norm scales under SP (and q/k norms: over heads) also sum on `tensor`
+            norm_sp = ("tensor",) if p.name.endswith("norm") and (s.sequence_parallel or "attention." in p.name) else ()
             add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
         if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
             add("all-reduce", ("pipeline",), s.local(p, "grads"))
@@ -263,43 +210,6 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
         passes = 4 + (2 if m.remat != "none" else 0)
         add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
     return out
-
-
-def memory(s: Layout, platform: str | None = None) -> dict[str, float]:
-    """Per-device bytes by component (formulas in the module docstring); `platform` decides what attention
-    "auto" runs (None: an O(seq) kernel)."""
-    m, a, E, T, P, M = s.model, s.a, s.model.embed, s["tensor"], s["pipeline"], s.microbatches
-    gathers = s.zero == 3 and s["fsdp"] > 1
-    used = {p.name: s.local(p, "params", gathered=gathers) for p in s.params}  # as the math sees it
-    counts = {"blocks": m.layers - m.moe_layers, "moe_blocks": m.moe_layers}
-    layer = max(  # the largest layer (dense or MoE), the one whose gathered copy sizes the buffers
-        sum(used[p.name] for p in s.params if p.stack == stack) * P / count for stack, count in counts.items() if count
-    )
-    head = used["embedding" if m.tie_embeddings else "lm_head"]  # a tied head is the embedding table
-    mb, seq_split = s.tokens / M, T if s.sequence_parallel else 1
-    kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len, platform)
-    if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
-        moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
-        kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
-    chunks = loss_chunks(s.seq_len, m.loss_chunk, s["context"])  # + one loss chunk's f32 logits and gradient
-    acts = mb * recompute + mb * (m.vocab_size / T * 4 * 2 / chunks + E * a + 4)
-    acts += attention_scratch(m, T, s["context"], s.seq_len, mb / s.seq_len, platform)
-    if P == 1:
-        acts += s.stage_layers * mb * kept
-    elif s.schedule == "gpipe":  # autodiff through the forward loop keeps every microbatch
-        acts += M * s.stage_layers * mb * kept + 2 * s.tokens * E * a / seq_split
-    else:  # spmdkit recomputes a chunk from its stashed input; + pipeline inputs and their gradient accumulator
-        stash = pipeline_schedule(s.schedule, P, M, s.virtual_stages).num_stash_slots
-        slots = stash + max(1, P // 2 if s.virtual_stages > 1 else 1)
-        acts += (slots * mb + 2 * s.tokens) * E * a / seq_split + s.stage_layers / s.virtual_stages * mb * kept
-    return {
-        "parameters": sum(s.local(p, "params") for p in s.params),
-        "gradients": sum(s.local(p, "grads") for p in s.params) * (2 if M > 1 and P == 1 else 1),  # + accumulator
-        "optimizer": 2 * sum(s.local(p, "optimizer") for p in s.params),  # AdamW's two float32 moments
-        "compute_copies": (layer + head) * a / 4 if a != 4 else 0.0,  # one layer and the head, cast
-        "comm_buffers": (2 * layer + head if gathers else 0.0) + (2 * mb * E * a if T > 1 else 0.0),
-        "activations": acts,
-    }
 
 
 def estimate(
@@ -367,7 +277,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    if attention_kernel(m, sizes["context"], planner_platform(dev)) != "dot":
+    if attention_kernel(m, sizes["context"], planner_platform(dev), manual_region(s)) != "dot":
         extra += attention_forward / 2
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3

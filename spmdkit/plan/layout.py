@@ -6,7 +6,8 @@ Parameters as `spmdkit.models.transformer` builds them, named by their model pat
 `lm_head` (absent when the embeddings are tied), the dense blocks stacked over layers - moe_layers (`blocks.*`)
 and the MoE blocks stacked over moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed,
 experts], expert gate/up [experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when
-`shared_expert`); the biases the config asks for sit beside their weights (`attention.q_bias`, `mlp.down_bias`).
+`shared_expert`); the biases and q/k norms the config asks for sit beside their weights (`attention.q_bias`,
+`attention.q_norm`, `mlp.down_bias`).
 
 MoE dispatch (`spmdkit.parallel.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
 S x top_k / E)) tokens to each of the E experts, so the experts compute E x C slots per sequence (padding
@@ -50,6 +51,8 @@ def _block(m: TransformerConfig, moe: bool) -> list[Param]:
         biases += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
     if m.o_bias:
         biases += [("attention.o_bias", (E,), ("embed",))]
+    if m.qk_norm:
+        biases += [("attention.q_norm", (d,), ("norm",)), ("attention.k_norm", (d,), ("norm",))]
     if moe:
         mlp = [
             ("router", (E, X), ("embed", None)),

@@ -1,0 +1,266 @@
+"""Per-device memory of a training step at its peak, as XLA:GPU's buffer assignment finds it for spmdkit's step.
+Pure arithmetic (no JAX). Notation as in `spmdkit.plan.estimate`; here E, H, K, d, F are the widths on one device
+(heads, kv heads and mlp divided by T; kv heads replicate when T does not divide them), s = 1/T under sequence
+parallelism (the residual stream's sequence is split over tensor) else 1, t_m = t / M the tokens of one
+microbatch on a device, L_s the layers of a pipeline stage, S the sequence length, V the vocabulary.
+
+Persistent through the step: parameters (p = 4 bytes, split as the rules split them), AdamW's two moments, the
+residuals the forward keeps for the backward, L_s t_m x kept bytes per token and layer (`activation_bytes`; the
+pipeline adds its stashes, `estimate`'s docstring), without remat the compute-dtype cast of every layer's weights
+as stored (a/4 of the stage's local layer parameters; the backward's matmuls read them), and under ZeRO-3 over
+fsdp a relaid-out float32 copy of two stacked weight shards (`_relayouts`).
+
+Kept per token and layer (what JAX's autodiff saves for `spmdkit.models.transformer.Block`; tests/test_plan.py
+compares it with the residuals of the step's vjp):
+  none: each of the 2 RMSNorms: x and x/rms(x) and two row statistics in float32, 8(E + 1)s, and its output in
+        the compute dtype, gathered to the whole sequence under SP, aE; attention: q and k (rotated), v and its
+        output, a(2H + 2K)d, and the kernel's statistics: the float32 log-sum-exp 4H (cudnn, blockwise, ring) or
+        the dot kernel's float32 softmax and its cast, (4 + a)HS; the gated MLP's six [F] arrays (gate, up,
+        sigmoid(gate), its derivative, silu(gate), their product), 6aF.
+  dots_with_no_batch_dims_saveable: the block input aEs, the q/k/v projections a(H + 2K)d, the attention
+        projection's output aEs, gate and up 2aF (the MLP's down output is not read by the backward).
+  dots_saveable: that + the attention's own matmuls, which have batch dims: dot: its float32 scores and P V,
+        4HS + aHd; blockwise: every block pair's float32 scores and P V, pairs x b (b + d) x 4H / S; ring: every
+        step's and chunk pair's (skipped pairs kept as zeros), 4HS (1 + d / tile); cudnn: none (a custom call).
+  full: the block input aEs.
+Transient: the largest of three phases, each on top of the persistent part.
+  forward:  the attention kernel's scratch (blockwise: 3 float32 scores of its widest step, `attention_scratch`;
+            ring: `ring_scratch`; ring and blockwise under dots_saveable: two more copies of one layer's kept
+            scores, made in the kernel's loops before they are copied into the layers' stack) + two gathered
+            layers (ZeRO-3, compute dtype) + TP's 2 t_m E a.
+            No gradients yet: XLA allocates them after the forward when memory is short.
+  loss:     the gradients + the LM head's float32 gradient accumulators (two inside the loss's shard_map over the
+            token axes, else one beside the gradient; 4EV/T each) + its cast aEV/T + (ZeRO-3, inside that
+            shard_map) its float32 gathered copy 4EV/T + one loss chunk's float32 logits and their gradient,
+            8V/(T n) per token, + aE + 4 per token (`spmdkit.models.loss`).
+  backward: the gradients + one layer's recompute t_m x (none - kept) + the blockwise scratch + the gathered
+            layers + one layer's float32 gradient before its reduce-scatter (gradients split over fsdp) + TP's.
+Gradients: float32, split as the rules split them; accumulation over M > 1 microbatches in a loop: `_gradients`.
+XLA's scheduler may also use spare memory to overlap one microbatch's backward with the next one's forward (two
+residual stacks); the planner counts the schedule that needs the least, one microbatch in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.kernels.block_plan import BlockPlan
+from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.config import TransformerConfig, loss_chunks
+from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
+from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout
+
+__all__ = [
+    "MEMORY_KEYS", "RING_KEY_TILE", "activation_bytes", "attention_kernel", "attention_scratch", "manual_region",
+    "memory", "moe_activation_bytes", "pipeline_schedule", "ring_scratch",
+]  # fmt: skip
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
+RING_KEY_TILE = 512  # keys per tile of a ring chunk pair: `spmdkit.models.attention.KEY_TILE` (JAX-side)
+MLP_KEPT = 6  # [F] arrays the gated MLP keeps without remat
+
+
+@functools.cache
+def pipeline_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule table the pipeline program would run (its bubble and stash slots are the planner's)."""
+    return make_schedule(kind, stages, microbatches, virtual_stages)
+
+
+def manual_region(s: Layout) -> bool:
+    """Does the model run in a partly manual shard_map: pipeline stages, or a dense model's gradient accumulation
+    over replica axes (data, and fsdp below ZeRO-3; `spmdkit.train.program.in_manual_region`)?"""
+    replicas = s["data"] > 1 or (s["fsdp"] > 1 and s.zero < 3)
+    return s["pipeline"] > 1 or (s.microbatches > 1 and replicas and not s.model.moe_layers)
+
+
+def attention_kernel(m: TransformerConfig, C: int, platform: str | None, manual: bool = False) -> str:
+    """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`); an explicit
+    cudnn in a manual region, which the trainer refuses, is sized as the blockwise kernel."""
+    try:
+        return choose_attention(
+            m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim, manual_region=manual
+        )
+    except SpmdkitError:
+        if not manual:
+            raise
+        return "blockwise"
+
+
+def _ring_tile(chunk: int) -> int:
+    """Keys per tile of a ring chunk of `chunk` positions (`spmdkit.models.attention.context_attention`)."""
+    return RING_KEY_TILE if chunk % RING_KEY_TILE == 0 and chunk > RING_KEY_TILE else chunk
+
+
+def kernel_scores(m: TransformerConfig, kernel: str, T: int, C: int, seq: int) -> float:
+    """Bytes per token and layer that dots_saveable keeps of the attention's own (batch-dim) matmuls."""
+    a, H, d = DTYPE_BYTES[m.dtype], m.heads / T, m.head_dim
+    if kernel == "dot":
+        return 4 * H * seq + a * H * d
+    if kernel == "ring":
+        return 4 * H * seq * (1 + d / _ring_tile(seq // (2 * C)))
+    if kernel == "blockwise":
+        block = min(m.attention_block, seq)
+        pairs = sum(len(step.q) for step in BlockPlan(seq, block, block, True, 1.0).steps)
+        return pairs * block * (block + d) * 4 * H / seq
+    return 0.0
+
+
+def activation_bytes(
+    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None, manual: bool = False
+) -> tuple[float, float]:
+    """(bytes kept per token per layer under `m.remat`, bytes per token of one layer's recompute); module doc."""
+    a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
+    K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
+    s = 1 / T if sp else 1
+    kernel = attention_kernel(m, C, platform, manual)
+    statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
+    none = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + MLP_KEPT * a * F
+    dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
+    kept = {
+        "none": none,
+        "dots_with_no_batch_dims_saveable": dots,
+        "dots_saveable": dots + kernel_scores(m, kernel, T, C, seq),
+        "full": a * E * s,
+    }[m.remat]
+    return kept, none - kept
+
+
+def attention_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float, kernel: str) -> float:
+    """Bytes the blockwise kernel holds while one layer runs: 3 float32 score arrays (P, dP, dS) of its widest step
+    (`spmdkit.kernels.block_plan`), for `seqs` sequences per device and the local heads; 0 for the other kernels."""
+    if kernel != "blockwise":
+        return 0.0
+    block = min(m.attention_block, seq)
+    pairs = BlockPlan(seq, block, block, True, 1.0).widest_step()
+    return 3 * 4 * pairs * block * block * m.heads / T * seqs
+
+
+def ring_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float) -> float:
+    """Bytes the ring kernel's forward holds while one layer runs, with U = seqs x H x c^2 (c = S / 2C): the
+    key-tile masks depend on the loop indices only, so JAX's partial evaluation computes them apart and keeps them
+    for every step and chunk pair, broadcast to [B, H, c, c] one byte each, with one float32 [B, H, c, tile]
+    array per step and pair; the last step's are held twice: 4 (C + 1) U (1 + 4 tile / c)."""
+    c = seq // (2 * C)
+    units = seqs * m.heads / T * c * c
+    return 4 * (C + 1) * units * (1 + 4 * _ring_tile(c) / c)
+
+
+def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:
+    """What an MoE layer adds to `activation_bytes` per token (kept, recompute): Q/S slots x per-slot bytes, less
+    the routed dense MLP's terms; see `estimate`'s docstring. Rough: the router's float32 logits and one-hots are
+    left out."""
+    a, E, F = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T
+    mlp = {"none": MLP_KEPT * a * F, "dots_saveable": 2 * a * F, "dots_with_no_batch_dims_saveable": 2 * a * F}
+    routed = 0.0 if m.shared_expert else 1.0  # a shared expert keeps the dense MLP's terms
+    none = slots_per_token * (4 * a * E + MLP_KEPT * a * F) - routed * mlp["none"]
+    per_slot = {"none": 4 * a * E + MLP_KEPT * a * F, "dots_saveable": a * E + 2 * a * F}.get(m.remat, 0.0)
+    kept = slots_per_token * per_slot - routed * mlp.get(m.remat, 0.0)
+    return kept, (0.0 if m.remat == "none" else none)
+
+
+def _layer_bytes(s: Layout, gathered: bool) -> float:
+    """float32 bytes of the largest layer (dense or MoE) on a device, as the math sees it (`gathered`: whole over
+    fsdp) or as stored."""
+    counts = {"blocks": s.model.layers - s.model.moe_layers, "moe_blocks": s.model.moe_layers}
+    return max(
+        sum(s.local(p, "params", gathered) for p in s.params if p.stack == stack) * s["pipeline"] / count
+        for stack, count in counts.items()
+        if count
+    )
+
+
+def _kept(s: Layout, platform: str | None) -> tuple[float, float, str]:
+    """(kept bytes per token and layer, one layer's recompute per token, the attention kernel), MoE included."""
+    m, T = s.model, s["tensor"]
+    manual = manual_region(s)
+    kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len, platform, manual)
+    if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
+        moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
+        kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
+    return kept, recompute, attention_kernel(m, s["context"], platform, manual)
+
+
+def _residuals(s: Layout, kept: float) -> float:
+    """Bytes the forward keeps for the backward: every stage layer's, or the pipeline's stashes and one chunk's."""
+    P, M, E, a = s["pipeline"], s.microbatches, s.model.embed, s.a
+    mb, seq_split = s.tokens / M, s["tensor"] if s.sequence_parallel else 1
+    if P == 1:
+        return s.stage_layers * mb * kept
+    if s.schedule == "gpipe":  # autodiff through the forward loop keeps every microbatch
+        return M * s.stage_layers * mb * kept + 2 * s.tokens * E * a / seq_split
+    # spmdkit recomputes a chunk from its stashed input; + pipeline inputs and their gradient accumulator
+    stash = pipeline_schedule(s.schedule, P, M, s.virtual_stages).num_stash_slots
+    slots = stash + max(1, P // 2 if s.virtual_stages > 1 else 1)
+    return (slots * mb + 2 * s.tokens) * E * a / seq_split + s.stage_layers / s.virtual_stages * mb * kept
+
+
+def _relayouts(s: Layout) -> float:
+    """Under ZeRO-3 over fsdp XLA:GPU keeps a relaid-out (layers inward) float32 copy of the stacked shards of one
+    MLP input projection and of the query projection, the operands of its per-layer all-gathers."""
+    if s.zero < 3 or s["fsdp"] == 1:
+        return 0.0
+    return sum(s.local(p, "params") for p in s.params if p.name in ("blocks.mlp.gate", "blocks.attention.q"))
+
+
+def _gradients(s: Layout) -> float:
+    """float32 gradients as the rules split them. Accumulating M > 1 microbatches in a loop: the running sum, which
+    XLA's while-loop double buffering keeps twice, and one microbatch's (unsplit over the replica axes when the loop
+    runs in their shard_map), + the embedding's gradient in the compute dtype, scatter-added over the whole loop
+    body (the whole vocabulary under SP, whose split token ids make XLA gather the whole table for the lookup)."""
+    if s["pipeline"] == 1 and s.microbatches > 1:
+        kind = "params" if manual_region(s) else "grads"
+        vocab = s.model.vocab_size / (1 if s.sequence_parallel else s["tensor"])
+        return 3 * sum(s.local(p, kind) for p in s.params) + s.a * vocab * s.model.embed
+    return sum(s.local(p, "grads") for p in s.params)
+
+
+def _loss_phase(s: Layout) -> dict[str, float]:
+    """The LM head's gradient accumulators, cast and gathered copy, and one loss chunk (module doc)."""
+    m, a, T = s.model, s.a, s["tensor"]
+    head = next(p for p in s.params if p.name == ("embedding" if m.tie_embeddings else "lm_head"))
+    chunks = loss_chunks(s.seq_len, m.loss_chunk, s["context"])
+    accumulating = s["pipeline"] == 1 and manual_region(s)  # the replica axes are manual around the loss
+    manual = ({"data", "fsdp"} if s.zero < 3 else {"data"}) if accumulating else set()
+    token_axes = [x for x in (*BATCH_AXES, "context") if s[x] > 1 and x not in manual]
+    in_shard_map = chunks > 1 and bool(token_axes)
+    whole = s.local(head, "params", gathered="fsdp" in token_axes)  # float32 [E, V/T] as the loss sees it
+    gathered = whole if in_shard_map and whole > s.local(head, "params") else 0.0
+    mb = s.tokens / s.microbatches
+    return {
+        "gradients": (2 if in_shard_map else 1) * whole,
+        "compute_copies": whole * a / 4,
+        "comm_buffers": gathered,
+        "activations": mb * (m.vocab_size / T * 4 * 2 / chunks + m.embed * a + 4),
+    }
+
+
+def memory(s: Layout, platform: str | None = None) -> dict[str, float]:
+    """Per-device bytes by component at the step's peak: the persistent terms and the largest transient phase
+    (module docstring); `platform` decides what attention "auto" runs (None: an O(seq) kernel)."""
+    m, a, E, T = s.model, s.a, s.model.embed, s["tensor"]
+    kept, recompute, kernel = _kept(s, platform)
+    mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] > 1
+    stacked = sum(s.local(p, "params") for p in s.params if p.stacked)
+    persistent = {
+        "parameters": sum(s.local(p, "params") for p in s.params),
+        "optimizer": 2 * sum(s.local(p, "optimizer") for p in s.params),  # AdamW's two float32 moments
+        "compute_copies": (stacked * a / 4 if m.remat == "none" and a != 4 else 0.0) + _relayouts(s),
+        "activations": _residuals(s, kept),
+    }
+    layer = _layer_bytes(s, gathered=True)
+    layers = 2 * layer * a / 4 if gathers else 0.0  # two gathered layers, cast before the all-gather
+    tp = 2 * mb * E * a if T > 1 else 0.0
+    scratch = attention_scratch(m, T, s["context"], s.seq_len, mb / s.seq_len, kernel)
+    forward = ring_scratch(m, T, s["context"], s.seq_len, mb * s["context"] / s.seq_len) if kernel == "ring" else 0.0
+    if m.remat == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice, before the stack
+        forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
+    grads = _gradients(s)
+    split = s["fsdp"] > 1 and s.zero >= 2 and not manual_region(s)  # a layer's gradient before its reduce-scatter
+    phases = [
+        {"comm_buffers": layers + tp, "activations": scratch + forward},  # forward: no gradients yet
+        {**_loss_phase(s), "gradients": grads + _loss_phase(s)["gradients"]},
+        {"gradients": grads + (layer if split else 0.0), "comm_buffers": layers + tp,
+         "activations": mb * recompute + scratch},
+    ]  # fmt: skip
+    peak = max(phases, key=lambda phase: sum(phase.values()))
+    return {k: persistent.get(k, 0.0) + peak.get(k, 0.0) for k in MEMORY_KEYS}
