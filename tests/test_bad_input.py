@@ -158,7 +158,11 @@ CASES = [
     (["ckpt", "import-hf", "{D}/missing", *IMPORT], 2, "{D}/missing does not exist"),
     (["ckpt", "import-hf", "{D}/afile", *IMPORT], 2, "{D}/afile is not a .safetensors file, an index or config"),
     (["ckpt", "import-hf", "{D}/run", *IMPORT], 2, "{D}/run is an spmdkit checkpoint, not a Hugging Face model"),
-    (["ckpt", "import-hf", "{D}/gpt2", *IMPORT], 2, "model_type='gpt2' is not a family spmdkit runs (llama, qwen2)"),
+    (
+        ["ckpt", "import-hf", "{D}/gpt2", *IMPORT],
+        2,
+        "model_type='gpt2' is not a family spmdkit runs (llama, qwen2, qwen3)",
+    ),
     (["ckpt", "import-hf", "{D}/sharded", *IMPORT], 2, "missing shard {D}/sharded/model-00002-of-"),
     (["ckpt", "import-hf", "{D}/sharded/model.safetensors.index.json", *IMPORT], 2, "(listed in model.safetensors"),
     (["ckpt", "import-hf", "{D}/hf-quantized", *IMPORT], 2, "config.json: quantization_config is not supported"),
