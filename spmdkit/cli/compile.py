@@ -62,10 +62,10 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, object]:
 
 def main(argv: Sequence[str]) -> int:
     config, args = parse(argv)
-    from spmdkit.targets.topology import _check_counts, gpu_target
+    from spmdkit.targets.topology import gpu_target, host_count
 
     gpu_target(args.target)  # the bad-input checks first, before JAX starts
-    _check_counts(args.devices, args.devices_per_host)
+    host_count(args.devices, args.devices_per_host)
     require_aot()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: no driver is needed, nor looked for
     from spmdkit.tools.gpu_compile import compile_for_target, decode_report, format_report, not_fit_line

@@ -59,8 +59,8 @@ def require_aot() -> None:
         raise SpmdkitError(f"compiling for a GPU target needs the CUDA compiler plugin: {EXTRA}")
 
 
-def _check_counts(devices: int, per_host: int) -> int:
-    """Hosts of a topology of `devices` devices, `per_host` on each host."""
+def host_count(devices: int, per_host: int) -> int:
+    """Hosts of a topology of `devices` devices, `per_host` on each host; one line when they do not divide."""
     if devices < 1 or per_host < 1:
         raise SpmdkitError(f"--devices {devices} and --devices-per-host {per_host} must be at least 1")
     if devices % per_host and devices > per_host:
@@ -74,7 +74,7 @@ def _check_counts(devices: int, per_host: int) -> int:
 def target_devices(name: str, devices: int = 8, per_host: int = 8) -> list:
     """`devices` compile-only devices of target `name`, `per_host` per host (fewer than `per_host`: one host)."""
     target = gpu_target(name)
-    hosts = _check_counts(devices, per_host)
+    hosts = host_count(devices, per_host)
     require_aot()
     from jax.experimental import topologies
 
