@@ -39,6 +39,10 @@ STRATEGIES = {
         {"collective-permute"},
     ),
     "ep": ("--model tiny-moe --mesh expert=4,data=2", {"all-to-all"}),
+    # gradient accumulation: over replica axes in a partly manual region (blockwise there); a mixture of experts
+    # accumulates under automatic sharding (cuDNN). The kernel chosen must be the one compiled in either case.
+    "hsdp_accum": ("--mesh data=2,fsdp=4 --grad-accum 2", {"all-gather", "reduce-scatter", "all-reduce"}),
+    "ep_accum": ("--model tiny-moe --mesh expert=4,data=2 --grad-accum 2", {"all-to-all"}),
 }
 _COMPILED: dict[str, tuple] = {}
 
@@ -80,7 +84,8 @@ def test_auto_attention_is_cudnn_on_h100_and_ring_or_blockwise_where_cudnn_canno
     assert {kernels[n] for n in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "ep")} == {"cudnn"}
     assert kernels["cp"] == "ring"
     # pipeline stages run inside a partly manual shard_map, where cuDNN's partitioner fails: blockwise there
-    assert kernels["pp_1f1b"] == kernels["pp_interleaved"] == "blockwise"
+    assert kernels["pp_1f1b"] == kernels["pp_interleaved"] == kernels["hsdp_accum"] == "blockwise"
+    assert kernels["ep_accum"] == "cudnn"
 
 
 def test_cudnn_on_fsdp_8_compiles(h100):

@@ -88,15 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())
             return 0 if argv else 2
-        module = command(argv[0])
-        if argv[0] not in JAX_FREE:
+        if argv[0] in COMMANDS and argv[0] not in JAX_FREE:  # before the command's module, which may import JAX
             from spmdkit.distributed.platform import gpu_present, start_jax
             from spmdkit.targets.flags import add_xla_flags
 
             if gpu_present():  # the XLA:GPU flags `spmdkit compile` compiles with, so a run is what was compiled
                 add_xla_flags()
             start_jax()  # the CPU when no GPU is present; the CUDA plugin's driver-missing noise filtered
-        return module.main(argv[1:])
+        return command(argv[0]).main(argv[1:])
     except SpmdkitError as error:
         print(f"spmdkit: error: {error}", file=sys.stderr)
         return 2

@@ -18,8 +18,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-# What JAX's CUDA plugin prints on a machine without a driver: the lines dropped, and a traceback block that starts
-# with the first pattern and runs to the next line that is not indented or a "The above exception" connector.
+# What JAX's CUDA plugin prints on a machine without a driver (absl's banner and the stubs' log lines): dropped.
 _NOISE = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
     r"|[IW]\d{4} .*(cudart_stub|cuda_executor|cuda_diagnostics|cuda_dnn|cuda_blas|cuda_fft)\.cc)"
@@ -60,6 +59,7 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def cuda_plugin_installed() -> bool:
+    """Is JAX's CUDA 12 or 13 PJRT plugin installed (checked without importing JAX)?"""
     import importlib.util
 
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))

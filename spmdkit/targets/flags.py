@@ -42,7 +42,8 @@ def add_xla_flags(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> bool:
     """Append each flag to `XLA_FLAGS` unless the user already set that flag (theirs wins); before JAX starts.
 
     Only with a jaxlib whose XLA is known to parse every flag (`VERIFIED_JAXLIB`): XLA aborts the process at
-    start-up on an unknown flag in `XLA_FLAGS` (jaxlib 0.11.2 no longer has `xla_gpu_enable_pipelined_all_reduce`).
+    start-up on an unknown flag in `XLA_FLAGS`, and flags come and go between versions (jaxlib 0.11.2 no longer
+    takes the three `pipelined_*` flags as compile options, though its `XLA_FLAGS` parser still accepts them).
     Returns whether the flags were added."""
     if _jaxlib_version() not in VERIFIED_JAXLIB:
         return False

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import re
 from importlib import resources
 
+from spmdkit.distributed.platform import cuda_plugin_installed
 from spmdkit.errors import SpmdkitError
 
 TARGETS = ("h100", "h200", "a100", "b200")
@@ -45,12 +45,9 @@ def gpu_target(name: str) -> GpuTarget:
     return GpuTarget(name, text, int(memory.group(1)), kind.group(1))
 
 
-CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-
-
 def aot_installed() -> bool:
     """Is a CUDA PJRT plugin that compiles for GPU targets installed (the `gpu-aot` extra: CUDA 12)?"""
-    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+    return cuda_plugin_installed()
 
 
 def require_aot() -> None:

@@ -24,6 +24,7 @@ from spmdkit.plan.estimate import estimate
 from spmdkit.sharding.mesh_config import format_sizes
 from spmdkit.targets import gpu_target, target_devices
 from spmdkit.targets.flags import compile_with_options, gpu_compiler_options
+from spmdkit.targets.topology import host_count
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import TrainProgram, build_program
 
@@ -156,73 +157,64 @@ def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, d
     return compiled, mesh, plan
 
 
+def base_report(
+    target: str,
+    devices: int,
+    per_host: int,
+    config: TrainConfig,
+    mesh: Any,
+    compiled: Any,
+    seconds: float,
+    planned: dict[str, float],
+    context: int = 1,
+) -> dict[str, Any]:
+    """The keys every compiled program's report has: where it runs, its bytes against the HBM and the planner's
+    `planned` {term: bytes}, the kernel, collectives and FLOPs found in it, the compile time and peak RSS."""
+    info, text, memory = gpu_target(target), compiled.as_text(), memory_bytes(compiled)
+    usable, total = int(USABLE_HBM * info.hbm_bytes), sum(planned.values())
+    return {
+        "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": host_count(devices, per_host),
+        "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name, "batch_size": config.run.batch_size,
+        "seq_len": config.run.seq_len, "fits": memory["total"] <= usable, "per_device_bytes": memory,
+        "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable, "attention_kernel": attention_in_hlo(text, context),
+        "collectives": collectives_table(compiled), "flops_per_device": hlo_flops(text), "planner_bytes": total,
+        "planner_memory": dict(planned), "planner_ratio": total / memory["total"] if memory["total"] else None,
+        "remat_that_fits": None, "compile_seconds": round(seconds, 2),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
+    }  # fmt: skip
+
+
 def decode_report(config: TrainConfig, target: str, devices: int, per_host: int) -> dict[str, Any]:
     """`spmdkit compile --decode`: the report of `compile_decode` (the keys of `compile_for_target`'s)."""
-    info = gpu_target(target)
     started = time.perf_counter()
     compiled, mesh, plan = compile_decode(config, target_devices(target, devices, per_host))
-    seconds, text, memory = time.perf_counter() - started, compiled.as_text(), memory_bytes(compiled)
-    usable = int(USABLE_HBM * info.hbm_bytes)
-    planned = sum(plan.values())
-    return {
-        "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": max(1, devices // per_host),
-        "program": "decode", "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name,
-        "batch_size": config.run.batch_size, "seq_len": config.run.seq_len, "fits": memory["total"] <= usable,
-        "per_device_bytes": memory, "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable,
-        "attention_kernel": attention_in_hlo(text), "collectives": collectives_table(compiled),
-        "flops_per_device": hlo_flops(text), "planner_bytes": planned, "planner_memory": plan,
-        "planner_ratio": planned / memory["total"] if memory["total"] else None, "remat_that_fits": None,
-        "compile_seconds": round(seconds, 2),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }  # fmt: skip
+    seconds = time.perf_counter() - started
+    return {"program": "decode", **base_report(target, devices, per_host, config, mesh, compiled, seconds, plan)}
 
 
 def compile_for_target(
     config: TrainConfig, target: str = "h100", devices: int = 8, per_host: int = 8
 ) -> dict[str, Any]:
     """Compile `config`'s train step for `devices` GPUs of `target` (`per_host` per host); the report as a dict."""
-    info = gpu_target(target)
     gpus = target_devices(target, devices, per_host)
     program = build_program(config, gpus)
     started = time.perf_counter()
     compiled, dropped = compile_with_options(lower_train_step(program), gpu_compiler_options())
     seconds = time.perf_counter() - started
-    text = compiled.as_text()
-    memory = memory_bytes(compiled)
     plan = planner_estimate(program, target)
-    usable = int(USABLE_HBM * info.hbm_bytes)
-    fits = memory["total"] <= usable
-    run = program.config.run
-    flops = hlo_flops(text)
-    return {
-        "target": target,
-        "device_kind": info.device_kind,
-        "devices": devices,
-        "hosts": max(1, devices // per_host),
-        "mesh": format_sizes(dict(program.mesh.shape)),
-        "model": program.config.model.name,
-        "batch_size": run.batch_size,
-        "seq_len": run.seq_len,
-        "remat": program.model_config.remat,
-        "zero": program.rules.zero_stage,
-        "fits": fits,
-        "per_device_bytes": memory,
-        "hbm_bytes": info.hbm_bytes,
-        "usable_hbm_bytes": usable,
-        "attention_kernel": attention_in_hlo(text, program.context),
-        "collectives": collectives_table(compiled),
-        "flops_per_device": flops,
-        "model_flops_per_device": model_flops(program) / devices,
-        "planner_bytes": plan.total_memory,
-        "planner_memory": dict(plan.memory),
-        "planner_ratio": plan.total_memory / memory["total"] if memory["total"] else None,
-        "planner_collective_bytes": dict(plan.collective_bytes),
-        "remat_that_fits": None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
-        "planner_layout": None if fits else planner_layout(program, target, devices, per_host),
-        "compile_seconds": round(seconds, 2),
-        "flags_left_out": dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
-    }
+    report = base_report(
+        target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context
+    )
+    fits, usable = report["fits"], report["usable_hbm_bytes"]
+    report.update(
+        remat=program.model_config.remat, zero=program.rules.zero_stage,
+        model_flops_per_device=model_flops(program) / devices,
+        planner_collective_bytes=dict(plan.collective_bytes),
+        remat_that_fits=None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
+        planner_layout=None if fits else planner_layout(program, target, devices, per_host),
+        flags_left_out=dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
+    )  # fmt: skip
+    return report
 
 
 def _gb(value: float) -> str:

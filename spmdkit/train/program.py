@@ -25,13 +25,14 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.models.device_facts import compute_capability, device_platform
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.plan.memory import manual_region
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import Rules, make_rules
 from spmdkit.train.config import TrainConfig, with_data_vocab
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.state import TrainState, abstract_train_state, gradient_shardings
-from spmdkit.train.step import StepFn, batch_shardings, make_train_step, replica_axes
+from spmdkit.train.step import StepFn, batch_shardings, make_train_step
 
 
 @dataclasses.dataclass
@@ -108,14 +109,6 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
     )  # fmt: skip
 
 
-def in_manual_region(config: TrainConfig, mesh: Mesh) -> bool:
-    """Does the model run inside a partly manual `shard_map`: pipeline stages, or gradient accumulation over replica
-    axes (`spmdkit.train.step.replica_axes`: data, and fsdp below ZeRO-3)?"""
-    if mesh.shape["pipeline"] > 1:
-        return True
-    return config.run.grad_accum > 1 and bool(replica_axes(mesh, make_rules(config.mesh.zero)))
-
-
 def resolve_config(config: TrainConfig) -> TrainConfig:
     """The config as the run saves it: the model's full shape (not a preset or a path that may move), its
     vocabulary from the data, and the learning rate of a fresh run or of a fine-tuning one (`--init-from`)."""
@@ -132,12 +125,13 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn), devices)
     model = config.model.build(mesh.shape["context"])
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    check_layout(layout(config, mesh, model))
+    planned = layout(config, mesh, model)
+    check_layout(planned)
     device = mesh.devices.flat[0]
     kernel = choose_attention(
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
         head_dim=model.head_dim, compute_capability=compute_capability(device),
-        manual_region=in_manual_region(config, mesh),
+        manual_region=manual_region(planned),  # pipeline stages, accumulation over replica axes
     )  # fmt: skip
     settings, run = config.mesh, config.run
     pipeline = None
