@@ -4,9 +4,11 @@ The script writes the checkpoint itself (random bfloat16 weights in the `llama3.
 `safetensors` directly, in shards of `--shard-mb` plus `model.safetensors.index.json`, and the config.json
 `spmdkit.interop.hf_config` writes for that model), then runs the import in a fresh process and reads that
 process's peak resident set size (`ru_maxrss` of the child). The import must not hold two copies of the weights:
-the target is peak RSS <= 1.3 x the checkpoint's size. `--load` also times `spmdkit.load_model` (in memory).
+the target is peak RSS <= 1.3 x the checkpoint's size. `--load` also measures `spmdkit.load_model` of the Hugging
+Face directory and of the imported checkpoint, on one device and on 8 (fsdp): the target is peak RSS <= 1.2 x the
+weights.
 
-    python scripts/bench_hf_import.py --dir /tmp/bench-hf       # generates once, then reuses the files
+    python scripts/bench_hf_import.py --dir /tmp/bench-hf --load --keep   # generates once, then reuses the files
 """
 
 from __future__ import annotations
@@ -81,14 +83,27 @@ def run_measured(command: list[str]) -> tuple[float, int, str]:
 
 
 LOAD = """
-import sys, time
+import os, sys, time
+os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
 from spmdkit import load_model
+from spmdkit.sharding import make_mesh, MeshConfig
+mesh = make_mesh(MeshConfig(fsdp=int(sys.argv[2]))) if int(sys.argv[2]) > 1 else None
 started = time.perf_counter()
-model = load_model(sys.argv[1], dtype="bfloat16")
+model = load_model(sys.argv[1], mesh, dtype="bfloat16")
 jax.block_until_ready(model.embedding[...])
 print(f"loaded in {time.perf_counter() - started:.1f} s")
 """
+
+
+def measure_load(path: Path, devices: int, size: int, what: str) -> None:
+    """Peak RSS of `spmdkit.load_model(path)` in a fresh process on `devices` simulated CPU devices (fsdp)."""
+    elapsed, peak, output = run_measured([sys.executable, "-c", LOAD, str(path), str(devices)])
+    print(
+        f"load_model({what}, {devices} device(s)): {elapsed:.1f} s ({output.strip().splitlines()[-1]}), "
+        f"peak RSS {peak / GB:.2f} GB = {peak / size:.2f} x the weights"
+    )
 
 
 def main() -> None:
@@ -115,9 +130,10 @@ def main() -> None:
         f"{peak / size:.2f} x the checkpoint "
         f"({size / GB:.2f} GB)"
     )
-    if args.load:
-        elapsed, peak, output = run_measured([sys.executable, "-c", LOAD, str(source)])
-        print(f"load_model: {elapsed:.1f} s ({output.strip()}), peak RSS {peak / GB:.2f} GB = {peak / size:.2f} x")
+    if args.load:  # the Hugging Face directory, and the checkpoint import-hf wrote from it
+        for path, what in ((source, "Hugging Face directory"), (out, "imported checkpoint")):
+            for devices in (1, 8):
+                measure_load(path, devices, size, what)
     if not args.keep:
         shutil.rmtree(Path(args.dir), ignore_errors=True)
 

@@ -4,11 +4,13 @@
 #   spmdkit launch --slurm --nodes 8 --gpus-per-node 8 --partition h100 --time 48:00:00 \
 #       --account YOUR_ACCOUNT --job-name llama70b --dry-run -- spmdkit train ...
 #
-# The layout is what `spmdkit plan --model 70b --devices 64 --device-type h100` recommends:
-#   mesh fsdp=8,tensor=8, ZeRO-2, sequence parallel, remat dots_with_no_batch_dims_saveable, 16 microbatches
-#   of a 256 x 4096-token batch: ~71.9 of 80 GB per GPU, ~17.9 s per step, ~40% MFU (the planner's estimate).
-# tensor=8 is the innermost axis: SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on
-# the second, ..., so each tensor group stays on one node's NVLink and FSDP's traffic crosses InfiniBand.
+# The layout is what `spmdkit plan --model 70b --devices 64 --device-type h100` recommends (its defaults: a
+# 256 x 4096-token batch, bfloat16; tests/test_readme.py checks the flags below against it):
+#   mesh data=2,fsdp=16,tensor=2, ZeRO-3, sequence parallel, remat full, no gradient accumulation:
+#   ~73.5 of 80 GB per GPU, ~20.1 s per step, ~52,100 tokens/s, ~36% MFU (the planner's estimate).
+# tensor=2 is the innermost axis: SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on
+# the second, ..., so each tensor pair stays on one node's NVLink; each data-parallel replica is 4 nodes (ranks
+# 0-31, 32-63) and each FSDP group of 16 spans its replica's 4 nodes, so FSDP's and DP's traffic crosses InfiniBand.
 # The 70b vocabulary (128,256 ids) needs uint32 tokens. Edit the partition, account, paths and environment,
 # then: sbatch scripts/slurm_70b_example.sh (a rerun resumes from the newest checkpoint in RUN_DIR/checkpoints).
 #SBATCH --nodes=8
@@ -41,8 +43,8 @@ export SPMDKIT_HEARTBEAT_TIMEOUT=${SPMDKIT_HEARTBEAT_TIMEOUT:-30}
 # export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap FSDP collectives with compute
 
 srun --kill-on-bad-exit=1 --cpu-bind=none spmdkit train \
-    --model 70b --mesh fsdp=8,tensor=8 --zero 2 --sequence-parallel \
-    --remat dots_with_no_batch_dims_saveable --dtype bfloat16 \
-    --batch-size 256 --seq-len 4096 --grad-accum 16 \
+    --model 70b --mesh data=2,fsdp=16,tensor=2 --zero 3 --sequence-parallel \
+    --remat full --dtype bfloat16 \
+    --batch-size 256 --seq-len 4096 \
     --data /shared/data/tokens.bin --token-dtype uint32 \
     --steps 10000 --checkpoint-every 200 --run-dir /shared/runs/llama70b --no-progress

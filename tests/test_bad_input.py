@@ -54,6 +54,7 @@ TOML = {
     "no-section.toml": "[nosuch]\nsteps = 3\n",
     "no-key.toml": "[run]\nnosuch = 3\n",
     "table-value.toml": "[run.steps]\nx = 1\n",
+    "bad-choice.toml": '[model]\ndtype = "f8"\n',
 }
 
 CASES = [
@@ -77,9 +78,9 @@ CASES = [
     ([*FRESH, "--log-every", "0"], 2, "--log-every must be at least 1"),
     ([*FRESH, "--keep", "0"], 2, "--keep must be at least 1"),
     ([*FRESH, "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
-    ([*FRESH, "--zero", "4"], 2, "--zero"),
-    ([*FRESH, "--dtype", "float8"], 2, "--dtype"),
-    ([*FRESH, "--bogus-flag"], 2, "--bogus-flag"),
+    ([*FRESH, "--zero", "4"], 2, "invalid choice '4' for --zero/--mesh.zero: expected one of 0, 1, 2, 3"),
+    ([*FRESH, "--dtype", "float8"], 2, "invalid choice 'float8' for --dtype/--model.dtype"),
+    ([*FRESH, "--bogus-flag"], 2, "unrecognized arguments: --bogus-flag"),
     ([*FRESH, "--model", "huge"], 2, "unknown model preset 'huge'"),
     ([*FRESH, "--model.layers", "0"], 2, "model layers=0 must be positive"),
     ([*FRESH, "--model.kv-heads", "3"], 2, "heads=8 is not a multiple of kv_heads=3"),
@@ -93,11 +94,12 @@ CASES = [
     ([*FRESH, "--config", "{D}/missing.toml"], 2, "missing.toml does not exist"),
     ([*FRESH, "--config", "{D}/latin1.toml"], 2, "is not valid UTF-8 TOML"),
     ([*FRESH, "--config", "{D}/bad-syntax.toml"], 2, "is not valid UTF-8 TOML"),
-    ([*FRESH, "--config", "{D}/bool-steps.toml"], 2, "--run.steps"),
-    ([*FRESH, "--config", "{D}/fail-steps.toml"], 2, "--run.fail-steps"),
-    ([*FRESH, "--config", "{D}/no-section.toml"], 2, "[nosuch] is not a section"),
-    ([*FRESH, "--config", "{D}/no-key.toml"], 2, "unknown key run.nosuch"),
-    ([*FRESH, "--config", "{D}/table-value.toml"], 2, "run.steps must be a value, not a table"),
+    ([*FRESH, "--config", "{D}/bool-steps.toml"], 2, "bool-steps.toml: run.steps=True must be of type int"),
+    ([*FRESH, "--config", "{D}/fail-steps.toml"], 2, "run.fail_steps=('a',) must be of type tuple[int, ...]"),
+    ([*FRESH, "--config", "{D}/no-section.toml"], 2, "no-section.toml: unknown config section [nosuch]"),
+    ([*FRESH, "--config", "{D}/no-key.toml"], 2, "no-key.toml: unknown config key run.nosuch"),
+    ([*FRESH, "--config", "{D}/bad-choice.toml"], 2, "bad-choice.toml: model.dtype='f8' must be of type Literal["),
+    ([*FRESH, "--config", "{D}/table-value.toml"], 2, "run.steps={{'x': 1}} must be of type int"),
     # -- train: paths
     ([*TRAIN.split(), "--run-dir", "{D}/afile"], 2, "--run-dir {D}/afile is a file: pass a directory"),
     ([*TRAIN.split(), "--run-dir", "{D}/afile/sub"], 2, "lies under {D}/afile, which is a file"),

@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 from test_checkpoint import MODEL, _layout, _random_state, _spmdkit, _stream, abstract  # noqa: F401 - fixture
 
@@ -323,3 +324,57 @@ def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, 
     for array, value in zip(got, want, strict=True):
         assert array.devices() == {device}
         np.testing.assert_array_equal(np.asarray(array), value.astype(array.dtype))
+    from spmdkit.checkpoint.params import read_params as read_model_params
+    from spmdkit.checkpoint.tree import to_saved_tree
+
+    params = _flat(read_model_params(directory, step=5)[2])  # the model reader, over both processes' files
+    expected = _flat(to_saved_tree(restored)["model"])
+    assert params.keys() == expected.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, expected[name])
+
+
+def test_the_model_of_any_step_on_any_layout_through_one_reader(saved, tmp_path, abstract):  # noqa: F811
+    """`load_model(..., step=)` reads that step's parameters (never the newest by mistake), onto one device or a
+    mesh, cast as asked; a name or shape that differs is one line; a damaged byte is a damaged step."""
+    from spmdkit.checkpoint.manager import DamagedStep
+    from spmdkit.checkpoint.params import read_params as read_model_params
+    from spmdkit.checkpoint.tree import to_saved_tree
+    from spmdkit.interop.loading import load_params, param_sharding_tree
+    from spmdkit.sharding import make_mesh, make_rules
+
+    directory, config = tmp_path / "two-steps", json.loads(TrainConfig().to_json())
+    config["model"]["dtype"] = "float32"
+    checkpointer = Checkpointer(directory, every=1)
+    states = {step: _random_state(abstract, _layout(abstract, "fsdp=8"), seed=step) for step in (1, 2)}
+    for step, state in states.items():
+        assert checkpointer.save(step, state, config=config)
+    checkpointer.close()
+    expected = {step: _flat(to_saved_tree(state)["model"]) for step, state in states.items()}
+
+    mesh = make_mesh("fsdp=2,tensor=4")
+    for step in (1, 2):
+        for model in (load_model(directory, step=step), load_model(directory, mesh, make_rules(), step=step)):
+            got = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+            assert got.keys() == expected[step].keys()
+            for name, value in got.items():
+                np.testing.assert_array_equal(value, expected[step][name])
+    newest = _flat(nnx.to_pure_dict(nnx.state(load_model(directory), nnx.Param)))
+    np.testing.assert_array_equal(newest["['embedding']"], expected[2]["['embedding']"])
+    halved = load_model(directory, param_dtype="bfloat16", step=1)
+    assert halved.embedding[...].dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(halved.embedding[...], expected[1]["['embedding']"].astype(jax.numpy.bfloat16))
+
+    wider = MODEL.replace(embed=MODEL.embed * 2)
+    with pytest.raises(SpmdkitError, match=r"step 2 of .* does not hold this model's parameters: model/\S+ is \["):
+        load_params(directory, wider, param_sharding_tree(wider, None, None))
+    with pytest.raises(SpmdkitError, match="step 9 is not in"):
+        load_model(directory, step=9)
+
+    data = max((directory / "1" / "state" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(DamagedStep, match="checkpoint step 1 in .* is damaged"):
+        read_model_params(directory, step=1)
+    assert read_model_params(directory, step=2)[0] == 2  # the other step is untouched

@@ -15,8 +15,6 @@ from support import error_lines, run_spmdkit
 
 import spmdkit
 from spmdkit.data.tokenizer import byte_tokenizer
-from spmdkit.inference.loading import inference_mesh, inference_rules
-from spmdkit.inference.sources import open_source, restore_model
 
 MESH = ("--cpu-devices", "8", "--mesh", "tensor=2,data=2")
 GREEDY = ("--prompt", "def ", "--temperature", "0", "--max-new-tokens", "48", *MESH)
@@ -33,9 +31,7 @@ def greedy_json(run_dir) -> dict:
 
 def continuation_loss(run_dir, prompt: list[int], continuation: list[int]) -> float:
     """Mean cross-entropy (nats per token) of `continuation` after `prompt` under the run's model (float32)."""
-    source = open_source(run_dir)
-    config = source.model.replace(dtype="float32", attention="dot")
-    model = restore_model(source, inference_mesh(None), inference_rules(), param_dtype="float32", config=config)
+    model = spmdkit.load_model(run_dir, dtype="float32")
     tokens = jnp.asarray([prompt + continuation], jnp.int32)
     logits = model(tokens)[0, len(prompt) - 1 : -1]
     return float(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(continuation)).mean())

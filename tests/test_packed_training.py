@@ -199,7 +199,7 @@ def test_training_on_a_prepared_bpe_dataset(tmp_path):
     from spmdkit.data.config import DataConfig
     from spmdkit.data.prepare import PrepareOptions, prepare
     from spmdkit.interop import find_tokenizer_dir
-    from spmdkit.train.config import MeshSettings, ModelSettings, RunSettings, TrainConfig
+    from spmdkit.train.config import MeshSettings, ModelSettings, OptimizerConfig, RunSettings, TrainConfig
     from spmdkit.train.loop import train
 
     rng = np.random.default_rng(0)
@@ -212,6 +212,9 @@ def test_training_on_a_prepared_bpe_dataset(tmp_path):
         model=ModelSettings(dtype="float32"),
         data=DataConfig(source=str(tmp_path / "ds")),
         mesh=MeshSettings(mesh="fsdp=4,tensor=2"),
+        # No warmup: with the default 10 warmup steps, 3 steps barely move the model and the eval's bits per byte
+        # against the first batch's was a coin toss between batches (the flaky run of issue 24).
+        optimizer=OptimizerConfig(warmup_steps=0),
         run=RunSettings(steps=3, batch_size=8, seq_len=64, log_every=1, eval_every=3, run_dir=str(run_dir)),
     )
     train(dataclasses.replace(config, run=dataclasses.replace(config.run, progress=False)))

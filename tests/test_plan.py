@@ -21,20 +21,14 @@ from spmdkit.models.config import PRESETS, TransformerConfig
 from spmdkit.plan.devices import AXES, DEVICES, device_for_kind, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
 from spmdkit.plan.layout import parameters, sharded
+from spmdkit.tools.strategies import STRATEGIES
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 MOE_CONFIG = PRESETS["tiny-moe"].replace(dtype="float32")  # 4 layers: 2 dense, 2 MoE of 8 experts (top 2)
 BATCH, SEQ = 8, 32
-STRATEGIES = {  # name: (mesh, ZeRO stage, sequence parallel)
-    "dp": ("data=8", 0, False),
-    "fsdp": ("fsdp=8", 3, False),
-    "zero1": ("fsdp=8", 1, False),
-    "tp": ("tensor=8", 3, False),
-    "sp": ("tensor=8", 3, True),
-    "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
-    "context": ("context=4,fsdp=2", 3, False),  # ring attention: the K/V ring's collective-permutes
-    "expert": ("expert=4,data=2", 3, False),  # MoE (MOE_CONFIG): all-to-alls of the dispatch buffers
-}
+# the layouts of the compiler proof ("cp": the K/V ring's collective-permutes; "ep": MoE (MOE_CONFIG), all-to-alls
+# of the dispatch buffers)
+COMPILED = ["dp", "fsdp", "zero1", "tp", "tp_sp", "data_fsdp_tensor", "cp", "ep"]
 
 
 # --- textbook figures, computed here from first principles ---------------------------------------------------
@@ -183,12 +177,12 @@ def compiled_step(name):
     from spmdkit.train.state import TrainState, train_state_shardings
     from spmdkit.train.step import batch_shardings, make_train_step
 
-    mesh_text, zero, sp = STRATEGIES[name]
-    mesh, rules = make_mesh(mesh_text), make_rules(zero, sp)
+    strategy = STRATEGIES[name]
+    mesh, rules = make_mesh(strategy.mesh), make_rules(strategy.zero, strategy.sequence_parallel)
     tx = make_optimizer(OptimizerConfig(warmup_steps=1), 3)
 
     def make():
-        model = Transformer(_config(mesh_text), rngs=nnx.Rngs(0))
+        model = Transformer(_config(strategy.mesh), rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     graphdef, abstract = abstract_state(make)
@@ -232,14 +226,17 @@ def test_moe_padding_costs_flops_and_dispatch_buffers_cost_memory():
     assert dropless.memory["activations"] > capacity_.memory["activations"]
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", COMPILED)
 def test_planner_matches_the_compiled_step(name):
     from spmdkit.inspect.hlo import collective_report
 
     compiled, mesh = compiled_step(name)
-    mesh_text, zero, sp = STRATEGIES[name]
-    config = _config(mesh_text)
-    planned = estimate(config, mesh_text, device="cpu", batch_size=BATCH, seq_len=SEQ, zero=zero, sequence_parallel=sp)
+    strategy = STRATEGIES[name]
+    config = _config(strategy.mesh)
+    planned = estimate(
+        config, strategy.mesh, device="cpu", batch_size=BATCH, seq_len=SEQ, zero=strategy.zero,
+        sequence_parallel=strategy.sequence_parallel,
+    )  # fmt: skip
     # inputs, targets, positions: int32 [batch, seq], batch over data x fsdp, sequence over context
     batch_bytes = 3 * BATCH * SEQ * 4 // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"])
     state = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
@@ -254,7 +251,7 @@ def test_planner_predicts_the_all_to_alls_of_expert_parallelism():
     dispatch buffer [B/(D X), E, C, embed] = [1, 8, ceil(1.25 x 32 x 2 / 8) = 10, 64] float32 = 20,480 bytes."""
     from spmdkit.inspect.hlo import collective_report
 
-    compiled, _ = compiled_step("expert")
+    compiled, _ = compiled_step("ep")
     report = collective_report(compiled)
     planned = estimate(MOE_CONFIG, "expert=4,data=2", device="cpu", batch_size=BATCH, seq_len=SEQ, zero=3)
     assert report.count("all-to-all", executed=True) == 4 * MOE_CONFIG.moe_layers

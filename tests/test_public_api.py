@@ -1,9 +1,8 @@
 """The public packages export exactly the names an importer needs, each resolvable and documented; the names
-`spmdkit.sharding` exported before the shard_map programs moved to `spmdkit.parallel` still resolve, with a warning."""
+`spmdkit.sharding` exported before the shard_map programs moved to `spmdkit.parallel` are gone from it."""
 
 import importlib
 import inspect
-import warnings
 
 import pytest
 
@@ -51,14 +50,12 @@ def test_every_function_and_class_has_a_docstring(package):
     assert not undocumented, f"{package} exports without a docstring: {undocumented}"
 
 
-def test_moved_names_still_resolve_with_a_warning():
-    import spmdkit.parallel
+def test_moved_names_are_gone_from_sharding():
     import spmdkit.sharding
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert spmdkit.sharding.ring_attention is spmdkit.parallel.ring_attention
-    assert any("moved to spmdkit.parallel.ring_attention" in str(w.message) for w in caught)
+    for name in ("ring_attention", "pipeline_value_and_grad", "collective_report"):
+        with pytest.raises(AttributeError, match=f"no attribute {name!r}"):
+            getattr(spmdkit.sharding, name)
 
 
 def test_import_spmdkit_stays_light():

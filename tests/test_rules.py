@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -93,3 +94,86 @@ def test_parameter_table_lists_every_parameter_with_per_device_bytes():
     table = parameter_table(abstract, shardings)
     assert "blocks/mlp/up" in table and "('fsdp', 'tensor')" in table.replace("None, ", "")
     assert f"{TransformerConfig().num_params():,} values" in table
+
+
+# Your own model with names spmdkit never defined: a ViT-style patch MLP, x [batch, patch, embed].
+OWN = {"patch": None, "channels": "tensor"}
+
+
+class PatchMLP(nnx.Module):
+    """Two layers over image patches: w_in [embed, channels] column-parallel, w_out [channels, embed] row-parallel."""
+
+    def __init__(self, embed: int, channels: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_in = nnx.Param(init(rngs.params(), (embed, channels)), out_sharding=("embed", "channels"))
+        self.w_out = nnx.Param(init(rngs.params(), (channels, embed)), out_sharding=("channels", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = constrain(jax.nn.gelu(x @ self.w_in[...]), ("batch", "patch", "channels"))
+        return constrain(h @ self.w_out[...], ("batch", "patch", "act_embed"))
+
+
+def _own_loss_and_grads(mesh, rules):
+    from spmdkit.sharding.logical import use_rules
+
+    model = init_sharded(lambda: PatchMLP(32, 64, rngs=nnx.Rngs(0)), mesh, rules)
+    graphdef, params = nnx.split(model)
+    x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+
+    @jax.jit
+    def step(params, x):
+        with use_rules(rules, mesh):
+            return jax.value_and_grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2))(params)
+
+    with jax.set_mesh(mesh):
+        loss, grads = step(params, x)
+    return model, loss, grads
+
+
+def test_own_module_with_extra_names_matches_one_device():
+    rules = make_rules(3, extra=OWN)
+    assert rules.params["channels"] == ("tensor",) and rules.optimizer["patch"] == ()
+    model, loss, grads = _own_loss_and_grads(make_mesh("fsdp=4,tensor=2"), rules)
+    assert model.w_in[...].sharding.spec == P("fsdp", "tensor")
+    assert model.w_in[...].addressable_shards[0].data.shape == (8, 32)
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    _, one_loss, one_grads = _own_loss_and_grads(one, rules)
+    assert np.allclose(jax.device_get(loss), jax.device_get(one_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(one_grads), strict=True):
+        assert np.allclose(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=1e-7)
+
+
+def test_flax_rules_round_trip_and_agree_with_flax_partition_specs():
+    from spmdkit.sharding import Rules, abstract_state, state_shardings
+
+    rules = make_rules(2, extra=OWN)
+    pairs = rules.to_flax()
+    assert ("channels", "tensor") in pairs and ("patch", None) in pairs
+    assert ("batch", ("data", "fsdp", "expert")) in pairs and ("embed", None) in pairs
+    back = Rules.from_flax(pairs, optimizer=rules.to_flax("optimizer"))
+    assert back.params == rules.params and back.optimizer == rules.optimizer
+    assert Rules.from_flax([("patch", None), ("channels", ["fsdp", "tensor"])]).params["channels"] == ("fsdp", "tensor")
+    # Flax's own reading of the same pairs lays the parameters out as spmdkit does.
+    mesh = make_mesh("fsdp=4,tensor=2")
+    _, abstract = abstract_state(lambda: PatchMLP(32, 64, rngs=nnx.Rngs(0)))
+    ours = state_shardings(abstract, mesh, rules.optimizer)
+    with nnx.logical_axis_rules(rules.to_flax("optimizer")):
+        flax_specs = nnx.get_partition_spec(abstract)
+    for name in ("w_in", "w_out"):
+        theirs = jax.sharding.NamedSharding(mesh, flax_specs[name].get_value())
+        assert ours[name].is_equivalent_to(theirs, 2), (name, ours[name].spec, theirs.spec)
+
+
+def test_unknown_mesh_axis_and_bad_rules_are_refused_in_one_line():
+    from spmdkit.sharding import Rules
+
+    with pytest.raises(SpmdkitError, match=r"logical axis 'channels' -> unknown mesh axis 'model'; mesh axes: data,"):
+        make_rules(extra={"channels": "model"})
+    with pytest.raises(SpmdkitError, match=r"Rules.from_flax: logical axis 'patch' -> unknown mesh axis 'sequence'"):
+        Rules.from_flax([("patch", ("data", "sequence"))])
+    with pytest.raises(SpmdkitError, match="logical axis 'batch' has two rules"):
+        Rules.from_flax([("batch", "data"), ("batch", "fsdp")])
+    with pytest.raises(SpmdkitError, match="give a mesh axis, a tuple of them, or None"):
+        make_rules(extra={"channels": 2})
+    with pytest.raises(SpmdkitError, match="'patch' has no rule"):
+        logical_to_spec(("patch",), (4,), make_mesh("fsdp=8"), make_rules().params)

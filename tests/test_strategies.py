@@ -21,25 +21,16 @@ from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import init_sharded
 from spmdkit.sharding.rules import make_rules
+from spmdkit.tools.strategies import STRATEGIES
 from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
 from spmdkit.train.state import create_train_state
 from spmdkit.train.step import make_train_step
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 STEPS = 3
-STRATEGIES = {
-    "dp": ("data=8", 0, False),
-    "fsdp": ("fsdp=8", 3, False),
-    "zero1": ("fsdp=8", 1, False),
-    "zero2": ("fsdp=8", 2, False),
-    "hsdp": ("data=2,fsdp=4", 3, False),
-    "tp": ("tensor=8", 3, False),
-    "tp_sp": ("tensor=8", 3, True),
-    "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
-    "context_ring": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
-    "zero1_accumulated": ("data=2,fsdp=2,tensor=2", 1, False),  # 2 microbatches, reduced once over data x fsdp
-}
-GRAD_ACCUM = {"zero1_accumulated": 2}
+# the layouts checked against the one-device program ("cp": ring attention on a zigzag-permuted batch;
+# "zero1_accumulated": 2 microbatches, reduced once over data x fsdp)
+CHECKED = ["dp", "fsdp", "zero1", "zero2", "hsdp", "tp", "tp_sp", "data_fsdp_tensor", "cp", "zero1_accumulated"]
 
 
 def _batch(batch=8, seq=32, seed=0):
@@ -51,15 +42,13 @@ def _batch(batch=8, seq=32, seed=0):
 @functools.cache
 def run(name):
     """(losses, final params as numpy, compiled step, train state) of 3 steps under strategy `name`."""
-    if name == "one_device":
-        mesh, rules = make_mesh("fsdp=1", jax.devices()[:1]), make_rules(3)
-    else:
-        mesh_text, zero, sp = STRATEGIES[name]
-        mesh, rules = make_mesh(mesh_text), make_rules(zero, sp)
+    strategy = STRATEGIES[name]
+    devices = jax.devices()[:1] if name == "one_device" else None
+    mesh, rules = make_mesh(strategy.mesh, devices), make_rules(strategy.zero, strategy.sequence_parallel)
     context = mesh.shape["context"]
     config = CONFIG.replace(attention="ring") if context > 1 else CONFIG
     state = create_train_state(config, make_optimizer(OptimizerConfig(warmup_steps=1), STEPS), mesh, rules)
-    step = make_train_step(state, mesh, rules, GRAD_ACCUM.get(name, 1))
+    step = make_train_step(state, mesh, rules, strategy.grad_accum)
     batch = zigzag_batch(_batch(), context)
     compiled = step.lower(state.state, batch).compile()
     current, losses = state.state, []
@@ -74,7 +63,7 @@ def relative_error(a, b):
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(np.asarray(b)), 1e-30))
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", CHECKED)
 def test_same_numbers_as_one_device(name):
     losses, params, _, _ = run(name)
     base_losses, base_params, _, _ = run("one_device")
@@ -166,7 +155,7 @@ def test_sp_replaces_the_all_reduce_with_reduce_scatter_and_all_gather():
 
 
 def test_context_parallel_step_moves_kv_by_collective_permute_only():
-    report = collective_report(run("context_ring")[2])
+    report = collective_report(run("cp")[2])
     assert report.count("collective-permute") > 0
     # K/V never gathered whole: the only all-gathers are FSDP's parameter gathers (no [batch, seq, ...] K/V)
     gathered = [c for c in report.collectives if c.opcode == "all-gather"]

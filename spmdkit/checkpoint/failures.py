@@ -58,10 +58,13 @@ def drop_orphaned_reads() -> None:
 
 
 class _OrbaxErrors(logging.Filter):
-    """Drops Orbax's ERROR records (each with a traceback): the Checkpointer turns the failure into one line."""
+    """Drops Orbax's ERROR records (each with a traceback: the Checkpointer turns the failure into one line) and its
+    "Given directory is read only" notice, which every read of a checkpoint would print."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return record.levelno < logging.ERROR and not record.getMessage().startswith("Given directory is read only")
 
 
 class _AbandonedWrites(logging.Filter):

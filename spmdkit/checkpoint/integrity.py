@@ -90,16 +90,16 @@ def _device_leaf(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 _device_fingerprint = jax.jit(lambda leaves: [_device_leaf(x) for x in leaves])
 
 
-_HOST_BLOCK = 1 << 22  # elements summed at a time on the host: bounded temporaries for any shard size
+_HOST_BLOCK = 1 << 20  # elements summed at a time on the host: ~30 MB of temporaries for any shard size
 
 
-def _host_part(data: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
+def block_sums(data: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
     """Partial (sum1, sum2, non-finite count) of the block `data` that starts at `offsets` of an array `shape`;
     blocks of rows at a time, positions in uint32 (they only matter mod 2^32)."""
     if data.ndim and data.size > _HOST_BLOCK and data.shape[0] > 1:
         rows = max(1, _HOST_BLOCK // (data.size // data.shape[0]))
         parts = [
-            _host_part(data[r : r + rows], (offsets[0] + r, *offsets[1:]), shape) for r in range(0, data.shape[0], rows)
+            block_sums(data[r : r + rows], (offsets[0] + r, *offsets[1:]), shape) for r in range(0, data.shape[0], rows)
         ]
         return sum(p[0] for p in parts) % 2**32, sum(p[1] for p in parts) % 2**32, sum(p[2] for p in parts)
     index = np.zeros(data.shape, np.uint32)
@@ -118,13 +118,30 @@ def _host_leaf(x: Any) -> np.ndarray:
     total = np.zeros(3, np.uint64)
     if not isinstance(x, jax.Array):
         if jax.process_index() == 0:
-            total += np.array(_host_part(np.asarray(x), (0,) * np.ndim(x), tuple(np.shape(x))), np.uint64)
+            total += np.array(block_sums(np.asarray(x), (0,) * np.ndim(x), tuple(np.shape(x))), np.uint64)
         return (total % 2**32).astype(np.uint32)
     for shard in x.addressable_shards:
         if shard.replica_id == 0:  # each element once, whichever devices and processes hold copies
             offsets = tuple(s.indices(n)[0] for s, n in zip(shard.index, x.shape, strict=True))
-            total += np.array(_host_part(np.asarray(shard.data), offsets, x.shape), np.uint64)
+            for start, block in _row_blocks(shard.data):
+                at = (offsets[0] + start, *offsets[1:]) if offsets else offsets
+                total += np.array(block_sums(block, at, x.shape), np.uint64)
     return (total % 2**32).astype(np.uint32)
+
+
+_take_rows = jax.jit(jax.lax.dynamic_slice_in_dim, static_argnums=(2, 3))
+
+
+def _row_blocks(data: jax.Array) -> Any:
+    """(first row, host copy of rows) of a single-device array, at most `_HOST_BLOCK` elements (or one row) at a
+    time: `np.asarray` of the whole array would keep a host copy of it alive as long as the array (JAX caches it),
+    which for a model just read doubles its bytes."""
+    if data.ndim == 0 or data.size <= _HOST_BLOCK:
+        yield 0, np.asarray(data)
+        return
+    rows = max(1, _HOST_BLOCK // (data.size // data.shape[0]))
+    for start in range(0, data.shape[0], rows):
+        yield start, np.asarray(_take_rows(data, start, min(rows, data.shape[0] - start), 0))
 
 
 def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[str, int]]:
@@ -148,18 +165,29 @@ def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[st
             results[i] = (int(first), int(second), int(bad))
     host = [i for i, device in enumerate(on_device_each) if not device]
     if host:
-        parts = np.stack([_host_leaf(leaves[i]) for i in host])
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            gathered = np.asarray(multihost_utils.process_allgather(parts), np.uint32)
-            parts = gathered.sum(axis=0, dtype=np.uint32)  # mod 2^32, as the sums themselves
-        for i, row in zip(host, parts.tolist(), strict=True):
-            results[i] = (row[0], row[1], row[2])
+        for i, row in zip(host, sum_over_processes([_host_leaf(leaves[i]) for i in host]), strict=True):
+            results[i] = row
     return {
-        path_text(path): (f"{first:08x}{second:08x}", bad)
+        path_text(path): (fingerprint_text(first, second), bad)
         for (path, _), (first, second, bad) in zip(flat, results, strict=True)
     }
+
+
+def sum_over_processes(parts: list[np.ndarray]) -> list[tuple[int, int, int]]:
+    """Each array's (sum1, sum2, non-finite count) from every process's partial sums ([3] numbers each, as
+    `block_sums` gives them): a collective when there are several processes (every process must call it)."""
+    stacked = (np.stack(parts).astype(np.uint64) % 2**32).astype(np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        gathered = np.asarray(multihost_utils.process_allgather(stacked), np.uint32)
+        stacked = gathered.sum(axis=0, dtype=np.uint32)  # mod 2^32, as the sums themselves
+    return [(row[0], row[1], row[2]) for row in stacked.tolist()]
+
+
+def fingerprint_text(first: int, second: int) -> str:
+    """The checksum as saved: 16 hex digits."""
+    return f"{first:08x}{second:08x}"
 
 
 def path_text(path: tuple[Any, ...]) -> str:

@@ -99,6 +99,7 @@ class Checkpointer:
         quiet_orbax_errors()
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(every) if every else policies.SpecificStepsPolicy(()),
+            save_interval_steps=0 if read_only else 1,  # what Orbax sets for a reader, with a warning
             preservation_policy=policies.LatestN(keep),
             enable_async_checkpointing=True,
             # Directories made in the calling thread: made in the background, a failure (a read-only directory)
@@ -295,11 +296,12 @@ class Checkpointer:
             raise DamagedStep(step, self.directory, str(damage)) from None
         return from_saved_tree(restored["state"], state)
 
-    def check_read(self, step: int, part: dict[str, Any]) -> None:
-        """DamagedStep unless `part` of the step's state (e.g. `{"model": ...}`, read by another reader) holds the
-        arrays as saved: the step's items complete, every checksum matching, every value finite."""
+    def check_read(self, step: int, found: dict[str, tuple[str, int]]) -> None:
+        """DamagedStep unless the arrays another reader took from the step (`found`: 'model/...' -> (checksum,
+        NaN/Inf count), as `integrity.fingerprints` gives them) are as saved: the step's items complete, every
+        checksum matching, every value finite."""
         try:
-            problems = array_problems(self._check_items(step), fingerprints(part))
+            problems = array_problems(self._check_items(step), found)
         except _Damage as damage:
             problems = [str(damage)]
         if problems:

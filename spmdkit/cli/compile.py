@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
-from spmdkit.cli.train import parse_flags, toml_args
+from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
 from spmdkit.targets.topology import TARGETS, require_aot
-from spmdkit.train.config import TrainConfig
+from spmdkit.train.config import TrainConfig, config_from_toml
 
 HELP = SUMMARIES["compile"]
 PROG = "spmdkit compile"
@@ -54,10 +54,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, object]:
     known, rest = parser().parse_known_args(list(argv))
     if "--cpu-devices" in rest or any(a.startswith("--cpu-devices=") for a in rest):
         raise SpmdkitError("spmdkit compile compiles for --target GPUs: drop --cpu-devices")
-    config = TrainConfig()
-    if known.config:
-        config = parse_flags(toml_args(known.config), config, where=f"config file {known.config}: ")
-    return parse_flags(rest, config), known
+    return parse_flags(rest, config_from_toml(known.config) if known.config else TrainConfig()), known
 
 
 def main(argv: Sequence[str]) -> int:

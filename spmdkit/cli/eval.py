@@ -68,7 +68,8 @@ def main(argv: Sequence[str]) -> int:
     from spmdkit.data.resolve import source_tokenizer
     from spmdkit.inference.evaluate import evaluate
     from spmdkit.inference.loading import inference_mesh, inference_rules
-    from spmdkit.inference.sources import model_tokenizer, open_source, restore_model, same_tokenizer
+    from spmdkit.inference.sources import model_tokenizer, open_source, same_tokenizer
+    from spmdkit.interop.loading import load_model
 
     mesh, rules = inference_mesh(args.mesh), inference_rules()
     source = open_source(args.path)
@@ -86,7 +87,8 @@ def main(argv: Sequence[str]) -> int:
             f"--data {data.source} is tokenized with {data_tok.name}, but the model reads {model_tok.name}: prepare "
             "the data with the model's tokenizer (spmdkit data prepare --tokenizer PATH_OF_ITS_TOKENIZER_JSON)"
         )
-    model = restore_model(source, mesh, rules, param_dtype="float32", config=source.model.replace(attention="dot"))
+    config = source.model.replace(attention="dot")  # evaluation's own kernel choice; parameters in float32
+    model = load_model(source.directory, mesh, rules, config.dtype, "float32", step=source.step, config=config)
     seq_len = args.seq_len or source.seq_len or 128
     if source.kind == "hf" and args.seq_len is None:
         seq_len = min(seq_len, HF_SEQ_LEN)

@@ -62,7 +62,7 @@ def render_config() -> str:
     """One table per `TrainConfig` section: key, flags, type, default, help; the section's docstring above it."""
     import inspect
 
-    from spmdkit.train.config import SECTIONS
+    from spmdkit.train.config import SECTIONS, field_docs
 
     lines = [
         "## `spmdkit train`: config keys and flags",
@@ -78,11 +78,11 @@ def render_config() -> str:
         if doc := inspect.getdoc(cls):
             lines += [" ".join(doc.split()), ""]
         lines += ["| key | flags | type | default | help |", "|---|---|---|---|---|"]
-        hints = typing.get_type_hints(cls)
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for f in dataclasses.fields(cls):
-            flags = [f"--{section}.{f.name.replace('_', '-')}", *f.metadata.get("flags", ())]
-            spelled = ", ".join(f"`{flag}`" for flag in flags)
-            row = [f"`{f.name}`", spelled, type_name(hints[f.name]), f"`{f.default!r}`", f.metadata.get("help", "")]
+            help, short = docs[f.name]
+            spelled = ", ".join(f"`{flag}`" for flag in [f"--{section}.{f.name.replace('_', '-')}", *short])
+            row = [f"`{f.name}`", spelled, type_name(hints[f.name]), f"`{f.default!r}`", help]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

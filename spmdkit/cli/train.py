@@ -1,32 +1,24 @@
-"""`spmdkit train`: the command line built from the `TrainConfig` dataclasses by tyro.
+"""`spmdkit train`: the command line tyro builds from the `TrainConfig` dataclasses.
 
 Every config field is a flag `--SECTION.KEY` (`--run.steps 60`, `--optimizer.b2 0.99`, `--model.layers 6`); the
-short flags in each field's metadata (`--steps`, `--mesh`, `--no-progress`, ...) are aliases. Choice fields are
-`Literal`s, checked at parse time. `--config FILE.toml` sets the defaults (one table per section, the same keys),
-and flags override them; a TOML value goes through the same parser as a flag, so a wrong type or an unknown choice
-is refused the same way, naming the file. Every parse error is one line, exit 2.
+short flags each field's `tyro.conf.arg` names (`--steps`, `--mesh`, `--no-progress`, ...) are aliases. Choice fields
+are `Literal`s, checked at parse time. `--config FILE.toml` is loaded into the dataclasses (`config_from_toml`: an
+unknown key or a value of the wrong type is refused naming the file) and handed to tyro as the defaults; flags
+override them. Every parse error is one line, exit 2.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import io
-import re
 import sys
-import tomllib
-import typing
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated, Any
 
 import tyro
+import tyro._errors
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser, use_cpu_devices
 from spmdkit.errors import SpmdkitError
-from spmdkit.train.config import SECTIONS, TrainConfig
+from spmdkit.train.config import TrainConfig, config_from_toml
 
 HELP = SUMMARIES["train"]
 DESCRIPTION = (
@@ -37,87 +29,28 @@ DESCRIPTION = (
 PROG = "spmdkit train"
 
 
-@functools.cache
-def _tyro_class(cls: type) -> type:
-    """`cls` with each field's help and short flags (its `metadata`) as tyro annotations; sections recursively."""
-    hints = typing.get_type_hints(cls)
-    fields = []
-    for f in dataclasses.fields(cls):
-        hint = _tyro_class(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else hints[f.name]
-        arg = tyro.conf.arg(help=f.metadata.get("help"), aliases=f.metadata.get("flags") or None)
-        fields.append((f.name, Annotated[hint, arg]))
-    return dataclasses.make_dataclass(cls.__name__, fields, frozen=True)
+def _refuse(event: tyro._errors.ParseErrorEvent) -> None:
+    """tyro's parse-error hook: raise the failure as one line, before tyro would draw its box and exit. The hook
+    (`tyro._errors.on_parse_error`) is tyro's only way to the error itself: `console_outputs=False` drops it."""
+    argument = getattr(event, "argument", None)
+    name = "/".join(argument.lowered.name_or_flags) if argument is not None else "the arguments"
+    if isinstance(event, tyro._errors.InvalidChoice):
+        problem = f"invalid choice {event.value!r} for {name}: expected one of {', '.join(event.choices)}"
+    elif isinstance(event, tyro._errors.UnrecognizedArgs):
+        problem = f"unrecognized arguments: {' '.join(event.tokens)}"
+    elif isinstance(event, tyro._errors.InstantiationFailure):
+        problem = f"{name}: {event.message.splitlines()[0]}"
+    elif isinstance(event, tyro._errors.BadValue):
+        problem = f"{name}: " + ("expects a value" if event.offending_value is None else "takes no value")
+    else:
+        problem = f"{name}: {type(event).__name__}"
+    raise SpmdkitError(f"{problem} (see {PROG} --help)")
 
 
-def _to_tyro(config: TrainConfig) -> Any:
-    cls = _tyro_class(TrainConfig)
-    return cls(**{name: _tyro_class(SECTIONS[name])(**vars(getattr(config, name))) for name in SECTIONS})
-
-
-def _from_tyro(parsed: Any) -> TrainConfig:
-    """The parsed values as a `TrainConfig` (each section's own checks run here)."""
-    return TrainConfig(**{name: SECTIONS[name](**vars(getattr(parsed, name))) for name in SECTIONS})
-
-
-def _one_line(text: str) -> str:
-    """tyro's boxed error message -> its first paragraph on one line (the box, rules and hints dropped)."""
-    lines = []
-    for raw in text.splitlines()[1:]:  # the first line is the box's title
-        line = raw.strip().strip("│╭╮╰╯").strip()
-        if not line or set(line) <= set("─-"):
-            if lines:
-                break
-            continue
-        lines.append(line)
-    return re.sub(r"\s+", " ", " ".join(lines)) or text.strip()
-
-
-def parse_flags(args: Sequence[str], default: TrainConfig, where: str = "") -> TrainConfig:
-    """`default` with `args` (flags) applied; a parse error is a one-line `SpmdkitError` (`where` prefixes it)."""
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            parsed = tyro.cli(
-                _tyro_class(TrainConfig), args=list(args), default=_to_tyro(default), prog=PROG, description=DESCRIPTION
-            )
-    except SystemExit as exit:
-        if exit.code:
-            raise SpmdkitError(f"{where}{_one_line(stderr.getvalue())} (see {PROG} --help)") from None
-        raise
-    return _from_tyro(parsed)
-
-
-def toml_args(path: str | Path) -> list[str]:
-    """The flags a TOML config file stands for (`[run] steps = 7` -> `--run.steps=7`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpmdkitError(f"config file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise SpmdkitError(f"config file {path} is not valid UTF-8 TOML: {error}") from None
-    args = []
-    for section, values in data.items():
-        if section not in SECTIONS or not isinstance(values, dict):
-            raise SpmdkitError(f"config file {path}: [{section}] is not a section: use one of {', '.join(SECTIONS)}")
-        fields = {
-            f.name: typing.get_type_hints(SECTIONS[section])[f.name] for f in dataclasses.fields(SECTIONS[section])
-        }
-        for key, value in values.items():
-            if key not in fields:
-                raise SpmdkitError(
-                    f"config file {path}: unknown key {section}.{key}: expected one of {', '.join(fields)}"
-                )
-            flag = f"--{section}.{key.replace('_', '-')}"
-            if fields[key] is bool and isinstance(value, bool):
-                args.append(flag if value else f"--{section}.no-{key.replace('_', '-')}")
-            elif isinstance(value, list):
-                args += [flag, *map(str, value)]
-            elif isinstance(value, dict):
-                raise SpmdkitError(f"config file {path}: {section}.{key} must be a value, not a table")
-            else:
-                args.append(f"{flag}={value}")
-    return args
+def parse_flags(args: Sequence[str], default: TrainConfig) -> TrainConfig:
+    """`default` with `args` (flags) applied; a parse error is a one-line `SpmdkitError`."""
+    with tyro._errors.on_parse_error(_refuse):
+        return tyro.cli(TrainConfig, args=list(args), default=default, prog=PROG, description=DESCRIPTION)
 
 
 def parse(argv: Sequence[str]) -> tuple[TrainConfig, int | None]:
@@ -126,17 +59,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, int | None]:
     early.add_argument("--config")
     early.add_argument("--cpu-devices", type=int)
     known, rest = early.parse_known_args(list(argv))
-    config = TrainConfig()
-    if known.config:
-        config = parse_flags(toml_args(known.config), config, where=f"config file {known.config}: ")
-    return parse_flags(rest, config), known.cpu_devices
-
-
-def help_text() -> str:
-    """`spmdkit train --help`, as tyro prints it."""
-    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
-        parse_flags(["--help"], TrainConfig())
-    return out.getvalue()
+    return parse_flags(rest, config_from_toml(known.config) if known.config else TrainConfig()), known.cpu_devices
 
 
 def main(argv: Sequence[str]) -> int:

@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from spmdkit.errors import SpmdkitError
 
@@ -24,34 +26,33 @@ PACKING_CHOICES = ("auto", "documents", "windows")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from (each field's `metadata` holds its help and short command-line flags)."""
+    """Where tokens come from (each field is `Annotated` with its help and short command-line flags)."""
 
-    source: str = dataclasses.field(
-        default="stdlib",
-        metadata={
-            "help": "stdlib (embedded Python sources), synthetic, a .bin/.npy token file, a prepared dataset "
-            "directory (spmdkit data prepare), or a mixture of prepared datasets: DIR_A=0.7,DIR_B=0.3",
-            "flags": ("--data",),
-        },
-    )
-    token_dtype: Literal["uint16", "uint32"] = dataclasses.field(
-        default="uint16", metadata={"help": "dtype of a raw .bin token file", "flags": ("--token-dtype",)}
-    )
-    eval_fraction: float = dataclasses.field(
-        default=0.05,
-        metadata={
-            "help": "held-out share (stdlib and prepared data: whole documents by name; a token file: its tail)",
-            "flags": (),
-        },
-    )
-    packing: Literal["auto", "documents", "windows"] = dataclasses.field(
-        default="auto",
-        metadata={
-            "help": "documents: whole documents per row with segment ids and a loss mask; windows: cut across "
+    source: Annotated[
+        str,
+        tyro.conf.arg(
+            help="stdlib (embedded Python sources), synthetic, a .bin/.npy token file, a prepared dataset directory "
+            "(spmdkit data prepare), or a mixture of prepared datasets: DIR_A=0.7,DIR_B=0.3",
+            aliases=("--data",),
+        ),
+    ] = "stdlib"
+    token_dtype: Annotated[
+        Literal["uint16", "uint32"], tyro.conf.arg(help="dtype of a raw .bin token file", aliases=("--token-dtype",))
+    ] = "uint16"
+    eval_fraction: Annotated[
+        float,
+        tyro.conf.arg(
+            help="held-out share (stdlib and prepared data: whole documents by name; a token file: its tail)"
+        ),
+    ] = 0.05
+    packing: Annotated[
+        Literal["auto", "documents", "windows"],
+        tyro.conf.arg(
+            help="documents: whole documents per row with segment ids and a loss mask; windows: cut across "
             "documents; auto: documents for prepared data, windows otherwise",
-            "flags": ("--packing",),
-        },
-    )
+            aliases=("--packing",),
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:

@@ -18,8 +18,7 @@ Names load on first use (PEP 562), so `import spmdkit.inference` does not start 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from spmdkit._lazy import lazy_exports
 
 _EXPORTS = {
     "KVCache": "spmdkit.inference.cache",
@@ -35,22 +34,9 @@ _EXPORTS = {
     "place_model": "spmdkit.inference.loading",
     "ModelSource": "spmdkit.inference.sources",
     "open_source": "spmdkit.inference.sources",
-    "restore_model": "spmdkit.inference.sources",
     "model_tokenizer": "spmdkit.inference.sources",
     "TextGenerator": "spmdkit.inference.api",
     "generate": "spmdkit.inference.api",
     "evaluate": "spmdkit.inference.evaluate",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'spmdkit.inference' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -24,9 +24,10 @@ from jax.sharding import Mesh
 from spmdkit.data.tokenizer import Tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.inference.engine import Completion, Generator
-from spmdkit.inference.loading import inference_mesh, inference_rules, place_model
+from spmdkit.inference.loading import generation_config, inference_mesh, inference_rules, place_model
 from spmdkit.inference.sampling import Sampling
-from spmdkit.inference.sources import model_tokenizer, open_source, restore_model
+from spmdkit.inference.sources import model_tokenizer, open_source
+from spmdkit.interop.loading import load_model
 from spmdkit.models.transformer import Transformer
 
 Prompt = str | Sequence[int]
@@ -60,7 +61,10 @@ class TextGenerator:
             context = max_len or 1 << 30
         else:
             source = open_source(model)
-            placed = restore_model(source, mesh, rules, dtype=dtype)
+            config = generation_config(source.model, dtype)  # parameters in the compute dtype: half the bytes read
+            placed = load_model(
+                source.directory, mesh, rules, config.dtype, config.dtype, step=source.step, config=config
+            )
             tokenizer = tokenizer or model_tokenizer(source)
             context = max_len or source.seq_len or 1 << 30
         vocab = tokenizer.vocab_size if tokenizer is not None else None

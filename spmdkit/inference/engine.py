@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdkit.errors import SpmdkitError
 from spmdkit.inference.cache import KVCache, abstract_cache, cache_shardings, empty_cache
 from spmdkit.inference.forward import decode, prefill
-from spmdkit.inference.layerwise import merge_layers, param_shardings, split_layers
+from spmdkit.inference.layerwise import merge_layers, shardings_of, split_layers
 from spmdkit.inference.sampling import Sampling, SamplingArrays, is_stop, row_keys, sample, sampling_arrays
 from spmdkit.models.transformer import Transformer
 from spmdkit.sharding.logical import constrain, use_rules
@@ -120,7 +120,7 @@ class Generator:
         return SamplingArrays(*([replicated] * len(SamplingArrays._fields)))
 
     def _param_shardings(self) -> Any:
-        return param_shardings(self.params)
+        return shardings_of(self.params)
 
     def _compile(self, key: tuple, fn: Callable, args: tuple, in_shardings: tuple, out_shardings: Any, donate=()):
         if key not in self.programs:

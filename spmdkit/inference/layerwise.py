@@ -100,6 +100,6 @@ def merge_layers(definition: LayerwiseDef, params: tuple[nnx.State, tuple[nnx.St
     return Layerwise(nnx.merge(definition.rest, rest), blocks)
 
 
-def param_shardings(params: Any) -> Any:
+def shardings_of(params: Any) -> Any:
     """The sharding of every array of `params` (for `jit`'s in_shardings)."""
     return jax.tree.map(lambda a: a.sharding, params)

@@ -79,7 +79,7 @@ def generation_config(config: TransformerConfig, dtype: str | None = None) -> Tr
     return config.replace(**changes)
 
 
-def param_shardings(config: TransformerConfig, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, nnx.State, Any]:
+def abstract_model(config: TransformerConfig, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, nnx.State, Any]:
     """(graphdef, abstract state, shardings) of `config`'s Transformer on `mesh` under `rules`; no allocation."""
     graphdef, abstract = abstract_state(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     return graphdef, abstract, state_shardings(abstract, mesh, rules.params)
@@ -91,7 +91,7 @@ def place_model(
     """`model`'s parameters laid out on the inference mesh (cast to `param_dtype` when given), as a module with
     the generation config (`generation_config`)."""
     config = generation_config(model.config, dtype)
-    graphdef, _, shardings = param_shardings(config, mesh, rules)
+    graphdef, _, shardings = abstract_model(config, mesh, rules)
     state = nnx.state(model)
     if param_dtype is not None:
         state = jax.tree.map(lambda a: a.astype(param_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)

@@ -7,11 +7,11 @@
 - a Hugging Face model directory (`save_pretrained`'s: `config.json` and safetensors; or one `.safetensors` file
   or an index JSON): its `config.json` read strictly by `spmdkit.interop`, computed in the dtype it is stored in.
 
-`restore_model` reads only the parameters (an spmdkit checkpoint's `state/model`, never its optimizer state; the
-safetensors of a Hugging Face model), each device reading only its own blocks. `model_tokenizer` finds the tokenizer
-that travels with the model: `tokenizer.json` (+ `tokenizer_config.json`, as `Tokenizer.save` writes them) in the
-checkpoint directory or the run directory, the Hugging Face files of an imported checkpoint (its `hf/`) or of a
-model directory (`spmdkit.interop.find_tokenizer_dir`), else the run's data source's (bytes for stdlib).
+The parameters are read by `spmdkit.load_model(source.directory, step=source.step)`, the one loader of every entry
+point. `model_tokenizer` finds the tokenizer that travels with the model: `tokenizer.json` (+ `tokenizer_config.json`,
+as `Tokenizer.save` writes them) in the checkpoint directory or the run directory, the Hugging Face files of an
+imported checkpoint (its `hf/`) or of a model directory (`spmdkit.interop.find_tokenizer_dir`), else the run's data
+source's (bytes for stdlib).
 """
 
 from __future__ import annotations
@@ -20,29 +20,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
-import orbax.checkpoint as ocp
-from flax import nnx
-from jax.sharding import Mesh
-
-from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import source_tokenizer
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
 from spmdkit.data.tokenizer.tokenizer import TOKENIZER_FILE
 from spmdkit.errors import SpmdkitError
-from spmdkit.inference.loading import generation_config, param_shardings
 from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import find_tokenizer_dir
-from spmdkit.interop.loading import load_params, stored_dtype
-from spmdkit.interop.loading import param_shardings as pure_shardings
+from spmdkit.interop.loading import stored_dtype
 from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import build_model, hf_config_path, source_kind
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.transformer import Transformer
-from spmdkit.sharding.partition import abstract_state
-from spmdkit.sharding.rules import Rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,61 +90,6 @@ def open_source(path: str | Path, step: int | None = None) -> ModelSource:
         return ModelSource(checkpointer.directory, "spmdkit", step, config)
     finally:
         checkpointer.close()
-
-
-def restore_model(
-    source: ModelSource,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    dtype: str | None = None,
-    param_dtype: str | None = None,
-    config: TransformerConfig | None = None,
-) -> Transformer:
-    """The source's parameters (only: an optimizer state is never read) on `mesh`, each device reading its own
-    blocks, cast to `param_dtype` (default: the compute dtype, which for a checkpoint halves the bytes every token
-    reads), as a module of `config` (default: the source model's `generation_config`; evaluation passes its own)."""
-    config = config or generation_config(source.model, dtype)
-    param_dtype = param_dtype or config.dtype
-    config = config.replace(param_dtype=param_dtype)
-    if source.kind == "hf":
-        params = load_params(source.directory, config, pure_shardings(config, mesh, rules), param_dtype)
-        graphdef, abstract = abstract_state(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        nnx.replace_by_pure_dict(abstract, params)
-        return nnx.merge(graphdef, abstract)
-    graphdef, abstract, shardings = param_shardings(config, mesh, rules)
-    leaves, treedef = jax.tree.flatten(abstract)
-    wanted = treedef.unflatten(
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-        ]
-    )
-    target = {"model": nnx.to_pure_dict(wanted)}
-    _check_shapes(source, target["model"])
-    args = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-    )
-    with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
-        restored = reader.restore(source.directory / str(source.step) / "state", args=args)["model"]
-    nnx.replace_by_pure_dict(abstract, restored)
-    return nnx.merge(graphdef, abstract)
-
-
-def _check_shapes(source: ModelSource, wanted: dict[str, Any]) -> None:
-    checkpointer = Checkpointer(source.directory, read_only=True)
-    try:
-        saved = checkpointer.saved_shapes(source.step)
-    finally:
-        checkpointer.close()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(wanted):
-        name = "model/" + "/".join(str(getattr(p, "key", p)) for p in path)
-        found = saved.get(name, (None, None))[0]
-        if found != tuple(leaf.shape):
-            raise SpmdkitError(
-                f"step {source.step} of {source.directory} does not match its saved model config: {name} is "
-                f"{'missing' if found is None else found} there but {tuple(leaf.shape)} here"
-            )
 
 
 def model_tokenizer(source: ModelSource) -> Tokenizer | None:

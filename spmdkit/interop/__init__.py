@@ -10,7 +10,7 @@ styles), complete export, and the Python API to load a model from any source and
 The names load on first use, so that `import spmdkit.interop` (and the CLI's parsing) does not import JAX.
 """
 
-from typing import Any
+from spmdkit._lazy import lazy_exports
 
 _EXPORTS = {
     "load_model": "spmdkit.interop.loading",
@@ -20,12 +20,4 @@ _EXPORTS = {
     "from_hf_config": "spmdkit.interop.hf_config",
     "hf_config": "spmdkit.interop.hf_config_writer",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'spmdkit.interop' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

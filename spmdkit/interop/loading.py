@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from spmdkit.checkpoint.params import aligned_empty
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import source_kind, source_model
@@ -89,16 +90,6 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 
 
 CHUNK_BYTES = 64 * 2**20  # the most of a file read (and mapped) at once
-ALIGN = 64  # XLA's CPU client takes a buffer aligned to 64 bytes as it is (zero-copy); numpy's are 16-aligned
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary: a CPU device adopts it without a copy, so a
-    parameter read on the host is not held twice (on an accelerator it is copied over and then freed)."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _fill(out: np.ndarray, m: TensorMap, read: Read, index: tuple[slice, ...], layer: int | None) -> None:
@@ -152,39 +143,19 @@ def hf_params(files: TensorFiles, model: TransformerConfig, shardings: Any, dtyp
     return params
 
 
-def checkpoint_params(path: str | Path, model: TransformerConfig, shardings: Any, dtype: str) -> PureTree:
-    """The model's parameters from the newest step of an spmdkit checkpoint (its optimizer state is not read),
-    in `dtype`, restored by Orbax straight into `shardings`."""
-    import orbax.checkpoint as ocp
+def checkpoint_params(
+    path: str | Path, model: TransformerConfig, shardings: Any, dtype: str, step: int | None = None
+) -> PureTree:
+    """The model's parameters from `step` (default: the newest) of an spmdkit checkpoint, in `dtype`, laid out
+    by `shardings` (`spmdkit.checkpoint.params.read_params`: the optimizer state is not read)."""
+    from spmdkit.checkpoint.params import read_params
 
-    from spmdkit.checkpoint.manager import Checkpointer
-
-    checkpointer = Checkpointer(path, read_only=True)
-    try:
-        step = checkpointer.steps()[-1]
-        saved = checkpointer.manager.item_metadata(step)["state"]["model"]
-        directory = checkpointer.directory / str(step) / "state"
-    finally:
-        checkpointer.close()
-    wanted = _flat(shardings)
-    found = {k: tuple(v.shape) for k, v in _flat(saved).items()}
-    shapes = {k: tuple(v.shape) for k, v in _flat(abstract_params(model)).items()}
-    differ = sorted(found.keys() ^ wanted.keys()) or [k for k in wanted if found[k] != shapes[k]]
-    if differ:
-        raise SpmdkitError(
-            f"{directory.parent} does not hold this model's parameters ({differ[0]} differs): use the model "
-            "settings it was saved with"
-        )
-    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, jax.numpy.dtype(dtype), sharding=s), saved,
-                          shardings)  # fmt: skip
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    args = ocp.args.PyTreeRestore(item={"model": target}, restore_args={"model": restore_args}, partial_restore=True)
-    with ocp.PyTreeCheckpointer() as reader:
-        return reader.restore(directory, args=args)["model"]
-
-
-def _flat(tree: Any) -> dict[str, Any]:
-    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(dtype), sharding=s),
+        abstract_params(model),
+        shardings,
+    )
+    return read_params(path, target, step)[2]
 
 
 def abstract_params(model: TransformerConfig) -> PureTree:
@@ -192,7 +163,7 @@ def abstract_params(model: TransformerConfig) -> PureTree:
     return nnx.to_pure_dict(abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1])
 
 
-def param_shardings(model: TransformerConfig, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> PureTree:
+def param_sharding_tree(model: TransformerConfig, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> PureTree:
     """A pure dict of each parameter's sharding: by the rules' parameter table on `mesh`, or the first device."""
     abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1]
     if mesh is None:
@@ -209,11 +180,16 @@ def check_source(path: str | Path, model: TransformerConfig) -> None:
         check_tensors(TensorFiles(path), model)
 
 
-def load_params(path: str | Path, model: TransformerConfig, shardings: Any, dtype: str | None = None) -> PureTree:
-    """The parameters of `model` from `path` (a Hugging Face source or an spmdkit checkpoint/run directory), in
-    `dtype` (None: as stored), laid out by `shardings` (a pure dict matching the parameters)."""
+def load_params(
+    path: str | Path, model: TransformerConfig, shardings: Any, dtype: str | None = None, step: int | None = None
+) -> PureTree:
+    """The parameters of `model` from `path` (a Hugging Face source, or `step` of an spmdkit checkpoint/run
+    directory: default the newest), in `dtype` (None: as stored), laid out by `shardings` (a pure dict matching
+    the parameters)."""
     if source_kind(path) == "spmdkit":
-        return checkpoint_params(path, model, shardings, dtype or model.param_dtype)
+        return checkpoint_params(path, model, shardings, dtype or model.param_dtype, step)
+    if step is not None:
+        raise SpmdkitError(f"{path} is a Hugging Face model: it has no checkpoint steps to choose from")
     files = TensorFiles(path)
     return hf_params(files, model, shardings, dtype or stored_dtype(files))
 
@@ -224,22 +200,23 @@ def load_model(
     rules: Rules | None = None,
     dtype: str = "float32",
     param_dtype: str | None = None,
+    *,
+    step: int | None = None,
+    config: TransformerConfig | None = None,
 ) -> Transformer:
     """The `Transformer` stored at `path`: a Hugging Face model directory (or `.safetensors` / index JSON), an
-    spmdkit checkpoint directory or a run directory (its newest step).
+    spmdkit checkpoint directory or a run directory (its newest step, or `step`).
 
     `dtype` is the compute dtype; `param_dtype` the parameters' (None: as stored). With a `mesh`, every parameter
     is laid out by `rules` (default: `make_rules()`, ZeRO-3) and each device reads only its block; without one, it
-    all lands on the first device.
+    all lands on the first device. `config` builds the module with another config of the same parameters (e.g.
+    another attention kernel); its `dtype` and `param_dtype` are still set from the arguments.
     """
-    model = source_model(path)
+    stored = source_model(path, step)
     if param_dtype is None:
-        if source_kind(path) == "hf":
-            param_dtype = stored_dtype(TensorFiles(path))
-        else:
-            param_dtype = model.param_dtype
-    model = model.replace(dtype=dtype, param_dtype=param_dtype)
-    params = load_params(path, model, param_shardings(model, mesh, rules), param_dtype)
+        param_dtype = stored_dtype(TensorFiles(path)) if source_kind(path) == "hf" else stored.param_dtype
+    model = (config or stored).replace(dtype=dtype, param_dtype=param_dtype)
+    params = load_params(path, model, param_sharding_tree(model, mesh, rules), param_dtype, step)
     graphdef, abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))
     nnx.replace_by_pure_dict(abstract, params)
     return nnx.merge(graphdef, abstract)

@@ -58,31 +58,23 @@ def hf_config_path(path: str | Path) -> Path:
     return path.parent / CONFIG
 
 
-def saved_run_config(path: str | Path) -> tuple[int, dict[str, Any]]:
-    """(newest step, the run config saved with it) of an spmdkit checkpoint or run directory."""
-    from spmdkit.checkpoint.manager import Checkpointer
+def saved_run_config(path: str | Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(the step: `step` or the newest, the run config saved with it) of an spmdkit checkpoint or run directory."""
+    from spmdkit.checkpoint.steps import open_step, saved_config
 
-    checkpointer = Checkpointer(path, read_only=True)
+    checkpointer, step = open_step(path, step)
     try:
-        steps = checkpointer.steps()
-        if not steps:
-            raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-        try:
-            return steps[-1], checkpointer.read_config(steps[-1])
-        except Exception:  # noqa: BLE001 - a missing or unreadable config item: say what is needed
-            raise SpmdkitError(
-                f"step {steps[-1]} of {checkpointer.directory} holds no config item: only checkpoints written by "
-                "'spmdkit train' or 'spmdkit ckpt import-hf' know their model"
-            ) from None
+        return step, saved_config(checkpointer, step)
     finally:
         checkpointer.close()
 
 
-def source_model(path: str | Path) -> TransformerConfig:
-    """The model (shape and function) a Hugging Face source or an spmdkit checkpoint holds."""
+def source_model(path: str | Path, step: int | None = None) -> TransformerConfig:
+    """The model (shape and function) a Hugging Face source or an spmdkit checkpoint (its `step`, default the
+    newest) holds."""
     if source_kind(path) == "hf":
         return read_hf_config(hf_config_path(path))[1]
-    _, saved = saved_run_config(path)
+    _, saved = saved_run_config(path, step)
     return build_model(saved.get("model") or {})
 
 
@@ -113,20 +105,18 @@ def _base(settings: Mapping[str, Any], overrides: dict[str, Any]) -> Transformer
     )
 
 
-def build_model(settings: Mapping[str, Any], context: int = 1) -> TransformerConfig:
+def build_model(settings: Mapping[str, Any]) -> TransformerConfig:
     """The `TransformerConfig` of the run's model settings (ModelSettings' fields as a mapping).
 
     The base is `init_from`'s model (`name` must then be the default `tiny` or that same path), else the preset
     or path `name` names; every override that is set replaces the base's field. Settings with every override set
-    are complete: no source is read. `attention="auto"` is ring when the mesh's `context` axis is > 1; else it
-    stays "auto" (`spmdkit.models.attention_choice.choose_attention` resolves it by platform, dtype and shape).
+    are complete: no source is read. `attention` stays as given: a training program resolves "auto" for its
+    devices (`spmdkit.train.program.build_program`, by `spmdkit.models.attention_choice.choose_attention`).
     """
     overrides = {k: settings[k] for k in OVERRIDES if settings.get(k) is not None}
     base = TransformerConfig() if len(overrides) == len(OVERRIDES) else _base(settings, overrides)
-    attention = settings.get("attention", "auto")
-    attention = "ring" if attention == "auto" and context > 1 else attention  # else resolved where the model runs
-    own = {k: settings[k] for k in ("dtype", "remat") if settings.get(k) is not None}
-    return base.replace(**overrides, **own, attention=attention)
+    own = {k: settings[k] for k in ("dtype", "remat", "attention") if settings.get(k) is not None}
+    return base.replace(**overrides, **own)
 
 
 def resolved_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

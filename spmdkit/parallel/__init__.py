@@ -13,8 +13,7 @@ Names load on first use (PEP 562): `from spmdkit.parallel.pipeline.schedule impo
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from spmdkit._lazy import lazy_exports
 
 _EXPORTS = {
     "ExpertWeights": "spmdkit.parallel.experts",
@@ -34,16 +33,4 @@ _EXPORTS = {
     "Schedule": "spmdkit.parallel.pipeline.schedule",
     "make_schedule": "spmdkit.parallel.pipeline.schedule",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'spmdkit.parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -17,18 +17,25 @@ and `heads, kv_heads, mlp, vocab` as for the weights.
 | EP | `experts -> expert` (expert weights); tokens are split over `expert` like any batch axis |
 | PP | `layers -> pipeline` |
 
+Your own model's names: `make_rules(extra={"patch": None, "channels": "tensor"})` adds (or overrides) names,
+each mapped to a mesh axis, a tuple of them, or None (replicated), the values Flax's `logical_axis_rules` takes.
+`Rules.to_flax()` gives that sequence of `(logical_name, mesh_axes)` pairs (for `nnx.logical_axis_rules`), and
+`Rules.from_flax(pairs)` takes a whole table in that form. A mesh axis that is not one of `AXES` is refused.
+
 Pure Python (no JAX): the planner reads the same tables. `spmdkit.sharding.logical` applies them to arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.sharding.mesh_config import MeshConfig
+from spmdkit.sharding.mesh_config import AXES, MeshConfig
 
 AxisTable = Mapping[str, tuple[str, ...]]
+# One rule's right-hand side as Flax writes it: a mesh axis, a tuple of them, or None (replicated).
+FlaxAxes = str | tuple[str, ...] | None
 
 # Logical names that fall back to replication (with a warning) when the mesh axis doesn't divide them:
 # grouped-query attention has fewer KV heads than TP ranks at scale, and Megatron replicates them then.
@@ -49,11 +56,77 @@ class Rules:
     zero_stage: int = 3
     sequence_parallel: bool = False
 
+    def to_flax(self, table: str = "params") -> tuple[tuple[str, FlaxAxes], ...]:
+        """The `params` (or `"optimizer"`) table as Flax's logical axis rules: `(("batch", ("data", "fsdp",
+        "expert")), ("embed", "fsdp"), ("norm", None), ...)`, for `nnx.logical_axis_rules` / `get_partition_spec`."""
+        if table not in ("params", "optimizer"):
+            raise SpmdkitError(f"Rules.to_flax: table {table!r} is not 'params' or 'optimizer'")
+        return tuple((name, _to_flax_axes(axes)) for name, axes in getattr(self, table).items())
 
-def make_rules(zero_stage: int = 3, sequence_parallel: bool = False) -> Rules:
-    """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP."""
+    @classmethod
+    def from_flax(
+        cls, pairs: Iterable[tuple[str, FlaxAxes]], optimizer: Iterable[tuple[str, FlaxAxes]] | None = None
+    ) -> Rules:
+        """Rules from Flax-style `(logical_name, mesh_axes)` pairs (a mesh axis, a tuple of them, or None); the
+        optimizer state uses the same table unless `optimizer` gives its own. Each name appears once (spmdkit has no
+        fallback rules: an axis already taken by an earlier dim of an array is simply left out)."""
+        params = _axis_table(pairs, "Rules.from_flax")
+        return cls(params=params, optimizer=params if optimizer is None else _axis_table(optimizer, "Rules.from_flax"))
+
+
+def _to_flax_axes(axes: tuple[str, ...]) -> FlaxAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _mesh_axes(name: object, axes: object, where: str) -> tuple[str, ...]:
+    """One rule's mesh axes as a tuple, refusing anything but `AXES` names (one line naming the rule)."""
+    if not isinstance(name, str) or not name:
+        raise SpmdkitError(f"{where}: logical axis name {name!r} is not a non-empty string")
+    found = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if not isinstance(found, (tuple, list)) or not all(isinstance(a, str) for a in found):
+        raise SpmdkitError(f"{where}: logical axis {name!r} -> {axes!r}: give a mesh axis, a tuple of them, or None")
+    unknown = [a for a in found if a not in AXES]
+    if unknown:
+        raise SpmdkitError(
+            f"{where}: logical axis {name!r} -> unknown mesh axis {unknown[0]!r}; mesh axes: {', '.join(AXES)}"
+        )
+    if len(set(found)) < len(found):
+        raise SpmdkitError(f"{where}: logical axis {name!r} -> {tuple(found)} names a mesh axis twice")
+    return tuple(found)
+
+
+def _axis_table(
+    pairs: Mapping[str, FlaxAxes] | Iterable[tuple[str, FlaxAxes]], where: str
+) -> dict[str, tuple[str, ...]]:
+    """A checked axis table from a mapping or from Flax's sequence of pairs (each name once)."""
+    items = pairs.items() if isinstance(pairs, Mapping) else pairs
+    table: dict[str, tuple[str, ...]] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise SpmdkitError(f"{where}: {item!r} is not a (logical_name, mesh_axes) pair")
+        name, axes = item
+        if name in table:
+            raise SpmdkitError(
+                f"{where}: logical axis {name!r} has two rules; give each name one (a tuple of mesh axes)"
+            )
+        table[name] = _mesh_axes(name, axes, where)
+    return table
+
+
+def make_rules(
+    zero_stage: int = 3,
+    sequence_parallel: bool = False,
+    *,
+    extra: Mapping[str, FlaxAxes] | Iterable[tuple[str, FlaxAxes]] | None = None,
+) -> Rules:
+    """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP.
+
+    `extra` adds your own logical names, or overrides spmdkit's, in both tables: a mapping or Flax-style pairs,
+    each name -> a mesh axis, a tuple of them, or None (replicated): `extra={"patch": None, "channels": "tensor"}`.
+    """
     if zero_stage not in (0, 1, 2, 3):
         raise SpmdkitError(f"ZeRO stage {zero_stage} is not one of 0, 1, 2, 3")
+    own = _axis_table(extra or {}, "make_rules(extra=...)")
     act_seq = ("context", "tensor") if sequence_parallel else ("context",)
     common = {
         # The batch is split over `expert` too: outside the MoE layers it is one more data-parallel axis.
@@ -70,8 +143,8 @@ def make_rules(zero_stage: int = 3, sequence_parallel: bool = False) -> Rules:
         "layers": ("pipeline",),
         "norm": (),
     }
-    sharded_embed = {**common, "embed": ("fsdp",)}
-    replicated_embed = {**common, "embed": ()}
+    sharded_embed = {**common, "embed": ("fsdp",), **own}
+    replicated_embed = {**common, "embed": (), **own}
     return Rules(
         params=sharded_embed if zero_stage == 3 else replicated_embed,
         optimizer=sharded_embed if zero_stage >= 1 else replicated_embed,

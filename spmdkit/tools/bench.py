@@ -42,6 +42,8 @@ from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.mesh_config import MeshConfig, format_sizes
 from spmdkit.sharding.rules import make_rules
 from spmdkit.targets.flags import GPU_XLA_FLAGS, add_xla_flags
+from spmdkit.tools.strategies import STRATEGIES as TABLE
+from spmdkit.tools.strategies import Strategy
 from spmdkit.train.config import OptimizerConfig
 from spmdkit.train.metrics import peak_flops, throughput
 from spmdkit.train.optimizer import make_optimizer
@@ -49,19 +51,11 @@ from spmdkit.train.pipeline_step import pipeline_schedule
 from spmdkit.train.state import create_train_state
 from spmdkit.train.step import batch_shardings, make_train_step
 
-# name: (mesh, ZeRO stage, sequence parallel). "one_device" runs on the first device alone.
-STRATEGIES: dict[str, tuple[str, int, bool]] = {
-    "one_device": ("fsdp=1", 3, False),
-    "dp": ("data=8", 0, False),
-    "fsdp": ("fsdp=8", 3, False),
-    "zero1": ("fsdp=8", 1, False),
-    "tp": ("tensor=8", 3, False),
-    "tp_sp": ("tensor=8", 3, True),
-    "data_fsdp_tensor": ("data=2,fsdp=2,tensor=2", 3, False),
-    "cp": ("context=4,fsdp=2", 3, False),  # ring attention on a zigzag-permuted batch
-    "pp": ("pipeline=4,data=2", 3, False),  # 1F1B, --microbatches
-    "ep": ("expert=4,data=2", 3, False),  # the model with every MLP an 8-expert top-2 MoE
-    "fsdp_tp": ("fsdp=4,tensor=2", 3, False),  # the peer configuration's second mesh
+# The strategies `spmdkit bench` runs (from the one table, `spmdkit.tools.strategies`): "one_device" runs on the
+# first device alone, "pp" is 1F1B over --microbatches, under "ep" every MLP is an 8-expert top-2 MoE.
+STRATEGIES: dict[str, Strategy] = {
+    name: TABLE[name]
+    for name in ("one_device", "dp", "fsdp", "zero1", "tp", "tp_sp", "data_fsdp_tensor", "cp", "pp", "ep", "fsdp_tp")
 }
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "fsdp_tp"]
 PEER_STRATEGIES = ["fsdp", "fsdp_tp"]
@@ -130,9 +124,9 @@ def _batches(setup: Setup, context: int, count: int) -> list[dict]:
 def build(name: str, setup: Setup) -> dict[str, Any]:
     """Mesh, rules, train state, jitted step and device batches of strategy `name` (nothing compiled yet)."""
 
-    mesh_text, zero, sp = STRATEGIES[name]
-    mesh = make_mesh(mesh_text, jax.devices()[:1]) if name == "one_device" else make_mesh(mesh_text)
-    rules = make_rules(zero, sp)
+    strategy = STRATEGIES[name]
+    mesh = make_mesh(strategy.mesh, jax.devices()[:1]) if name == "one_device" else make_mesh(strategy.mesh)
+    rules = make_rules(strategy.zero, strategy.sequence_parallel)
     context = mesh.shape["context"]
     model = model_for(setup, mesh.shape)
     pipelined = mesh.shape["pipeline"] > 1
@@ -168,10 +162,11 @@ def kernel_for(setup: Setup, sizes: Any) -> str:
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
     """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
 
-    _, zero, sp = STRATEGIES[name]
+    strategy = STRATEGIES[name]
     return estimate(
         model_for(setup, sizes), sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len,
-        zero=zero, sequence_parallel=sp, microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
+        zero=strategy.zero, sequence_parallel=strategy.sequence_parallel,
+        microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
     )  # fmt: skip
 
 
@@ -226,7 +221,7 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
 
 def fits(name: str, num_devices: int) -> bool:
     """Does the strategy's mesh use exactly the devices present (the 1-device baseline always fits)?"""
-    sizes = [int(part.split("=")[1]) for part in STRATEGIES[name][0].split(",")]
+    sizes = [int(part.split("=")[1]) for part in STRATEGIES[name].mesh.split(",")]
     return name == "one_device" or math.prod(sizes) == num_devices
 
 
@@ -236,15 +231,15 @@ def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str
     rows = []
     for name in names:
         if not fits(name, jax.device_count()):
-            log(f"skip {name}: mesh {STRATEGIES[name][0]} needs a different device count than {jax.device_count()}")
+            log(f"skip {name}: mesh {STRATEGIES[name].mesh} needs a different device count than {jax.device_count()}")
             continue
         try:
             devices = 1 if name == "one_device" else jax.device_count()
-            kernel_for(setup, MeshConfig.parse(STRATEGIES[name][0]).resolve(devices))
+            kernel_for(setup, MeshConfig.parse(STRATEGIES[name].mesh).resolve(devices))
         except SpmdkitError as error:
             log(f"skip {name}: {error}")
             continue
-        log(f"{name} ({STRATEGIES[name][0]}) ...")
+        log(f"{name} ({STRATEGIES[name].mesh}) ...")
         rows.append(run_strategy(name, setup))
         log(f"  compile {rows[-1]['compile_s']:.1f} s, step {rows[-1]['step_ms']:.1f} ms")
     return rows

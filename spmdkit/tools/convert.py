@@ -17,11 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmdkit.checkpoint.failures import describe_error
-from spmdkit.checkpoint.manager import Checkpointer, DamagedStep
+from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.params import read_params as checkpoint_params
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
@@ -60,7 +59,7 @@ def check_creatable(out: Path) -> None:
 
 def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State, Any]:
     """(graphdef, abstract train state, shardings) of `config`'s model and optimizer on `mesh`; no allocation."""
-    model = config.model.build(mesh.shape["context"])
+    model = config.model.build()
     tx = make_optimizer(config.optimizer, config.run.steps)
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
     return abstract_train_state(model, tx, mesh, rules, config.run.seed)
@@ -97,25 +96,7 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
 
 
 def read_params(directory: str | Path, step: int | None = None) -> tuple[int, TrainConfig, dict[str, Any]]:
-    """(step, saved config, model parameters as a pure dict of host arrays); the optimizer state is not read."""
-    checkpointer, step = open_step(directory, step)
-    try:
-        config = _saved_config(checkpointer, step)
-        metadata = checkpointer.manager.item_metadata(step)["state"]
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-        target = {
-            "model": jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata["model"]
-            )
-        }
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-        try:
-            with ocp.PyTreeCheckpointer() as reader:  # only the model's arrays are read
-                restored = reader.restore(checkpointer.directory / str(step) / "state", args=args)["model"]
-        except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
-            raise DamagedStep(step, checkpointer.directory, describe_error(error)) from None
-        checkpointer.check_read(step, {"model": restored})  # what is exported is what was saved
-    finally:
-        checkpointer.close()
-    return step, config, jax.tree.map(np.asarray, restored)
+    """(step, saved config, model parameters as a pure dict of host arrays in their saved dtypes); the optimizer
+    state is not read (`spmdkit.checkpoint.params.read_params`)."""
+    step, config, params = checkpoint_params(directory, step=step)
+    return step, config_from_json(json.dumps(config)), jax.tree.map(np.asarray, params)

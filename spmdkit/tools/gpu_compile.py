@@ -139,14 +139,14 @@ def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, d
     from flax import nnx
 
     from spmdkit.inference.engine import Generator
-    from spmdkit.inference.loading import generation_config, inference_mesh, inference_rules, param_shardings
+    from spmdkit.inference.loading import abstract_model, generation_config, inference_mesh, inference_rules
     from spmdkit.plan.inference import decode_memory
     from spmdkit.train.program import resolve_config
 
     resolved, run = resolve_config(config), config.run
     model = generation_config(resolved.model.build())
     mesh, rules = inference_mesh(config.mesh.mesh, devices), inference_rules()
-    graphdef, abstract, shardings = param_shardings(model, mesh, rules)
+    graphdef, abstract, shardings = abstract_model(model, mesh, rules)
     state = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings,
         is_leaf=lambda x: isinstance(x, nnx.Variable),

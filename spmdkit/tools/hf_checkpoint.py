@@ -19,13 +19,14 @@ import shutil
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
+from spmdkit.checkpoint.manager import NonFiniteState
+from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import GENERATION_CONFIG, SIDECAR, copy_hf_files, find_hf_files, special_token_ids
-from spmdkit.interop.loading import check_tensors, hf_params, param_shardings, stored_dtype
+from spmdkit.interop.loading import check_tensors, hf_params, param_sharding_tree, stored_dtype
 from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import OVERRIDES, hf_config_path, source_kind
 from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
@@ -58,20 +59,14 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     config = apply_overrides(TrainConfig(), {"model": settings, "mesh": {"mesh": mesh}})
     layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    params = hf_params(files, model, param_shardings(model, layout, rules), model.param_dtype)
-    # Orbax's writer may hold this many bytes of encoded blocks at once: the largest block, not its default 96 GB.
-    largest = max(shard.data.nbytes for array in jax.tree.leaves(params) for shard in array.addressable_shards)
+    params = hf_params(files, model, param_sharding_tree(model, layout, rules), model.param_dtype)
     staging = out.with_name(f".{out.name}.importing")
     if jax.process_index() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    state_handler = ocp.StandardCheckpointHandler(save_concurrent_gb=max(largest, 2**26) * 1.01 / 1e9)
-    handlers = {"state": state_handler, "config": ocp.JsonCheckpointHandler()}
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(staging, options=options, item_handlers=handlers) as manager:
-        chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=2**26), {"model": params})  # 64 MiB pieces
-        state = ocp.args.StandardSave({"model": params}, save_args=chunks)
-        items = {"state": state, "config": ocp.args.JsonSave(_json(config))}
-        manager.save(0, args=ocp.args.Composite(**items), force=True)
+    try:
+        write_params(staging, params, _json(config))
+    except NonFiniteState as error:
+        raise SpmdkitError(f"{path} holds {error}: nothing was written") from None
     del params
     if jax.process_index() == 0:
         copy_hf_files(config_path.parent, staging / SIDECAR)

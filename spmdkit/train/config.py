@@ -1,14 +1,13 @@
 """The run's configuration: frozen dataclasses, one per section, each field with its help and short flags.
 
-This module imports no JAX: the CLI reads it to print defaults, and `spmdkit plan` must start fast.
+This module imports no JAX (nor does tyro): the CLI reads it to print defaults, and `spmdkit plan` must start fast.
 
 Sections: `model` (a preset or a model path, `init_from`, the numerics, and any field of `TransformerConfig` to
-override the shape),
-`mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`. A TOML file (`--config`) has one table per
-section; keys are the field names. "Unset" is `None` (e.g. `decay_steps`: the run's steps). The resolved config is
-saved as JSON into every run directory and every checkpoint. Each field's `metadata` holds its one-line `help` and
-the short `flags` the command line also accepts (`--steps` for `run.steps`); `spmdkit.cli.train` builds the command
-line from these dataclasses.
+override the shape), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`. A TOML file
+(`--config`, `config_from_toml`) has one table per section; keys are the field names. "Unset" is `None` (e.g.
+`decay_steps`: the run's steps). The resolved config is saved as JSON into every run directory and every checkpoint.
+Each field is `Annotated` with a `tyro.conf.arg`: its one-line help and the short flags the command line also accepts
+(`--steps` for `run.steps`; `field_docs` reads them); `spmdkit.cli.train` hands `TrainConfig` to `tyro.cli` as is.
 """
 
 from __future__ import annotations
@@ -16,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import resolve_source, source_tokenizer
@@ -29,13 +31,22 @@ from spmdkit.models.config import PRESETS, Attention, Dtype, Remat, TransformerC
 
 __all__ = [
     "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
-    "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json",
+    "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json", "config_from_toml",
 ]  # fmt: skip
 
 
-def _field(default: Any, help: str, *flags: str) -> Any:
-    """A config field: its default, one-line help and short command-line flags (read by the CLI and the docs)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flags": flags})
+def _arg(help: str, *flags: str) -> Any:
+    """A config field's `Annotated` marker: its one-line help and the short flags the command line also accepts."""
+    return tyro.conf.arg(help=help, aliases=flags or None)
+
+
+def field_docs(cls: type) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Each field of a config section -> (its help, its short flags), read from its `tyro.conf.arg` marker."""
+    docs = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        arg = next((m for m in getattr(hint, "__metadata__", ()) if hasattr(m, "aliases")), None)
+        docs[name] = (arg.help or "", tuple(arg.aliases or ())) if arg else ("", ())
+    return docs
 
 
 def _require(ok: bool, message: str) -> None:
@@ -61,8 +72,8 @@ def _conforms(value: Any, hint: Any) -> bool:
 
 
 def check_types(section: Any, name: str) -> None:
-    """SpmdkitError naming the first field of a config section whose value is not of its declared type (the
-    command line parses types itself; this guards library calls and JSON configs)."""
+    """SpmdkitError naming the first field of a config section whose value is not of its declared type (tyro parses
+    the command line's types itself; this guards library calls, TOML and JSON configs)."""
     hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
@@ -83,18 +94,25 @@ class OptimizerConfig:
     `lr * final_lr_fraction` at `decay_steps`. Unset `lr` / `warmup_steps` take the defaults for training from
     scratch (3e-3, 10) or for fine-tuning `--init-from` weights (1e-5, 0: step 1 already learns)."""
 
-    lr: float | None = _field(None, "peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
-    warmup_steps: int | None = _field(
-        None, "linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"
-    )
-    decay_steps: int | None = _field(None, "steps of the cosine decay (None: the run's steps)")
-    final_lr_fraction: float = _field(0.1, "the decay ends at lr x this")
-    b1: float = _field(0.9, "AdamW beta1")
-    b2: float = _field(0.95, "AdamW beta2")
-    eps: float = _field(1e-8, "AdamW epsilon")
-    weight_decay: float = _field(0.1, "AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
-    clip_norm: float | None = _field(1.0, "clip gradients to this global norm (None: no clipping)", "--clip-norm")
-    max_bad_steps: int = _field(5, "stop after this many consecutive NaN/Inf steps", "--max-bad-steps")
+    lr: Annotated[
+        float | None, _arg("peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
+    ] = None
+    warmup_steps: Annotated[
+        int | None,
+        _arg("linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"),
+    ] = None
+    decay_steps: Annotated[int | None, _arg("steps of the cosine decay (None: the run's steps)")] = None
+    final_lr_fraction: Annotated[float, _arg("the decay ends at lr x this")] = 0.1
+    b1: Annotated[float, _arg("AdamW beta1")] = 0.9
+    b2: Annotated[float, _arg("AdamW beta2")] = 0.95
+    eps: Annotated[float, _arg("AdamW epsilon")] = 1e-8
+    weight_decay: Annotated[
+        float, _arg("AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
+    ] = 0.1
+    clip_norm: Annotated[
+        float | None, _arg("clip gradients to this global norm (None: no clipping)", "--clip-norm")
+    ] = 1.0
+    max_bad_steps: Annotated[int, _arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
 
     def __post_init__(self) -> None:
         check_types(self, "optimizer")
@@ -125,61 +143,32 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
     """`ModelSettings`' fields: the preset's name (or a model path), `init_from`, the run's numerics, and an override
     of every other field of `TransformerConfig` (None: the preset's value), so that any model shape can be
     described."""
-    flags = {"dispatch": ("--moe-dispatch",), "capacity_factor": ("--capacity-factor",)}
     own = [
-        (
-            "name",
-            str,
-            _field(
-                "tiny",
-                f"model preset ({', '.join(PRESETS)}), or a Hugging Face model directory or config.json whose shape "
-                "is used; with --init-from leave it out: the shape comes from the weights",
-                "--model",
-            ),
-        ),
-        (
-            "init_from",
-            str | None,
-            _field(
-                None,
-                "start from these weights: a Hugging Face model directory (or .safetensors / index JSON) or an "
-                "spmdkit checkpoint or run directory; its shape is the model's and the optimizer starts fresh "
-                "(ignored once the run has checkpoints: they resume it)",
-                "--init-from",
-            ),
-        ),
-        ("dtype", Dtype, _field("bfloat16", "compute dtype (parameters stay float32)", "--dtype")),
-        ("remat", Remat, _field("none", "what the backward pass recomputes", "--remat")),
-        (
-            "attention",
-            Attention,
-            _field(
-                "auto",
-                "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot, "
-                "blockwise, cudnn or ring",
-                "--attention",
-            ),
-        ),
-    ]
+        ("name", str, "tiny", f"model preset ({', '.join(PRESETS)}), or a Hugging Face model directory or "
+         "config.json whose shape is used; with --init-from leave it out: the shape comes from the weights", "--model"),
+        ("init_from", str | None, None, "start from these weights: a Hugging Face model directory (or .safetensors / "
+         "index JSON) or an spmdkit checkpoint or run directory; its shape is the model's and the optimizer starts "
+         "fresh (ignored once the run has checkpoints: they resume it)", "--init-from"),
+        ("dtype", Dtype, "bfloat16", "compute dtype (parameters stay float32)", "--dtype"),
+        ("remat", Remat, "none", "what the backward pass recomputes", "--remat"),
+        ("attention", Attention, "auto", "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, "
+         "else blockwise), dot, blockwise, cudnn or ring", "--attention"),
+    ]  # fmt: skip
+    flags = {"dispatch": ("--moe-dispatch",), "capacity_factor": ("--capacity-factor",)}
     hints = typing.get_type_hints(TransformerConfig)
     overrides = [
-        (
-            f.name,
-            hints[f.name] | None,
-            _field(None, f"{f.metadata['help']} (None: the preset's)", *flags.get(f.name, ())),
-        )
+        (f.name, hints[f.name] | None, None, f"{f.metadata['help']} (None: the preset's)", *flags.get(f.name, ()))
         for f in dataclasses.fields(TransformerConfig)
-        if f.name not in {name for name, _, _ in own}
+        if f.name not in {name for name, *_ in own}
     ]
-    return own + overrides
+    return [(name, Annotated[hint, _arg(*doc)], default) for name, hint, default, *doc in own + overrides]
 
 
-def _build(self: Any, context: int = 1) -> TransformerConfig:
+def _build(self: Any) -> TransformerConfig:
     """The `TransformerConfig` these settings describe: `init_from`'s model, or the preset or model path `name`
-    names, with every override given (see `spmdkit.interop.sources.build_model`); `context` is the mesh's
-    context-axis size: with context > 1, `attention="auto"` is ring attention; elsewhere "auto" stays, to be
-    resolved where the model runs (`spmdkit.models.attention_choice.choose_attention`: platform, dtype, shape)."""
-    return build_model(dataclasses.asdict(self), context)
+    names, with every override given (see `spmdkit.interop.sources.build_model`). `attention` is the setting as
+    given: `spmdkit.train.program.build_program` resolves "auto" for the devices and stores the kernel in it."""
+    return build_model(dataclasses.asdict(self))
 
 
 def _resolved(self: Any) -> Any:
@@ -208,23 +197,28 @@ ModelSettings = dataclasses.make_dataclass(
 class MeshSettings:
     """The device mesh and how the state is laid out on it; with `pipeline` > 1 in the mesh, the schedule."""
 
-    mesh: str = _field(
-        "fsdp=-1", "mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2' (-1: the remaining devices)", "--mesh"
-    )
-    dcn: str | None = _field(
-        None, "across-node factor of axes, e.g. 'data=2' (None: processes fill the outer axes)", "--dcn"
-    )
-    zero: Literal[0, 1, 2, 3] = _field(
-        3, "ZeRO stage over fsdp: 0 replicate, 1 optimizer, 2 +gradients, 3 +parameters", "--zero"
-    )
-    sequence_parallel: bool = _field(
-        False, "shard the residual stream's sequence over tensor (SP)", "--sequence-parallel"
-    )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = _field(
-        "1f1b", "pipeline schedule", "--pipeline-schedule"
-    )
-    microbatches: int | None = _field(None, "pipeline microbatches per step (None: twice the stages)", "--microbatches")
-    virtual_stages: int = _field(1, "layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
+    mesh: Annotated[
+        str, _arg("mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2' (-1: the remaining devices)", "--mesh")
+    ] = "fsdp=-1"
+    dcn: Annotated[
+        str | None, _arg("across-node factor of axes, e.g. 'data=2' (None: processes fill the outer axes)", "--dcn")
+    ] = None
+    zero: Annotated[
+        Literal[0, 1, 2, 3],
+        _arg("ZeRO stage over fsdp: 0 replicate, 1 optimizer, 2 +gradients, 3 +parameters", "--zero"),
+    ] = 3
+    sequence_parallel: Annotated[
+        bool, _arg("shard the residual stream's sequence over tensor (SP)", "--sequence-parallel")
+    ] = False
+    pipeline_schedule: Annotated[
+        Literal["gpipe", "1f1b", "interleaved"], _arg("pipeline schedule", "--pipeline-schedule")
+    ] = "1f1b"
+    microbatches: Annotated[
+        int | None, _arg("pipeline microbatches per step (None: twice the stages)", "--microbatches")
+    ] = None
+    virtual_stages: Annotated[
+        int, _arg("layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
+    ] = 1
 
     def __post_init__(self) -> None:
         check_types(self, "mesh")
@@ -253,28 +247,29 @@ class RunSettings:
     """The loop. `batch_size` is global, in sequences; `fail_steps` poisons those steps' gradients with NaN (for
     testing the skip path)."""
 
-    steps: int = _field(200, "optimizer steps", "--steps")
-    batch_size: int = _field(16, "global batch, in sequences", "--batch-size")
-    seq_len: int = _field(128, "tokens per sequence", "--seq-len")
-    grad_accum: int = _field(1, "microbatches accumulated per optimizer step", "--grad-accum")
-    eval_every: int = _field(50, "evaluate on the held-out split every N steps (0: never)", "--eval-every")
-    eval_batches: int = _field(4, "batches per evaluation", "--eval-batches")
-    log_every: int = _field(10, "write metrics every N steps", "--log-every")
-    seed: int = _field(0, "seed for initialisation and data order", "--seed")
-    run_dir: str = _field(
-        "runs/default", "directory for config.json, metrics.jsonl, loss.png, tensorboard/", "--run-dir"
+    steps: Annotated[int, _arg("optimizer steps", "--steps")] = 200
+    batch_size: Annotated[int, _arg("global batch, in sequences", "--batch-size")] = 16
+    seq_len: Annotated[int, _arg("tokens per sequence", "--seq-len")] = 128
+    grad_accum: Annotated[int, _arg("microbatches accumulated per optimizer step", "--grad-accum")] = 1
+    eval_every: Annotated[int, _arg("evaluate on the held-out split every N steps (0: never)", "--eval-every")] = 50
+    eval_batches: Annotated[int, _arg("batches per evaluation", "--eval-batches")] = 4
+    log_every: Annotated[int, _arg("write metrics every N steps", "--log-every")] = 10
+    seed: Annotated[int, _arg("seed for initialisation and data order", "--seed")] = 0
+    run_dir: Annotated[str, _arg("directory for config.json, metrics.jsonl, loss.png, tensorboard/", "--run-dir")] = (
+        "runs/default"
     )
-    peak_tflops: float | None = _field(
-        None, "peak TFLOP/s per device for MFU (None: from the device table)", "--peak-tflops"
-    )
-    progress: bool = _field(True, "show a progress bar", "--progress")
-    fail_steps: tuple[int, ...] = _field((), "steps whose gradients are made NaN (testing the NaN guard)")
-    profile_steps: str | None = _field(
-        None, "write a jax.profiler trace of steps A to B (A:B, e.g. 3:5) into RUN_DIR/profile/", "--profile-steps"
-    )
-    dump_hlo: bool = _field(
-        False, "write the compiled step's optimized HLO to RUN_DIR/train_step.hlo.txt", "--dump-hlo"
-    )
+    peak_tflops: Annotated[
+        float | None, _arg("peak TFLOP/s per device for MFU (None: from the device table)", "--peak-tflops")
+    ] = None
+    progress: Annotated[bool, _arg("show a progress bar", "--progress")] = True
+    fail_steps: Annotated[tuple[int, ...], _arg("steps whose gradients are made NaN (testing the NaN guard)")] = ()
+    profile_steps: Annotated[
+        str | None,
+        _arg("write a jax.profiler trace of steps A to B (A:B, e.g. 3:5) into RUN_DIR/profile/", "--profile-steps"),
+    ] = None
+    dump_hlo: Annotated[
+        bool, _arg("write the compiled step's optimized HLO to RUN_DIR/train_step.hlo.txt", "--dump-hlo")
+    ] = False
 
     def __post_init__(self) -> None:
         check_types(self, "run")
@@ -293,15 +288,21 @@ class CheckpointSettings:
     """Orbax checkpoints: saved every `every` steps and at the end, the newest `keep` kept; `resume` continues from
     the newest intact step found in `directory`."""
 
-    directory: str | None = _field(None, "checkpoint directory (None: RUN_DIR/checkpoints)", "--checkpoint-dir")
-    every: int = _field(100, "save every N steps (0: only at the end)", "--checkpoint-every")
-    keep: int = _field(3, "keep the newest N checkpoints", "--keep")
-    resume: bool = _field(True, "resume from the newest intact step (no: the directory must hold no steps)", "--resume")
-    allow_data_change: bool = _field(
-        False,
-        "resume even if the batch size, sequence length, seed or a data setting differs from the checkpoint's",
-        "--allow-data-change",
+    directory: Annotated[str | None, _arg("checkpoint directory (None: RUN_DIR/checkpoints)", "--checkpoint-dir")] = (
+        None
     )
+    every: Annotated[int, _arg("save every N steps (0: only at the end)", "--checkpoint-every")] = 100
+    keep: Annotated[int, _arg("keep the newest N checkpoints", "--keep")] = 3
+    resume: Annotated[
+        bool, _arg("resume from the newest intact step (no: the directory must hold no steps)", "--resume")
+    ] = True
+    allow_data_change: Annotated[
+        bool,
+        _arg(
+            "resume even if the batch size, sequence length, seed or a data setting differs from the checkpoint's",
+            "--allow-data-change",
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         check_types(self, "checkpoint")
@@ -340,6 +341,8 @@ def apply_overrides(config: TrainConfig, overrides: dict[str, dict[str, Any]]) -
     for section, values in overrides.items():
         if section not in SECTIONS:
             raise SpmdkitError(f"unknown config section [{section}]: expected one of {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise SpmdkitError(f"config section {section} must be a table of keys, not {values!r}")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key in values:
             if key not in known:
@@ -361,9 +364,22 @@ def config_from_json(text: str) -> TrainConfig:
         values = json.loads(text)
     except ValueError as error:
         raise SpmdkitError(f"a saved config is not valid JSON ({error})") from None
-    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+    if not isinstance(values, dict):
         raise SpmdkitError('a saved config must be a JSON object of sections, e.g. {"run": {"steps": 60}}')
     return apply_overrides(TrainConfig(), values)
+
+
+def config_from_toml(path: str | Path) -> TrainConfig:
+    """The config of a TOML file: one table per section, the field names as keys (the rest default). A missing or
+    unreadable file, an unknown section or key, and a value of the wrong type are one line naming the file."""
+    if not Path(path).is_file():
+        raise SpmdkitError(f"config file {path} does not exist")
+    try:
+        return apply_overrides(TrainConfig(), tomllib.loads(Path(path).read_text(encoding="utf-8")))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise SpmdkitError(f"config file {path} is not valid UTF-8 TOML: {error}") from None
+    except SpmdkitError as error:
+        raise SpmdkitError(f"config file {path}: {error}") from None
 
 
 def with_data_vocab(config: TrainConfig) -> TrainConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.train.config import TrainConfig
+from spmdkit.train.config import SECTIONS, TrainConfig, field_docs
 
 
 def check_writable(directory: str | Path, flag: str) -> None:
@@ -33,7 +33,7 @@ def data_settings(config: TrainConfig) -> list[tuple[str, str, str]]:
     fields = [("run", f) for f in dataclasses.fields(config.run) if f.name in ("batch_size", "seq_len", "seed")]
     fields += [("data", f) for f in dataclasses.fields(config.data)]
     return [
-        (section, f.name, (f.metadata.get("flags") or (f"--{section}.{f.name.replace('_', '-')}",))[0])
+        (section, f.name, (*field_docs(SECTIONS[section])[f.name][1], f"--{section}.{f.name.replace('_', '-')}")[0])
         for section, f in fields
     ]
 

@@ -123,7 +123,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     on these devices is an error now."""
     config = resolve_config(config)
     mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn), devices)
-    model = config.model.build(mesh.shape["context"])
+    model = config.model.build()
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
     planned = layout(config, mesh, model)
     check_layout(planned)
@@ -139,4 +139,5 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
     tx = make_optimizer(config.optimizer, run.steps)
+    model = model.replace(attention=kernel)  # decided once, here: the model runs what its config says
     return TrainProgram(config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps))

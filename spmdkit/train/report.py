@@ -49,7 +49,7 @@ def _describe_kernels(trainer: Trainer) -> str:
     cfg, seq = trainer.model_config, trainer.config.run.seq_len
     chunks = loss_chunks(seq, cfg.loss_chunk, trainer.context)
     return (
-        f"kernels      attention {trainer.attention}" + (" (auto)" if cfg.attention == "auto" else "")
+        f"kernels      attention {trainer.attention}" + (" (auto)" if trainer.config.model.attention == "auto" else "")
         + f"; loss over {chunks} chunk(s) of {seq // chunks} positions"
         + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else "")
     )  # fmt: skip
