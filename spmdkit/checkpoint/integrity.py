@@ -123,25 +123,8 @@ def _host_leaf(x: Any) -> np.ndarray:
     for shard in x.addressable_shards:
         if shard.replica_id == 0:  # each element once, whichever devices and processes hold copies
             offsets = tuple(s.indices(n)[0] for s, n in zip(shard.index, x.shape, strict=True))
-            for start, block in _row_blocks(shard.data):
-                at = (offsets[0] + start, *offsets[1:]) if offsets else offsets
-                total += np.array(block_sums(block, at, x.shape), np.uint64)
+            total += np.array(block_sums(np.asarray(shard.data), offsets, x.shape), np.uint64)
     return (total % 2**32).astype(np.uint32)
-
-
-_take_rows = jax.jit(jax.lax.dynamic_slice_in_dim, static_argnums=(2, 3))
-
-
-def _row_blocks(data: jax.Array) -> Any:
-    """(first row, host copy of rows) of a single-device array, at most `_HOST_BLOCK` elements (or one row) at a
-    time: `np.asarray` of the whole array would keep a host copy of it alive as long as the array (JAX caches it),
-    which for a model just read doubles its bytes."""
-    if data.ndim == 0 or data.size <= _HOST_BLOCK:
-        yield 0, np.asarray(data)
-        return
-    rows = max(1, _HOST_BLOCK // (data.size // data.shape[0]))
-    for start in range(0, data.shape[0], rows):
-        yield start, np.asarray(_take_rows(data, start, min(rows, data.shape[0] - start), 0))
 
 
 def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[str, int]]:

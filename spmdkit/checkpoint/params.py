@@ -37,6 +37,7 @@ from spmdkit.checkpoint.integrity import (
     fingerprint_text,
     fingerprints,
     name_list,
+    path_text,
     sum_over_processes,
 )
 from spmdkit.checkpoint.manager import DamagedStep, NonFiniteState
@@ -51,10 +52,7 @@ WRITE_CHUNK_BYTES = 2**24  # import-hf writes 16 MiB chunks: a reader holds one 
 
 def _flat(tree: Any) -> dict[str, Any]:
     """'blocks/attention/q' -> leaf, in the tree's leaf order."""
-    return {
-        "/".join(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
+    return {path_text(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _check_names(step: int, directory: Path, saved: dict[str, tuple], target: PureTree) -> None:
