@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.models.attention import blockwise_attention, dot_attention
-from spmdkit.models.config import TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
 from spmdkit.models.loss import lm_loss
+from spmdkit.models.presets import model_preset
 from spmdkit.models.transformer import cross_entropy, head_logits
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules

@@ -34,7 +34,7 @@ def main() -> None:
 
     from spmdkit.checkpoint.manager import Checkpointer
     from spmdkit.models import Transformer
-    from spmdkit.models.config import model_preset
+    from spmdkit.models.presets import model_preset
     from spmdkit.sharding.mesh import make_mesh
     from spmdkit.sharding.partition import abstract_state
     from spmdkit.sharding.rules import make_rules

@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 
 from spmdkit.interop.hf_config_writer import hf_config
 from spmdkit.interop.tensor_names import tensor_maps
-from spmdkit.models.config import model_preset
+from spmdkit.models.presets import model_preset
 
 GB = 1e9
 
@@ -38,7 +38,7 @@ def generate(directory: Path, preset: str, shard_bytes: int) -> int:
     """Random bfloat16 weights of `preset` as a sharded Hugging Face checkpoint in `directory`; returns its bytes."""
     model = model_preset(preset)
     rng = np.random.default_rng(0)
-    names = [(m, name) for m in tensor_maps(model) for name in m.hf_names(model.layers)]
+    names = [(m, name) for m in tensor_maps(model, "llama") for name in m.hf_names()]
     shards, current, size = [], {}, 0
     for m, name in names:
         noise = rng.standard_normal(m.hf_shape, dtype=np.float32)

@@ -163,7 +163,7 @@ CASES = [
     (
         ["ckpt", "import-hf", "{D}/gpt2", *IMPORT],
         2,
-        "model_type='gpt2' is not a family spmdkit runs (llama, qwen2, qwen3)",
+        "model_type='gpt2' is not a family spmdkit runs (llama, mistral, qwen2, qwen3, gemma, ",
     ),
     (["ckpt", "import-hf", "{D}/sharded", *IMPORT], 2, "missing shard {D}/sharded/model-00002-of-"),
     (["ckpt", "import-hf", "{D}/sharded/model.safetensors.index.json", *IMPORT], 2, "(listed in model.safetensors"),
@@ -175,7 +175,7 @@ CASES = [
     (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/afile/sub"], 2, "lies under {D}/afile, which is a file"),
     (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/readonly/x"], 2, "{D}/readonly is not writable"),
     (["ckpt", "import-hf", "{D}/hf", *IMPORT, "--mesh", "fsdp=3"], 2, "has 3 devices but 8 are present"),
-    (["ckpt", "export", "{D}/run", "--out", "{D}/run"], 2, "{D}/run already exists and is not empty"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/run"], 2, "--out {D}/run is {D}/run, which this command reads"),
     (["ckpt", "export", "{D}/run", "--out", "{D}/afile"], 2, "{D}/afile already exists and is not empty"),
     (["ckpt", "export", "{D}/run", "--out", "{D}/afile/hf"], 2, "lies under {D}/afile, which is a file"),
     (["ckpt", "export", "{D}/run", "--out", "{D}/readonly/hf"], 2, "{D}/readonly is not writable"),
@@ -194,7 +194,7 @@ CASES = [
     (["ckpt", "verify", "{D}/damaged"], 1, "step 4: DAMAGED (checksum mismatch in model/embedding"),
     (["ckpt", "reshard", "{D}/missing", "--mesh", "fsdp=8", "--out", "{D}/new"], 2, "does not exist"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/afile"], 2, "{D}/afile is a file"),
-    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run"], 2, "{D}/run is not empty"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run"], 2, "--out {D}/run is {D}/run, which"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "bogus=8", "--out", "{D}/new"], 2, "bogus"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=3", "--out", "{D}/new"], 2, "has 3 devices but 8 are present"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/new", "--step", "3"], 2, "step 3 is not in"),
@@ -239,6 +239,109 @@ CASES = [
 ]
 
 
+# Run directories, outputs and checkpoint files (issue 26): one writer per run directory ({D}/locked: its lock held by
+# this process), no output into a command's own input or a directory it does not own, iterator states and configs
+# covered by the step's checksums, and the one-line messages of generate / eval. Fixtures: `_guarded_fixtures`.
+IN_USE = "is in use by spmdkit train (pid {PID} on host"
+CASES += [
+    # -- one writer per run directory
+    ([*TRAIN.split(), "--run-dir", "{D}/locked"], 2, "--run-dir {D}/locked " + IN_USE),
+    ([*FRESH, "--checkpoint-dir", "{D}/locked/checkpoints"], 2, "lies in the run directory {D}/locked, which is in"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/locked/hf"], 2, "--out {D}/locked/hf lies in the run directory"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/locked/new"], 2, "{D}/locked, which " + IN_USE),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/locked/imported"], 2, "{D}/locked, which " + IN_USE),
+    # -- no command writes into a directory it does not own
+    ([*TRAIN.split(), "--run-dir", "{D}/hf"], 2, "--run-dir {D}/hf holds a Hugging Face model's config.json"),
+    ([*TRAIN.split(), "--run-dir", "{D}/userdir"], 2, "{D}/userdir holds a config.json that is not an spmdkit run's"),
+    ([*TRAIN.split(), "--run-dir", "{D}/texts"], 2, "{D}/texts holds files that are not an spmdkit run's (a.txt)"),
+    ([*TRAIN.split(), "--run-dir", "{D}/ds"], 2, "{D}/ds holds files that are not an spmdkit run's"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/run", "--force"], 2, "--out {D}/run is {D}/run, which this command"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/run/checkpoints", "--force"], 2, "lies inside {D}/run, which this"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}", "--force"], 2, "--out {D} contains {D}/run, which this command"),
+    (["ckpt", "export", "{D}/run/checkpoints", "--out", "{D}/run/checkpoints/hf", "--force"], 2, "lies inside"),
+    (
+        ["ckpt", "export", "{D}/run", "--out", "{D}/texts", "--force"],
+        2,
+        "only an earlier export, but {D}/texts holds a",
+    ),
+    (
+        ["ckpt", "export", "{D}/run", "--out", "{D}/nockpt", "--force"],
+        2,
+        "{D}/nockpt holds metrics.jsonl: it is not one",
+    ),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/afile", "--force"], 2, "{D}/afile is a file: it is not one"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/damaged/hf"], 2, "lies inside the checkpoint directory {D}/damaged"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run/checkpoints/new"], 2, "lies inside {D}/run"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}"], 2, "--out {D} contains {D}/run"),
+    (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/damaged/new"], 2, "checkpoint directory {D}/dam"),
+    (["ckpt", "import-hf", "{D}/hf", "--out", "{D}/hf/ckpt"], 2, "--out {D}/hf/ckpt lies inside {D}/hf, which this"),
+    (["ckpt", "import-hf", "{D}/hf/model.safetensors", "--out", "{D}/hf/ckpt"], 2, "lies inside {D}/hf, which"),
+    (
+        ["ckpt", "import-hf", "{D}/hf", "--out", "{D}/damaged/imported"],
+        2,
+        "inside the checkpoint directory {D}/damaged",
+    ),
+    # -- import-hf: an index naming shard files outside its model directory
+    (["ckpt", "import-hf", "{D}/hf-escape", *IMPORT], 2, "to '../hf/model.safetensors', outside the model directory"),
+    (["ckpt", "import-hf", "{D}/hf-absolute", *IMPORT], 2, "outside the model directory {D}/hf-absolute: refused"),
+    (["ckpt", "import-hf", "{D}/hf-symlink", *IMPORT], 2, "outside the model directory {D}/hf-symlink: refused"),
+    ([*FRESH, "--init-from", "{D}/hf-escape", "--data", "synthetic"], 2, "outside the model directory {D}/hf-escape"),
+    # -- checkpoints: the data-iterator state and the config are checksummed, and the iterator state bounded
+    (["ckpt", "verify", "{D}/bad-iter"], 1, "step 4: DAMAGED (checksum mismatch in data/process_0-of-1.json)"),
+    (["ckpt", "verify", "{D}/bad-config"], 1, "step 4: DAMAGED (checksum mismatch in config/metadata)"),
+    (["ckpt", "verify", "{D}/old-iter"], 1, "says next_index 1000000000000, but step 4 has read 4 batches"),
+    (["ckpt", "export", "{D}/bad-iter", "--out", "{D}/new"], 2, "step 4 in {D}/bad-iter is damaged (checksum mismatch"),
+    (["ckpt", "reshard", "{D}/old-iter", "--mesh", "fsdp=8", "--out", "{D}/new"], 2, "{D}/old-iter is damaged (data/"),
+    # -- a step directory where a checkpoint directory is expected
+    (
+        ["ckpt", "inspect", "{D}/run/checkpoints/4"],
+        2,
+        "is step 4 of the checkpoint directory {D}/run/checkpoints: pass",
+    ),
+    (["ckpt", "verify", "{D}/run/checkpoints/4"], 2, "pass {D}/run/checkpoints (verify reads every step)"),
+    (["ckpt", "export", "{D}/run/checkpoints/4", "--out", "{D}/new"], 2, "pass {D}/run/checkpoints with --step 4"),
+    (["ckpt", "reshard", "{D}/run/checkpoints/4", "--mesh", "fsdp=8", "--out", "{D}/new"], 2, "is step 4 of the"),
+    (["generate", "{D}/run/checkpoints/4", "--prompt", "hi"], 2, "{D}/run/checkpoints/4 is step 4 of the checkpoint"),
+    # -- generate / eval: one line each, before and after the model is read
+    (["generate", "{D}/run", "--prompt-file", "/dev/zero"], 2, "--prompt-file /dev/zero is larger than 1 MiB"),
+    (["generate", "{D}/run", "--prompt-file", "{D}/big-prompt.txt"], 2, "big-prompt.txt is larger than 1 MiB"),
+    (["generate", "{D}/nockpt", "--prompt", "hi"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
+    (["eval", "{D}/nockpt"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
+    (["eval", "{D}/run", "--seq-len", "0"], 2, "--seq-len 0 must be at least 1"),
+    (["eval", "{D}/run", "--seq-len", "-5"], 2, "--seq-len -5 must be at least 1"),
+    (["eval", "{D}/run", "--batch-size", "0"], 2, "--batch-size 0 must be at least 1"),
+    (
+        ["generate", "{D}/run", "--prompt", "hi", "--max-new-tokens", "1000000000"],
+        2,
+        "--max-new-tokens 1000000000 does not fit: the longest prompt has 3 tokens and the model's context is 32",
+    ),
+    (["generate", "{D}/run-notok", "--prompt", "hi"], 2, "{D}/run-notok/checkpoints/hf/tokenizer.json is missing"),
+    (["eval", "{D}/run-notok"], 2, "{D}/run-notok/checkpoints/hf/tokenizer.json is missing"),
+    (["nonsense"], 2, "'nonsense': choose one of train, data, ckpt, plan, compile, launch, bench, generate, eval"),
+    # -- data: inputs, outputs and prepared datasets checked when opened
+    (["data", "prepare", "{D}/texts", "--glob", "/etc/*", *PREPARE], 2, "--glob '/etc/*' must be a pattern inside"),
+    (["data", "prepare", "{D}/texts", "--glob", "../*", *PREPARE], 2, "--glob '../*' must be a pattern inside"),
+    (["data", "prepare", "{D}/texts", "{D}/texts", *PREPARE], 2, "INPUT {D}/texts is given again"),
+    (["data", "prepare", "{D}/texts/a.txt", "{D}/texts", *PREPARE], 2, "{D}/texts/a.txt lies inside INPUT {D}/texts"),
+    (
+        ["data", "prepare", "{D}/texts", "--tokenizer", "bytes", "--out", "{D}/texts/out", "--no-progress"],
+        2,
+        "--out {D}/texts/out lies inside INPUT {D}/texts",
+    ),
+    (["data", "prepare", "{D}/lone.jsonl", *PREPARE], 2, "'text' holds a lone surrogate (\\ud800 at character 1)"),
+    (["data", "verify", "{D}/ds-pickled"], 2, "documents.npy is not a plain numeric .npy array"),
+    (["data", "inspect", "{D}/ds-pickled"], 2, "documents.npy is not a plain numeric .npy array"),
+    ([*FRESH, "--data", "{D}/ds-pickled"], 2, "documents.npy is not a plain numeric .npy array"),
+    (["data", "verify", "{D}/ds-escape"], 2, "names the file '../../x.bin', which is not a plain name inside"),
+    (["data", "inspect", "{D}/ds-absolute"], 2, "which is not a plain name inside the dataset"),
+    ([*FRESH, "--data", "{D}/ds-escape"], 2, "names the file '../../x.bin', which is not a plain name inside"),
+    (["data", "verify", "{D}/ds-nosha"], 2, "dataset.json shard 0 lacks or mangles sha256"),
+    (["data", "verify", "{D}/ds-flipped"], 2, "{D}/ds-flipped/tokens-00000.bin is damaged at token offset 0"),
+    ([*FRESH, "--data", "{D}/ds-flipped"], 2, "{D}/ds-flipped/tokens-00000.bin is damaged at token offset 0"),
+    ([*FRESH, "--data", "{D}/ds", "--model.vocab-size", "128"], 2, "the model's vocab_size 128 is smaller than the"),
+]
+
+
 def _files(directory: Path) -> dict[str, str]:
     """relative path -> sha256 of every file (and '<dir>' for every directory) under `directory`."""
     found = {}
@@ -270,6 +373,26 @@ def _texts_and_datasets(d: Path) -> None:
     (d / "ds-badjson" / "dataset.json").write_text('{"format": ')
     shutil.copytree(d / "ds", d / "ds-noshard")
     (d / "ds-noshard" / "tokens-00000.bin").unlink()
+    _damaged_datasets(d)
+
+
+def _damaged_datasets(d: Path) -> None:
+    """Copies of `ds` damaged as the audit found them: a pickled index, shard paths leaving the dataset, a shard
+    entry without its sha256, a flipped bit in a shard; and a JSONL record holding a lone surrogate."""
+    shutil.copytree(d / "ds", d / "ds-pickled")
+    np.save(d / "ds-pickled" / "documents.npy", np.array([{"offsets": 0}], dtype=object), allow_pickle=True)
+    for name, path in (("ds-escape", "../../x.bin"), ("ds-absolute", str(d / "ds" / "tokens-00000.bin"))):
+        shutil.copytree(d / "ds", d / name)
+        _edit_json(d / name / "dataset.json", lambda m, path=path: m["shards"][0].update(file=path))
+    shutil.copytree(d / "ds", d / "ds-nosha")
+    _edit_json(d / "ds-nosha" / "dataset.json", lambda m: m["shards"][0].pop("sha256"))
+    shutil.copytree(d / "ds", d / "ds-flipped")
+    with open(d / "ds-flipped" / "tokens-00000.bin", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 0x10]))
+    (d / "lone.jsonl").write_text('{"text": "\\ud800 half a pair"}\n')
 
 
 def _hf_models(d: Path) -> None:
@@ -288,6 +411,47 @@ def _hf_models(d: Path) -> None:
     edit_config(d / "hf-quantized", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
     (d / "hf-no-config" / "config.json").unlink()
     (d / "hf-bad-config" / "config.json").write_text('{"model_type": "llama",')
+
+
+def _edit_json(path: Path, edit) -> None:
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+def _guarded_fixtures(d: Path):
+    """What the run-directory and checkpoint cases read (see IN_USE above); returns the lock held on {D}/locked."""
+    from safetensors import safe_open
+
+    from spmdkit.checkpoint.run_lock import RunLock
+
+    shutil.copytree(d / "run", d / "locked")
+    (d / "userdir").mkdir()
+    (d / "userdir" / "config.json").write_text('{"lr": 0.1}\n')
+    (d / "nockpt").mkdir()  # a run killed before its first checkpoint
+    for name in ("config.json", "metrics.jsonl"):
+        shutil.copy(d / "run" / name, d / "nockpt" / name)
+    shutil.copytree(d / "run", d / "run-notok")  # its tokenizer.json lost
+    (d / "run-notok" / "checkpoints" / "hf").mkdir()
+    (d / "run-notok" / "checkpoints" / "hf" / "tokenizer_config.json").write_text("{}\n")
+    (d / "big-prompt.txt").write_text("a" * (2**20 + 1))
+    with safe_open(str(d / "hf" / "model.safetensors"), framework="np") as handle:
+        names = list(handle.keys())
+    for name, target in (("hf-escape", "../hf/model.safetensors"), ("hf-absolute", str(d / "hf" / "model.safetensors")),
+                         ("hf-symlink", "model-00001-of-00001.safetensors")):  # fmt: skip
+        (d / name).mkdir()
+        shutil.copy(d / "hf" / "config.json", d / name / "config.json")
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, target)}
+        (d / name / "model.safetensors.index.json").write_text(json.dumps(index))
+    (d / "hf-symlink" / "model-00001-of-00001.safetensors").symlink_to(d / "hf" / "model.safetensors")
+    edited = {"next_index": 10**12}
+    for name in ("bad-iter", "bad-config", "old-iter"):
+        shutil.copytree(d / "run" / "checkpoints", d / name)
+    (d / "bad-iter" / "4" / "data" / "process_0-of-1.json").write_text(json.dumps(edited))
+    _edit_json(d / "bad-config" / "4" / "config" / "metadata", lambda c: c["run"].update(seed=1))
+    (d / "old-iter" / "4" / "data" / "process_0-of-1.json").write_text(json.dumps(edited))  # saved before digests:
+    _edit_json(d / "old-iter" / "4" / "_CHECKPOINT_METADATA", lambda m: m["custom_metadata"]["checksums"].pop("items"))
+    return RunLock(d / "locked", "spmdkit train")
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +495,10 @@ def fixture_dir(tmp_path_factory):
     (d / "run" / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {6 - s / 4}}}\n' for s in range(1, 5)))
     shutil.copytree(d / "run" / "checkpoints", d / "damaged")
     flip_byte(d / "damaged" / "4" / "state", "model.embedding")
+    held = _guarded_fixtures(d)
     readonly = _read_only(d / "readonly")
     yield d, readonly
+    held.release()
     if os.geteuid() == 0:
         subprocess.run(["umount", "-l", str(d / "readonly")], capture_output=True)
     else:
@@ -354,7 +520,7 @@ def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
     before = _files(d)
     got = main([a.format(D=d) for a in argv])
     out, err = capsys.readouterr()
-    fragment = fragment.format(D=d)
+    fragment = fragment.format(D=d, PID=os.getpid())
     assert got == code, (out[-2000:], err[-2000:])
     if code == 2:
         assert err.count("\n") == 1 and err.startswith("spmdkit: error: "), err[-3000:]

@@ -314,9 +314,18 @@ def _damage(step_dir, how):
                     f.truncate(32)
     elif how == "data state deleted":
         (step_dir / "data" / "process_0-of-1.json").unlink()
+    elif how.startswith("data state edited"):  # resuming at record 10^12 made grain skip for hours
+        (step_dir / "data" / "process_0-of-1.json").write_text('{"next_index": 1000000000000}')
+    if how == "data state edited, saved before its checksum":  # only the bounds check can tell
+        metadata = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        del metadata["custom_metadata"]["checksums"]["items"]
+        (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(metadata))
 
 
-@pytest.mark.parametrize("how", ["arrays deleted", "files truncated", "data state deleted"])
+DAMAGE = ["arrays deleted", "files truncated", "data state deleted", "data state edited"]
+
+
+@pytest.mark.parametrize("how", [*DAMAGE, "data state edited, saved before its checksum"])
 def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):
     shardings = _layout(abstract, "data=8")
     directory = tmp_path / "ckpt"

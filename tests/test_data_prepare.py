@@ -95,7 +95,7 @@ def test_dataset_json_and_files(tmp_path):
     np.testing.assert_array_equal(np.load(out / "document_bytes.npy"), [len(t.encode()) for t in DOCS])
     np.testing.assert_array_equal(dataset.keys, [zlib.crc32(f"{path}:{i + 1}".encode()) for i in range(len(DOCS))])
     assert _texts(dataset) == DOCS
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # the temporary directory was renamed
+    assert not [p for p in tmp_path.iterdir() if ".spmdkit-prepare" in p.name]  # the temporary directory was renamed
     # the same input gives the same content hash; different input, another
     assert _prepare(tmp_path, [path], out="again", shard_tokens=2000)[1]["content_sha256"] == meta["content_sha256"]
     other = _write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in DOCS[1:]])
@@ -186,6 +186,12 @@ BAD = [  # (file name, content bytes, extra flags, the one line printed after "s
     ("a.jsonl", b"\n\n", [], r"a.jsonl:1: empty file \(no JSON lines\)"),
     ("a.txt", b"line one\nline two\ncaf\xe9\n", [], r"a.txt:3: not UTF-8 \(byte 0xe9 at offset 21\)"),
     ("a.txt", b"", [], r"a.txt:1: empty file"),
+    (
+        "a.jsonl",
+        b'{"text": "ok"}\n{"text": "a\\ud800b"}\n',
+        [],
+        r"a.jsonl:2: 'text' holds a lone surrogate \(\\ud800 at character 2\), not UTF-8 text",
+    ),
 ]
 SKIP_HINT = ": fix the input or pass --skip-bad to count and skip bad records"
 
@@ -200,7 +206,7 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys, name, cont
     import re
 
     assert re.search(message, err), err
-    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if ".spmdkit-prepare" in p.name]
 
 
 def test_bad_inputs_of_other_kinds(tmp_path, capsys):
@@ -293,7 +299,7 @@ def test_damaged_datasets_are_clear_errors(prepared):
     )
     shard.write_bytes(data[:-2] + b"\x01\x00")  # the right size, other content: only verify sees it
     PreparedDataset(prepared)
-    with pytest.raises(SpmdkitError, match=f"{shard} does not match its sha256 in dataset.json"):
+    with pytest.raises(SpmdkitError, match=f"{shard} is damaged at token offset 0 \\(byte 0\\): chunk 0 does not"):
         PreparedDataset(prepared).verify()
     shard.write_bytes(data)
     assert PreparedDataset(prepared).verify()["documents"] == len(DOCS)

@@ -18,7 +18,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.targets import TARGETS, gpu_target, require_aot, target_devices
 from spmdkit.targets.flags import gpu_compiler_options
-from spmdkit.tools.gpu_compile import attention_in_hlo, lower_train_step, memory_bytes
+from spmdkit.tools.gpu_compile import attention_in_hlo, attention_windows, lower_train_step, memory_bytes
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import build_program
 
@@ -106,6 +106,15 @@ def test_cudnn_takes_packed_documents_and_head_dim_256_on_hopper(h100):
     assert build_program(parse_flags(f"{SMALL} {flags}".split(), TrainConfig()), a100).attention == "blockwise"
     with pytest.raises(SpmdkitError, match="up to 128"):
         build_program(parse_flags(f"{SMALL} {flags} --attention cudnn".split(), TrainConfig()), a100)
+
+
+def test_local_layers_reach_cudnn_with_their_window(h100):
+    """A Gemma-like pattern (one local, one global layer): every cuDNN call of a local layer carries the window,
+    forward and backward; the global layers' calls carry none."""
+    _, text, _ = compile_flags("--model.sliding-window 16 --model.window-pattern LG --model.head-dim 16", h100)
+    assert attention_in_hlo(text) == "cudnn"
+    windows = attention_windows(text)
+    assert set(windows) == {0, 16} and windows[16] == windows[0] == 4  # 2 layers each: 2 forward + 2 backward
 
 
 def test_cudnn_is_refused_in_pipeline_stages(h100):

@@ -133,6 +133,14 @@ def test_export_refuses_to_overwrite_and_leaves_nothing_half_written(runs, tmp_p
     assert code == 2 and len(error_lines(err)) == 1 and "--force" in err
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "mine"
 
+    code, _, err = _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out), "--force")
+    assert code == 2 and "--force replaces only an earlier export" in err  # a user's directory: never replaced
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "mine"
+    (out / "config.json").unlink()
+    out.rmdir()
+    assert _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))[0] == 0  # an earlier export
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+
     import safetensors.numpy
 
     calls = []
@@ -149,7 +157,7 @@ def test_export_refuses_to_overwrite_and_leaves_nothing_half_written(runs, tmp_p
 
     with pytest.raises(OSError, match="disk full"):
         export_hf(runs["dense-gqa"], out, max_shard_size="60KB", force=True)
-    assert (out / "config.json").read_text() == "mine"  # the old directory stays until the new one is complete
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier  # the old one stays until the new is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # and no temporary directory is left
     monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
 

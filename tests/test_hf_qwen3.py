@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import edit_config, load, logits, max_relative_error, save_model, save_tokenizer
-from support import error_lines
 from test_checkpoint import _spmdkit
-from transformers import Qwen2Config, Qwen3Config
+from transformers import Qwen3Config
 
 import spmdkit
 from spmdkit.errors import SpmdkitError
@@ -121,7 +120,9 @@ def test_a_model_with_qk_norm_exports_as_qwen3(tmp_path):
     assert from_hf_config(hf) == config.replace(max_positions=64, dtype="bfloat16")
     tokens = TOKENS % config.vocab_size
     assert max_relative_error(model(tokens), logits(load(out), tokens)) <= 1e-4
-    with pytest.raises(SpmdkitError, match="q/k norms fit only Hugging Face Qwen3"):
+    with pytest.raises(
+        SpmdkitError, match="no Hugging Face family computes this model: the closest, [a-z0-9]+, cannot have"
+    ):
         spmdkit.save_hf(Transformer(config.replace(mlp_bias=True), rngs=nnx.Rngs(0)), tmp_path / "x", max_positions=8)
 
 
@@ -129,47 +130,32 @@ QWEN = dict(SHAPE, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
 
 
 @pytest.mark.parametrize(
-    "family, changes, message",
+    "family, changes, window",
     [
-        ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window=16 is"),
-        ("qwen3", dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"],
-                       sliding_window=63), "sliding_window=63 is shorter than max_position_embeddings=64"),
-        # left out, the window is transformers' default 4096, shorter than a left-out 32768 positions
+        ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), (16, "GL")),
+        ("qwen3", dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=63), (63, "LG")),
+        # left out, the window is transformers' default 4096 (on every layer from max_window_layers=0)
         ("qwen2", dict(use_sliding_window=True, sliding_window=None, max_position_embeddings=None, max_window_layers=0),
-         "sliding_window=4096 is shorter than max_position_embeddings=32768"),
-        ("qwen3", dict(use_sliding_window=True, sliding_window="4k", max_window_layers=0), "must be an integer"),
+         (4096, "")),
+        # as long as the positions: still honoured (longer inputs see only the window, as in transformers)
+        ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), (64, "")),
+        ("qwen3", dict(use_sliding_window=False, sliding_window=4), (0, "")),  # off
+        ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2), (0, "")),  # no layer slides
     ],
 )  # fmt: skip
-def test_a_sliding_window_that_applies_is_refused(family, changes, message):
+def test_a_qwen_sliding_window_applies_to_the_layers_it_names(family, changes, window):
     hf = QWEN | {"model_type": family, "architectures": [f"{family.title()}ForCausalLM"]}
     hf = {k: v for k, v in (hf | changes).items() if v is not None}
-    with pytest.raises(SpmdkitError, match=message) as error:
-        from_hf_config(hf)
+    config = from_hf_config(hf)
+    assert (config.sliding_window, config.window_pattern) == window
+    assert [config.window_of(i) for i in range(2)] == [window[0] * (c == "L") for c in (window[1] or "LL") * 2][:2]
+
+
+def test_a_malformed_sliding_window_is_one_line():
+    with pytest.raises(SpmdkitError, match="sliding_window='4k' must be a positive integer") as error:
+        from_hf_config(QWEN | dict(use_sliding_window=True, sliding_window="4k", max_window_layers=0))
     assert "\n" not in str(error.value)
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        dict(use_sliding_window=False, sliding_window=4),  # off
-        dict(use_sliding_window=True, sliding_window=64, max_window_layers=0),  # as long as the positions
-        dict(use_sliding_window=True, sliding_window=4, max_window_layers=2),  # no layer slides
-        dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),  # null: no window
-    ],
-)
-def test_a_sliding_window_that_never_applies_is_accepted(changes):
-    assert from_hf_config(QWEN | changes).qk_norm
-
-
-def test_qwen3_sliding_window_import_is_one_line_and_writes_nothing(tmp_path, capsys):
-    save_model(Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), tmp_path / "m")
-    qwen2 = {k: v for k, v in SHAPE.items() if k != "head_dim"} | dict(max_position_embeddings=8192)
-    save_model(Qwen2Config(**qwen2, use_sliding_window=True, max_window_layers=0), tmp_path / "q2")
-    edit_config(tmp_path / "q2", sliding_window=None)  # left out: transformers' default 4096 applies
-    for name, message in (("m", "sliding_window=16 is shorter"), ("q2", "sliding_window=4096 is shorter")):
-        code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(tmp_path / name), "--out", str(tmp_path / "out"))
-        assert code == 2 and len(error_lines(err)) == 1 and message in err, err
-        assert not (tmp_path / "out").exists()
 
 
 QWEN3_8B = {  # the published Qwen/Qwen3-8B config.json (transformers 4 style)
@@ -185,7 +171,7 @@ QWEN3_8B = {  # the published Qwen/Qwen3-8B config.json (transformers 4 style)
 def test_the_qwen3_8b_preset_is_the_published_config_and_counts_its_parameters():
     import transformers
 
-    from spmdkit.models.config import PRESETS
+    from spmdkit.models.presets import PRESETS
 
     preset = PRESETS["qwen3-8b"]
     assert from_hf_config(QWEN3_8B) == preset

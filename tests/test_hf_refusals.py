@@ -1,8 +1,8 @@
 """What Hugging Face import refuses: each refusal is one line naming what is wrong, exit 2, and nothing written.
 
-The artifacts are transformers' own saves (a GPT-2, a ReLU Llama, a Qwen2 with a short sliding window, a yarn
-RoPE), or a save then damaged the way real downloads and hand edits are (a config that no longer matches its
-weights, a missing or truncated shard, a broken config.json)."""
+The artifacts are transformers' own saves (a GPT-2, a ReLU Llama, a Mixtral with router noise, a bidirectional
+Gemma 3, a yarn RoPE), or a save then damaged the way real downloads and hand edits are (a config that no longer
+matches its weights, a missing or truncated shard, a broken config.json)."""
 
 import json
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 from hf_reference import edit_config, save_model
 from support import error_lines
 from test_checkpoint import _spmdkit
-from transformers import GPT2Config, LlamaConfig, Qwen2Config
+from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
@@ -29,10 +29,12 @@ def _unconsumed(d: Path) -> None:
     edit_config(d, attention_bias=False)  # the config no longer says what the biases are for
 
 
-def _sliding(d: Path) -> None:
-    config = Qwen2Config(**SHAPE, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
-                         max_window_layers=0, max_position_embeddings=64)  # fmt: skip
-    save_model(config, d)
+def _jitter(d: Path) -> None:
+    save_model(MixtralConfig(**SHAPE, num_key_value_heads=2, num_local_experts=4, router_jitter_noise=0.1), d)
+
+
+def _bidirectional(d: Path) -> None:
+    save_model(Gemma3TextConfig(**SHAPE, head_dim=8, use_bidirectional_attention=True), d)
 
 
 def _missing_shard(d: Path) -> None:
@@ -65,7 +67,8 @@ CASES = {
     "unsupported model_type": (_gpt2, "model_type='gpt2' is not a family spmdkit runs"),
     "hidden_act": (_relu, "hidden_act='relu' is not implemented"),
     "unconsumed tensor": (_unconsumed, "holds tensors this model does not use: model.layers.0.self_attn.k_proj.bias"),
-    "sliding window": (_sliding, "sliding_window=16 is shorter than max_position_embeddings=64"),
+    "router noise": (_jitter, "router_jitter_noise=0.1 is not implemented"),
+    "bidirectional": (_bidirectional, "use_bidirectional_attention is not implemented"),
     "missing shard": (_missing_shard, "missing shard"),
     "rope_type": (_yarn, "rope_type='yarn' is not implemented"),
     "truncated file": (_truncated, "is not a readable safetensors file"),

@@ -213,8 +213,10 @@ def test_load_balancing_loss_balances_the_experts():
 def test_moe_errors():
     with pytest.raises(SpmdkitError, match="top_k=3 must be between 1 and experts=2"):
         TransformerConfig(experts=2, top_k=3)
-    with pytest.raises(SpmdkitError, match="not a multiple of moe_every=3"):
-        TransformerConfig(experts=4, moe_every=3)
+    with pytest.raises(SpmdkitError, match="moe_every=5 and dense_layers leave no mixture-of-experts layer"):
+        TransformerConfig(experts=4, moe_every=5)
+    with pytest.raises(SpmdkitError, match=r"dense_layers=\[4\] must be increasing layers 0..3"):
+        TransformerConfig(experts=4, dense_layers=(4,))
     with pytest.raises(SpmdkitError, match="unknown dispatch 'sorted'"):
         TransformerConfig(experts=4, dispatch="sorted")
     mesh, rules = make_mesh("expert=8"), make_rules(3)

@@ -32,6 +32,8 @@ LENGTHS = [1, S - 1, S + 3, 3 * S, 5, 2, 7, S, 9, 4, 2 * S + 1, 3, 11]
 CONFIG = TransformerConfig(
     dtype="float32", vocab_size=128, embed=32, layers=4, heads=4, kv_heads=2, head_dim=8, mlp=64, attention="dot"
 )
+# Local layers (a 5-token window) between global ones: a window counts a document's own positions, packed or alone.
+WINDOWED = CONFIG.replace(sliding_window=5, window_pattern="LG")
 # name: (mesh, ZeRO stage, attention, grad_accum, pipeline (schedule, microbatches) or None)
 CASES = {
     "fsdp=4,tensor=2": ("fsdp=4,tensor=2", 3, "blockwise", 1, None),
@@ -70,11 +72,11 @@ def _state(mesh, rules, config):
 
 
 @functools.cache
-def reference():
+def reference(config=CONFIG):
     """(logits [pieces, S, vocab], per-token loss [pieces, S], mean loss, gradients) of the pieces on one device:
     dot attention, full logits, optax's cross-entropy, the mean over the scored tokens."""
     mesh, rules = make_mesh("fsdp=1", jax.devices()[:1]), make_rules(3)
-    state = _state(mesh, rules, CONFIG)
+    state = _state(mesh, rules, config)
     model = nnx.merge(state.graphdef, state.state)[0]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = separate()
@@ -94,11 +96,11 @@ def _leaves(tree):
 
 
 @functools.cache
-def run(name):
+def run(name, base=CONFIG):
     """(logits [rows, S, vocab] or None, mean loss, gradients) of the packed batch under case `name`."""
     mesh_text, zero, attention, grad_accum, pipe = CASES[name]
     mesh, rules = make_mesh(mesh_text), make_rules(zero)
-    config = CONFIG.replace(attention=attention)
+    config = base.replace(attention=attention)
     state = _state(mesh, rules, config)
     context = mesh.shape["context"]
     batch = zigzag_batch(packed()[0], context)
@@ -171,10 +173,16 @@ def test_packed_logits_and_loss_on_one_device_equal_the_pieces_alone():
     np.testing.assert_allclose(np.asarray(per_token)[scored], ref_per_token[scored], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_packed_batch_on_a_mesh_equals_the_pieces_alone(name):
-    ref_logits, _, ref_loss, ref_grads = reference()
-    logits, loss, grads = run(name)
+@pytest.mark.parametrize(
+    "name, config",
+    [(name, CONFIG) for name in CASES] + [(name, WINDOWED) for name in ("fsdp=4,tensor=2", "ring context=4,fsdp=2")],
+    ids=[*CASES, "windowed fsdp=4,tensor=2", "windowed ring context=4,fsdp=2"],
+)
+def test_packed_batch_on_a_mesh_equals_the_pieces_alone(name, config):
+    ref_logits, _, ref_loss, ref_grads = reference(config)
+    if config is WINDOWED:  # the window hides keys these pieces would otherwise see
+        assert relative_error(ref_logits, reference()[0]) > 1e-2
+    logits, loss, grads = run(name, config)
     if logits is not None:
         valid = _valid()
         assert relative_error(_at_pieces(logits)[valid], ref_logits[valid]) < 1e-5

@@ -17,7 +17,8 @@ import pytest
 
 from spmdkit.cli.plan import main as plan_main
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import PRESETS, TransformerConfig
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.presets import PRESETS
 from spmdkit.plan.devices import AXES, DEVICES, device_for_kind, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
 from spmdkit.plan.layout import parameters, sharded
@@ -96,8 +97,15 @@ def test_mesh_axes_and_parsing_agree_with_the_mesh_module():
 BIASED_TIED = CONFIG.replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_embeddings=True)
 
 
+GEMMA_LIKE = CONFIG.replace(post_norm=True, norm_plus_one=True, qk_norm=True, sliding_window=8, window_pattern="LG")
+OLMO_LIKE = CONFIG.replace(pre_norm=False, post_norm=True, qk_norm=True, qk_norm_scope="layer")
+QWEN2_MOE_LIKE = MOE_CONFIG.replace(shared_expert=True, shared_expert_gate=True, expert_mlp=48, shared_expert_mlp=80)
+
+
 @pytest.mark.parametrize(
-    "config", [CONFIG, MOE_CONFIG.replace(shared_expert=True), BIASED_TIED], ids=["dense", "moe", "biased-tied"]
+    "config",
+    [CONFIG, MOE_CONFIG.replace(shared_expert=True), BIASED_TIED, GEMMA_LIKE, OLMO_LIKE, QWEN2_MOE_LIKE],
+    ids=["dense", "moe", "biased-tied", "gemma-like", "olmo-like", "qwen2-moe-like"],
 )
 def test_parameter_inventory_matches_the_model(config):
     from flax import nnx

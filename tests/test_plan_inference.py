@@ -9,7 +9,7 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import model_preset
+from spmdkit.models.presets import model_preset
 from spmdkit.plan.devices import DEVICES
 from spmdkit.plan.inference import MEMORY_EFFICIENCY, compute_bound_batch, decode_estimate, weight_bytes
 

@@ -75,7 +75,7 @@ def test_a_transformer_builds_and_runs_on_one_device_without_a_mesh():
     from flax import nnx
 
     from spmdkit.models import Transformer
-    from spmdkit.models.config import model_preset
+    from spmdkit.models.presets import model_preset
 
     config = model_preset("tiny")
     model = Transformer(config, rngs=nnx.Rngs(0))

@@ -5,6 +5,7 @@ determinism (the same config twice gives the same run) is the bit-identical resu
 """
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -64,6 +65,36 @@ def test_too_many_bad_steps_stop_the_run(tmp_path):
     config = dataclasses.replace(config, optimizer=OptimizerConfig(max_bad_steps=3))
     with pytest.raises(SpmdkitError, match="NaN or Inf for 3 consecutive steps"):
         train(config)
+
+
+def test_a_non_finite_loss_stops_the_run_unsaved_and_metrics_stay_json(tmp_path):
+    """Parameters made NaN after step 1 (what a run blowing up, or token ids past the vocabulary, gives): step 2's
+    loss is NaN, its update is skipped, the run stops with one line before saving it, and metrics.jsonl records the
+    loss as null (strict JSON: no bare NaN)."""
+    config = _config(tmp_path, "nan-loss", steps=4)
+    config = apply_overrides(config, {"checkpoint": {"every": 1}})
+    trainer = Trainer(config, log=lambda _: None)
+
+    def poison(step, trainer):
+        if step == 1:
+            nan = lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x  # noqa: E731
+            trainer.state.state = jax.tree.map(nan, trainer.state.state)
+
+    trainer.step_hook = poison
+    with pytest.raises(SpmdkitError) as stopped:
+        trainer.run()
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("the loss of step 2 is nan: its update was skipped and")
+    assert "nothing of it saved (newest checkpoint: step 1); check the data" in message
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    lines = (tmp_path / "nan-loss" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["step"] for r in records] == [1, 2] and records[1]["loss"] is None and records[1]["skipped"] == 1
+    assert trainer.checkpointer.steps() == [1]
+    assert not (tmp_path / "nan-loss" / ".spmdkit-lock").exists()
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,11 @@ def test_evaluate_before_run_equals_the_eval_loss_run_logs(tmp_path):
     trainer = Trainer(config, log=lambda _: None)
     before = trainer.evaluate()
     assert math.isfinite(before["eval_loss"]) and before["eval_loss"] > 0
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]  # the checkpointer's (empty) directory
+    # the checkpointer's (empty) directory, and the run directory's lock (held until `run` ends)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".spmdkit-lock", "checkpoints"]
 
     result = trainer.run()
     assert result.skipped_steps == 1
     assert result.eval_losses == {1: before["eval_loss"]}
+    assert not (tmp_path / "run" / ".spmdkit-lock").exists()  # released at the end of `run`
     assert trainer.evaluate() == before  # after `run` too (its checkpointer closed): the same state, the same loss

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit.checkpoint.item_checks import item_digests, items_problem
+
 FORMAT = "spmdkit-checksum-1"
 _GOLDEN, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 
@@ -178,9 +180,11 @@ def path_text(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
 
 
-def checksum_record(found: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
-    """What is saved with a step (in its `_CHECKPOINT_METADATA`, under `custom_metadata`)."""
-    return {"format": FORMAT, "arrays": {path: checksum for path, (checksum, _) in found.items()}}
+def checksum_record(found: Mapping[str, tuple[str, int]], data: Any = None, config: Any = None) -> dict[str, Any]:
+    """What is saved with a step (in its `_CHECKPOINT_METADATA`, under `custom_metadata`): the arrays' checksums and
+    the digests of the data-iterator states (`data`: the iterator saved) and the config (`item_checks`)."""
+    arrays = {path: checksum for path, (checksum, _) in found.items()}
+    return {"format": FORMAT, "arrays": arrays, "items": item_digests(data, config)}
 
 
 def name_list(names: list[str], most: int = 6) -> str:
@@ -204,17 +208,18 @@ def array_problems(saved: Mapping[str, Any] | None, found: Mapping[str, tuple[st
     return problems
 
 
-def item_problem(step_dir: Path, listed: set[str] | None = None) -> str | None:
-    """None if every item the step lists (or holds) is complete; else what is missing or broken."""
+def item_problem(step_dir: Path, listed: set[str] | None = None, saved: Mapping[str, Any] | None = None) -> str | None:
+    """None if every item the step lists (or holds) is complete, and its data and config files match the digests
+    of the step's checksum record `saved` and are within bounds (`item_checks`); else what is missing or broken."""
     listed = set(listed or ())
     if not (step_dir / "state").is_dir():
         return "state/ is missing"
     for item in sorted(listed - {"state"}):
         if not (step_dir / item).is_dir():
             return f"{item}/ is missing"
-    if (step_dir / "data").exists():
-        return data_problem(step_dir / "data")
-    return None
+    if (step_dir / "data").exists() and (problem := data_problem(step_dir / "data")):
+        return problem
+    return items_problem(step_dir, (saved or {}).get("items") if isinstance(saved, Mapping) else None)
 
 
 def data_files(data_dir: Path) -> list[str]:

@@ -1,13 +1,12 @@
 """Checkpoints: a thin layer over Orbax's `CheckpointManager` (async, sharded, one directory per step).
 
 A step directory holds three items:
-
 - `state`: the train state (model parameters and optimizer state, the step count included) as a pure nested
   dict `{"model": ..., "optimizer": ...}`, saved sharded (OCDBT) with `StandardSave`;
 - `data`: the grain iterator state, one JSON file per JAX process (`grain.checkpoint.CheckpointSave`);
 - `config`: the run's resolved configuration as JSON (a plain dict: this module knows nothing of training).
 
-Every step also records a checksum per array (`spmdkit.checkpoint.integrity`) in its `_CHECKPOINT_METADATA`. A
+Every step records a checksum per array and per data/config file (`integrity`) in its `_CHECKPOINT_METADATA`. A
 state holding NaN or Inf is never saved, so a run going bad cannot rotate its last good step out. Restore builds
 its target from the *current* shardings (a tree of `jax.ShapeDtypeStruct(..., sharding=...)`), so a checkpoint
 saved on one mesh restores onto any other mesh or device count, and then checks what it read: the checksums and
@@ -154,7 +153,7 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(**items),
                 force=force,
-                custom_metadata={"checksums": checksum_record(found)},
+                custom_metadata={"checksums": checksum_record(found, data, config)},
             )
         except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
             raise self._write_error(step, error) from None
@@ -264,7 +263,7 @@ class Checkpointer:
             listed, checksums = self._step_record(step)
         except Exception as error:  # noqa: BLE001 - unreadable step metadata is damage
             raise _Damage(f"unreadable metadata: {describe_error(error)}") from None
-        problem = item_problem(self.directory / str(step), listed)
+        problem = item_problem(self.directory / str(step), listed, checksums)
         if problem:
             raise _Damage(problem)
         return checksums
@@ -356,6 +355,7 @@ class Checkpointer:
         return None
 
     def _saved_config(self, step: int) -> dict[str, Any] | None:
+        self._check_items(step)  # the config is believed only once every item matches its checksum
         if not self.has_item(step, "config"):
             return None
         try:

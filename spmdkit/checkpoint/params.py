@@ -222,5 +222,8 @@ def write_params(directory: Path, params: PureTree, config: dict[str, Any]) -> N
             "config": ocp.args.JsonSave(config),
         }
         manager.save(
-            0, args=ocp.args.Composite(**items), force=True, custom_metadata={"checksums": checksum_record(found)}
+            0,
+            args=ocp.args.Composite(**items),
+            force=True,
+            custom_metadata={"checksums": checksum_record(found, config=config)},
         )

@@ -13,9 +13,21 @@ from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.errors import SpmdkitError
 
 
+def check_not_a_step(directory: str | Path, choose: str = " with --step {step}") -> None:
+    """SpmdkitError when `directory` is one step of a checkpoint directory (`CKPT/4`), saying what to pass instead;
+    `choose`: how the command picks a step (formatted with `step`)."""
+    path = Path(directory).expanduser().absolute()
+    if path.name.isdigit() and ((path / "_CHECKPOINT_METADATA").is_file() or (path / "state").is_dir()):
+        raise SpmdkitError(
+            f"{path} is step {path.name} of the checkpoint directory {path.parent}: pass {path.parent}"
+            + choose.format(step=path.name)
+        )
+
+
 def open_step(directory: str | Path, step: int | None = None) -> tuple[Checkpointer, int]:
     """A read-only `Checkpointer` on `directory` and the step to read: `step`, or the newest (the caller closes
     the checkpointer)."""
+    check_not_a_step(directory)
     checkpointer = Checkpointer(directory, read_only=True)
     steps = checkpointer.steps()
     if not steps:

@@ -40,7 +40,7 @@ SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own hel
     "eval": "loss, perplexity and bits per byte of a checkpoint on held-out data",
 }
 DESCRIPTION = "SPMD sharding toolkit for training transformers with JAX."
-JAX_FREE = {"plan", "launch"}  # commands that never start JAX (the planner answers in well under two seconds)
+JAX_FREE = {"plan", "launch", "data"}  # commands that never start JAX (the planner answers in well under two seconds)
 
 
 def command(name: str) -> ModuleType:

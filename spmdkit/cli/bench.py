@@ -9,7 +9,7 @@ from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import KERNELS
-from spmdkit.models.config import model_preset
+from spmdkit.models.presets import model_preset
 from spmdkit.tools.bench import STRATEGIES, run
 from spmdkit.train.preflight import check_writable
 

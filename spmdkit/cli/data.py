@@ -36,6 +36,13 @@ def _prepare(p: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=("auto", "uint16", "uint32"), help="token dtype (auto: uint16 if it fits)"
     )
     p.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N", help="tokens per shard at most")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokenizer processes (default 0: one per CPU core); the output is the same for any N",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -57,6 +64,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         shard_tokens=args.shard_tokens,
         progress=not args.no_progress,
+        workers=args.workers,
     )
     prepare(options)
     return 0
@@ -67,7 +75,8 @@ def _summary(meta: dict) -> str:
     return "\n".join(
         [
             f"documents   {meta['documents']:,}",
-            f"tokens      {meta['tokens']:,} ({meta['dtype']}, {len(meta['shards'])} shard(s))",
+            f"tokens      {meta['tokens']:,} ({meta['dtype']}, {len(meta['shards'])} shard(s), largest id "
+            f"{meta.get('max_token_id', 'not recorded')})",
             f"text        {meta['bytes']:,} bytes ({meta['tokens'] / max(meta['bytes'], 1):.3f} tokens/byte)",
             f"tokenizer   {tok['name']}: {tok['vocab_size']:,} ids (model vocab {tok['model_vocab_size']:,}), "
             f"bos {tok['bos_id']}, eos {tok['eos_id']}, sha256 {tok['sha256'][:16]}",
@@ -88,7 +97,9 @@ def run_verify(args: argparse.Namespace) -> int:
     from spmdkit.data.store import PreparedDataset
 
     meta = PreparedDataset(args.directory).verify()
-    print(f"{args.directory}: ok, {len(meta['shards'])} shard(s) and the index match dataset.json")
+    chunks = sum(len(s.get("chunks", ())) for s in meta["shards"])
+    checked = f", {chunks} chunk checksum(s)" if "chunk_tokens" in meta else " (no chunk checksums: an older dataset)"
+    print(f"{args.directory}: ok, {len(meta['shards'])} shard(s){checked} and the index match dataset.json")
     return 0
 
 

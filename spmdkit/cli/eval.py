@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
-from spmdkit.cli.generate import PATH_HELP
+from spmdkit.cli.generate import PATH_HELP, quiet_absl
 from spmdkit.errors import SpmdkitError
 
 HF_SEQ_LEN = 1024  # the default row length of a Hugging Face model (its max positions are often far longer)
@@ -51,16 +52,26 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(list(argv))
 
 
-def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags and the path, before anything is read."""
     if args.batches < 0:
         raise SpmdkitError(f"--batches {args.batches} must be >= 0 (0: the whole split)")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise SpmdkitError(f"--seq-len {args.seq_len} must be at least 1 (default: the run's seq_len)")
+    if args.batch_size < 1:
+        raise SpmdkitError(f"--batch-size {args.batch_size} must be at least 1")
     from spmdkit.inference.loading import check_mesh_spec
 
     if args.mesh:
         check_mesh_spec(args.mesh)
     if not Path(args.path).expanduser().exists():
         raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    _check_args(args)
+    quiet_absl()
     use_cpu_devices(args.cpu_devices)
     import dataclasses
 
@@ -89,12 +100,17 @@ def main(argv: Sequence[str]) -> int:
         )
     config = source.model.replace(attention="dot")  # evaluation's own kernel choice; parameters in float32
     model = load_model(source.directory, mesh, rules, config.dtype, "float32", step=source.step, config=config)
-    seq_len = args.seq_len or source.seq_len or 128
+    seq_len = args.seq_len if args.seq_len is not None else source.seq_len or 128
     if source.kind == "hf" and args.seq_len is None:
         seq_len = min(seq_len, HF_SEQ_LEN)
     result = evaluate(
         model, data, mesh, rules, seq_len=seq_len, batch_size=args.batch_size, max_batches=args.batches or None
     )
+    if not math.isfinite(result["loss"]):
+        raise SpmdkitError(
+            f"the loss of {source.describe()} on {data.source} is {result['loss']}: check the data (token ids must be "
+            f"below the model's vocab_size {config.vocab_size}) and the checkpoint (spmdkit ckpt verify)"
+        )
     result = {"path": str(args.path), "step": source.step, "data": data.source, "seq_len": seq_len, **result}
     if args.json:
         print(json.dumps(result))

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
@@ -33,7 +34,12 @@ def parser() -> ArgumentParser:
     add("path", metavar="PATH", help=PATH_HELP)
     add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     add("--prompt-file", action="append", default=[], metavar="F", help="a file whose whole text is one prompt")
-    add("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt at most (default: 64)")
+    add(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="new tokens per prompt at most; refused when the context cannot hold them (default: 64, or what fits)",
+    )
     add("--temperature", type=float, default=0.8, metavar="T", help="0: greedy; higher: more random (default: 0.8)")
     add("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default: 0, off)")
     add("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass in (0, 1] (default: 0.95)")
@@ -54,15 +60,27 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(list(argv))
 
 
+PROMPT_FILE_LIMIT = 1 << 20  # bytes: far beyond any model's context in text; /dev/zero is not read forever
+
+
+def _read_prompt(name: str) -> str:
+    """The text of a --prompt-file, read up to `PROMPT_FILE_LIMIT` bytes (more is refused)."""
+    try:
+        with open(name, "rb") as file:
+            data = file.read(PROMPT_FILE_LIMIT + 1)
+        if len(data) > PROMPT_FILE_LIMIT:
+            raise SpmdkitError(
+                f"--prompt-file {name} is larger than {PROMPT_FILE_LIMIT // 2**20} MiB, more text than any model's "
+                "context holds: pass a shorter prompt"
+            )
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpmdkitError(f"--prompt-file {name}: cannot read it as UTF-8 text ({error.__class__.__name__})") from None
+
+
 def _prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
-    for name in args.prompt_file:
-        try:
-            prompts.append(Path(name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as error:
-            raise SpmdkitError(
-                f"--prompt-file {name}: cannot read it as UTF-8 text ({error.__class__.__name__})"
-            ) from None
+    prompts += [_read_prompt(name) for name in args.prompt_file]
     if not prompts:
         raise SpmdkitError("no prompt given: pass --prompt TEXT or --prompt-file F")
     for i, prompt in enumerate(prompts):
@@ -71,12 +89,37 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def quiet_absl() -> None:
+    """Orbax and JAX log notices through absl while a model loads: the command prints its own lines (and an error
+    as its only one)."""
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)
+
+
+def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[str]) -> int:
+    """--max-new-tokens, checked against the context: a number given that cannot fit is refused; the default (64)
+    is cut to what fits."""
+    context = model.generator.max_len
+    longest = max(len(model.encode(p)) for p in prompts)
+    room = context - longest
+    if args.max_new_tokens is None or room < 1:
+        return max(1, min(64, room))  # a prompt that fills the context is refused by the generator, naming it
+    if args.max_new_tokens > room:
+        raise SpmdkitError(
+            f"--max-new-tokens {args.max_new_tokens} does not fit: the longest prompt has {longest} tokens and the "
+            f"model's context is {context} (--max-len): pass at most {room}"
+        )
+    return args.max_new_tokens
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse(argv)
     prompts = _prompts(args)
+    quiet_absl()
     from spmdkit.inference.sampling import Sampling
 
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    Sampling(args.max_new_tokens or 64, args.temperature, args.top_k, args.top_p, args.seed)  # the flags, checked
     if args.max_len is not None and args.max_len < 2:
         raise SpmdkitError(f"--max-len {args.max_len} must be at least 2")
     from spmdkit.inference.loading import check_mesh_spec, inference_mesh
@@ -94,6 +137,7 @@ def main(argv: Sequence[str]) -> int:
         raise SpmdkitError(
             f"{args.path} has no tokenizer (trained on token ids, or saved without one): it cannot take text prompts"
         )
+    sampling = Sampling(_new_tokens(args, model, prompts), args.temperature, args.top_k, args.top_p, args.seed)
     stream = not args.json and len(prompts) == 1
     if stream:
         sys.stdout.write(prompts[0])

@@ -13,8 +13,9 @@ from pathlib import Path
 from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop.sources import build_model
-from spmdkit.models.config import PRESETS
+from spmdkit.interop.sources import source_model
+from spmdkit.models.presets import PRESETS
+from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_TYPES, Device, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
@@ -100,7 +101,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def inference(args: argparse.Namespace, dev: Device) -> int:
     """`spmdkit plan --inference`: decode latency and throughput of each mesh (or --mesh) by batch size."""
-    model = build_model({"name": args.model}).replace(dtype=args.dtype, param_dtype=args.dtype)
+    model = build_model({"name": args.model}, source_model).replace(dtype=args.dtype, param_dtype=args.dtype)
     meshes = [parse_mesh(args.mesh, args.devices)] if args.mesh else inference_meshes(args.devices, model)
     batches = (args.batch_size,) if args.batch_size else BATCHES
     reports = []
@@ -121,7 +122,7 @@ def inference(args: argparse.Namespace, dev: Device) -> int:
 def main(argv: Sequence[str]) -> int:
     """`spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
     args = parse(argv)
-    model = build_model({"name": args.model}).replace(dtype=args.dtype, remat=args.remat or "none")
+    model = build_model({"name": args.model}, source_model).replace(dtype=args.dtype, remat=args.remat or "none")
     dev = make_device(
         args.device_type,
         hbm_gb=args.hbm_gb,

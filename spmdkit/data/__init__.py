@@ -19,6 +19,8 @@ What other layers use (each module's docstring has the details):
   `resolve.check_vocab` is the error for a smaller model vocab (it names `--model.vocab-size`).
 - `bits.target_bytes` and `bits.bits_per_byte`: bits per byte = loss x tokens / bytes / ln 2, exact per batch.
 - `prepare.prepare(PrepareOptions)`: what `spmdkit data prepare` runs; `store.PreparedDataset(dir)` reads and
-  checks a prepared dataset (`verify()` reads every byte); `store.format` is the on-disk format.
+  checks a prepared dataset (each chunk's checksum as `read` first touches it; `verify()` reads every byte);
+  `store.check_vocabulary(dataset, vocab_size)` refuses a model vocabulary below the dataset's largest token id
+  (`make_data` calls it); `store.format` is the on-disk format.
 - `packing`: the packing plans and rows (`PackedRows`); `sources`: the stdlib corpus, token files, synthetic.
 """

@@ -40,7 +40,7 @@ from spmdkit.data.packing.mixture import global_rows, packed_rows
 from spmdkit.data.packing.rows import FIELDS
 from spmdkit.data.resolve import Resolved, check_vocab, resolve_source, shared_tokenizer
 from spmdkit.data.sources import record_source, stdlib_documents
-from spmdkit.data.store import PreparedDataset
+from spmdkit.data.store import PreparedDataset, check_vocabulary
 from spmdkit.data.tokenizer import Tokenizer, byte_tokenizer
 from spmdkit.errors import SpmdkitError
 
@@ -176,6 +176,8 @@ def _packed_stream(
         datasets = [PreparedDataset(path) for path in resolved.paths]
         stores, tokenizer, name = [(str(d.path), d) for d in datasets], shared_tokenizer(datasets), config.source
     check_vocab(tokenizer, vocab_size, name)
+    for store in (s for _, s in stores if isinstance(s, PreparedDataset)):
+        check_vocabulary(store, vocab_size)  # the largest id recorded at prepare time
     parts = packed_rows(
         stores, seq_len=seq_len, packing=resolved.packing, split=split, eval_fraction=config.eval_fraction, seed=seed
     )

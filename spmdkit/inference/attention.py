@@ -7,6 +7,10 @@ attending to exactly its own length (rows of different lengths share one batch; 
 stale or padding keys and are masked). Heads = kv_heads x group: q is viewed as [batch, tokens, kv_heads, group,
 head_dim], so K/V are read once per KV head, never repeated. Scores and softmax in float32, the output in q's dtype.
 
+The options of `spmdkit.models.attention.attend`, with the same meaning: `window` W > 0 hides the slots j <= p - W
+of a query at position p (sliding-window attention over a full-length cache), `scale` multiplies q k^T (None:
+1/sqrt(head_dim)), `softcap` c > 0 caps the scores to c tanh(s / c) before masking.
+
 Under tensor parallelism q's heads and the cache's kv_heads are both split over `tensor`: the kernel is local.
 """
 
@@ -15,18 +19,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from spmdkit.kernels.attention_block import check_attention_options
 
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim)) v over the key slots j <= position of each query.
+
+def cache_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> jax.Array:
+    """softmax(q k^T * scale) v over the key slots j <= position of each query (and j > position - window).
 
     q: [batch, tokens, heads, head_dim]; k, v: [batch, keys, kv_heads, head_dim]; positions: [batch, tokens] int.
     Returns [batch, tokens, heads, head_dim] in q's dtype.
     """
     b, t, h, d = q.shape
     kv = k.shape[2]
+    scale = check_attention_options(window, scale, softcap, True, d, "cache attention")
     grouped = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [batch, tokens, keys]
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) * scale
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
+    slots = jnp.arange(k.shape[1])[None, None, :]
+    visible = slots <= positions[:, :, None]  # [batch, tokens, keys]
+    if window > 0:
+        visible &= slots > positions[:, :, None] - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

@@ -4,11 +4,14 @@ Built from the model's own modules, so that whatever they compute (projections a
 its scaling, the MLP or the mixture of experts, the embedding and the head) is what generation computes:
 
     x = model.embed(tokens)
-    per block:  q, k, v = block.attention.qkv(block.attention_norm(x), positions)
+    per block:  q, k, v = block.attention.qkv(block.attention_input(x), positions, kind)
                 write k, v into the layer's cache at the tokens' positions
-                x = x + block.attention.out(cache_attention(q, keys, values, positions))
-                x = x + block.mlp(block.mlp_norm(x))            (an MoE returns (y, aux): aux is dropped)
+                x = block.add(x, block.attention.out(cache_attention(q, keys, values, positions, window...)))
+                x = block.mlp_half(x)                           (an MoE's aux is dropped)
     logits = model.head(x at each row's last position)
+
+`kind` is the layer's static kind (`spmdkit.models.layer_plan`): its sliding window (the cache keeps every
+position; a local layer's queries see only the last `window` of them), its RoPE.
 
 Only the attention is generation's own (`spmdkit.inference.attention`): prefill attends within the prompt bucket
 (the cache is empty before it), decode attends to the layer's cache. The blocks come one per layer, in layer order
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from spmdkit.inference.attention import cache_attention
 from spmdkit.inference.cache import CACHE_NAMES, KVCache, write_block, write_token
 from spmdkit.inference.layerwise import Layerwise
-from spmdkit.models.layers import RESIDUAL
+from spmdkit.models.layer_plan import LayerKind, layer_kinds
 from spmdkit.models.transformer import Block
 from spmdkit.sharding.logical import constrain
 
@@ -34,11 +37,17 @@ Mode = Literal["prefill", "decode"]
 
 
 def block_step(
-    block: Block, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, mode: Mode
+    block: Block,
+    x: jax.Array,
+    caches: tuple[jax.Array, jax.Array],
+    positions: jax.Array,
+    mode: Mode,
+    kind: LayerKind,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm block over x [batch, tokens, embed] at `positions` [batch, tokens], reading and writing this
-    layer's caches [batch, max_len, kv_heads, head_dim]: (x, k cache, v cache)."""
-    q, k, v = block.attention.qkv(block.attention_norm(x), positions)
+    """One block of kind `kind` over x [batch, tokens, embed] at `positions` [batch, tokens], reading and writing
+    this layer's caches (k, v) [batch, max_len, kv_heads, head_dim]: (x, k cache, v cache)."""
+    (k_cache, v_cache), attention = caches, block.attention
+    q, k, v = attention.qkv(block.attention_input(x), positions, kind)
     if mode == "prefill":  # the prompt bucket from slot 0; it attends to itself (causal by position)
         k_cache, v_cache = write_block(k_cache, k), write_block(v_cache, v)
         keys, values = k, v
@@ -49,11 +58,10 @@ def block_step(
     # Pin the caches to their layout: with KV heads replicated (tensor > kv_heads) GSPMD would otherwise split
     # them like the query heads and all-gather them afterwards.
     k_cache, v_cache = constrain(k_cache, CACHE_NAMES), constrain(v_cache, CACHE_NAMES)
-    attended = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions)
-    x = constrain(x + block.attention.out(attended), RESIDUAL)
-    out = block.mlp(block.mlp_norm(x))
-    out = out[0] if isinstance(out, tuple) else out
-    return constrain(x + out, RESIDUAL), k_cache, v_cache
+    options = attention.scores_options(kind)
+    attended = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, **options)
+    x = block.add(x, attention.out(attended), "attention_post_norm")
+    return block.mlp_half(x)[0], k_cache, v_cache
 
 
 def run_cached(
@@ -61,8 +69,9 @@ def run_cached(
 ) -> tuple[jax.Array, KVCache]:
     """Every block in layer order over x [batch, tokens, embed]: (x, the cache with the tokens written)."""
     ks, vs = list(cache.k), list(cache.v)
+    kinds = layer_kinds(layers.model.config)
     for i, block in enumerate(layers.blocks):
-        x, ks[i], vs[i] = block_step(block, x, ks[i], vs[i], positions, mode)
+        x, ks[i], vs[i] = block_step(block, x, (ks[i], vs[i]), positions, mode, kinds[i])
     return x, KVCache(tuple(ks), tuple(vs), cache.lengths)
 
 

@@ -22,10 +22,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmdkit.models.config import TransformerConfig
+from spmdkit.models.layer_plan import STACKS, layer_order
 from spmdkit.models.transformer import Block, Transformer
-
-STACKS = ("blocks", "moe_blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +41,6 @@ class Layerwise(NamedTuple):
 
     model: Transformer
     blocks: tuple[Block, ...]
-
-
-def layer_order(config: TransformerConfig) -> list[tuple[str, int]]:
-    """(stack, index) of every layer in order, as `Transformer.run_layers` runs them: dense models `blocks`;
-    mixture of experts every `moe_every`-th layer from `moe_blocks`, the others from `blocks`."""
-    if not config.moe_layers:
-        return [("blocks", i) for i in range(config.layers)]
-    order, dense = [], config.moe_every - 1
-    for group in range(config.moe_layers):
-        order += [("blocks", group * dense + j) for j in range(dense)] + [("moe_blocks", group)]
-    return order
 
 
 def _layer_sharding(array: jax.Array) -> Any:

@@ -2,7 +2,7 @@
 
 `open_source(path)` takes either
 - an spmdkit run or checkpoint directory: the newest step (or `step`) and the run config saved with it (the model
-  settings, resolved by `spmdkit.interop.sources.build_model` as the trainer resolves them; the run's sequence
+  settings, resolved by `spmdkit.models.resolve.build_model` as the trainer resolves them; the run's sequence
   length and data source), or
 - a Hugging Face model directory (`save_pretrained`'s: `config.json` and safetensors; or one `.safetensors` file
   or an index JSON): its `config.json` read strictly by `spmdkit.interop`, computed in the dtype it is stored in.
@@ -20,7 +20,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from spmdkit.checkpoint.steps import open_step, saved_config
+from spmdkit.checkpoint.ownership import is_checkpoint_directory, is_run_directory
+from spmdkit.checkpoint.steps import check_not_a_step, open_step, saved_config
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import source_tokenizer
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
@@ -30,8 +31,9 @@ from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import find_tokenizer_dir
 from spmdkit.interop.loading import stored_dtype
 from spmdkit.interop.safetensors_files import TensorFiles
-from spmdkit.interop.sources import build_model, hf_config_path, source_kind
+from spmdkit.interop.sources import hf_config_path, source_kind, source_model
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.resolve import build_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,7 @@ class ModelSource:
         """The model's config, as training (or the Hugging Face config) defines it."""
         if self.hf_model is not None:
             return self.hf_model
-        return build_model(self.config.get("model") or {})
+        return build_model(self.config.get("model") or {}, source_model)
 
     @property
     def seq_len(self) -> int | None:
@@ -78,6 +80,12 @@ def open_source(path: str | Path, step: int | None = None) -> ModelSource:
         raise SpmdkitError(
             f"{path} does not exist: pass a run directory, its checkpoints/ directory or a Hugging Face model directory"
         )
+    check_not_a_step(path, "" if step is not None else " (the newest step is used; the API takes step=)")
+    if is_run_directory(path) and not (path / "checkpoints").is_dir() and not is_checkpoint_directory(path):
+        raise SpmdkitError(
+            f"{path} is an spmdkit run directory without checkpoints (its run saved none: a run saves every "
+            "--checkpoint-every steps and at its end): train it to a checkpoint, or pass a run that has one"
+        )
     if source_kind(path) == "hf":
         if step is not None:
             raise SpmdkitError(f"{path} is a Hugging Face model: it has no checkpoint steps to choose from")
@@ -102,10 +110,15 @@ def model_tokenizer(source: ModelSource) -> Tokenizer | None:
     found = find_tokenizer_dir(source.directory)
     if found is not None and (found / TOKENIZER_FILE).is_file():
         return load_tokenizer(found)
-    if found is not None:
+    if found is not None and any((found / name).is_file() for name in ("tokenizer.model", "vocab.json")):
         raise SpmdkitError(
             f"{found} holds a tokenizer without a {TOKENIZER_FILE} (a slow tokenizer): save it with a fast tokenizer "
             "(transformers' AutoTokenizer(...).save_pretrained writes tokenizer.json)"
+        )
+    if found is not None:
+        raise SpmdkitError(
+            f"{found / TOKENIZER_FILE} is missing ({found} holds the rest of the tokenizer): put it back (a run writes "
+            "it there; transformers' save_pretrained of a fast tokenizer writes it)"
         )
     if source.kind == "hf":
         return None

@@ -1,51 +1,35 @@
 """A Hugging Face `config.json` -> `TransformerConfig`, strictly (pure Python: no JAX, no transformers).
 
-Families: `llama` (Llama 2/3, SmolLM, ...: `attention_bias` puts biases on q, k, v and o; `mlp_bias` on gate, up
-and down), `qwen2` (q/k/v biases always, no o or MLP bias) and `qwen3` (per-head q/k RMSNorms, `attention_bias` on
-q, k, v and o, no MLP bias; `head_dim` defaults to 128). A key a config leaves out means what the family's
-transformers config class defaults it to (Qwen: a 4096-token `sliding_window`, 32768 positions, 32 kv heads).
-Every key that changes what transformers' modeling code for the family computes is read and implemented, or refused
-with one line naming it: `hidden_act`, the RoPE block in either style (transformers 5 `rope_parameters`, or a
-top-level `rope_theta` with the older `rope_scaling`; `rope_type` default, linear and llama3),
-`partial_rotary_factor`, a sliding window (`use_sliding_window`) shorter than `max_position_embeddings` on any
-layer it applies to, `attention_dropout`, custom code (`auto_map`) and `quantization_config`. Keys the family's
-modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the function.
+The families and what each of their keys means are `spmdkit.interop.families.FAMILIES`; this module reads what they
+share: sizes, heads, `head_dim`, the norm epsilon, tied embeddings, the activation, and the RoPE block in either
+style (transformers 5 `rope_parameters`, possibly per layer type as Gemma 3 writes it, or a top-level `rope_theta`
+with the older `rope_scaling`; `rope_type` default, linear and llama3; `partial_rotary_factor` where the family
+rotates part of each head). A key left out means what the family's transformers config class defaults it to. Every
+key that changes what transformers' modeling code for the family computes is read and implemented, or refused
+with one line naming it (`attention_dropout`, custom code `auto_map`, `quantization_config`, other RoPE types, ...).
+Keys the family's modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the
+function.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.interop.families import FAMILIES, Family
+from spmdkit.interop.hf_keys import Keys, read_json
 from spmdkit.models.config import ACTIVATIONS, TransformerConfig
 
-FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768, "num_key_value_heads": 32}
-# What transformers' config class of a family assumes for a key config.json leaves out (where it matters here).
-DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": _QWEN, "qwen3": _QWEN | {"head_dim": 128}}
+__all__ = ["FAMILIES", "family_of", "from_hf_config", "function_of", "read_hf_config", "read_json", "rope_block"]
+
 ROPE_TYPES = ("default", "linear", "llama3")
-# TransformerConfig fields a Hugging Face config fixes: the parameters' shapes and the function they compute.
-FUNCTION_FIELDS = (
-    "vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp", "rope_theta", "norm_eps", "qkv_bias",
-    "o_bias", "mlp_bias", "tie_embeddings", "activation", "rope_type", "rope_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_positions", "qk_norm",
-)  # fmt: skip
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from `path`; SpmdkitError (one line) when it is missing or not a JSON object."""
-    if not path.is_file():
-        raise SpmdkitError(f"{path} does not exist: {what}")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SpmdkitError(f"{path} is not valid JSON ({error}): {what}") from None
-    if not isinstance(value, dict):
-        raise SpmdkitError(f"{path} holds a JSON {type(value).__name__}, not an object: {what}")
-    return value
+# TransformerConfig fields that are the run's numerics, not the function a Hugging Face config fixes.
+RUN_FIELDS = frozenset({
+    "dtype", "param_dtype", "remat", "attention", "attention_block", "loss_chunk", "z_loss", "dispatch",
+    "capacity_factor", "load_balance_weight", "router_z_weight", "max_positions",
+})  # fmt: skip
 
 
 def _refuse(where: str, key: str, why: str) -> SpmdkitError:
@@ -53,14 +37,14 @@ def _refuse(where: str, key: str, why: str) -> SpmdkitError:
 
 
 def family_of(hf: dict[str, Any], where: str) -> str:
-    """The family (`llama`, `qwen2` or `qwen3`) of a config, from `model_type` and `architectures`."""
+    """The family (`llama`, `mistral`, `gemma3_text`, ...) of a config, from `model_type` and `architectures`."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise _refuse(where, f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
-    architectures = hf.get("architectures") or [FAMILIES[model_type]]
-    wrong = [a for a in architectures if a != FAMILIES[model_type]]
+    wanted = FAMILIES[model_type].architecture
+    wrong = [a for a in hf.get("architectures") or [wanted] if a != wanted]
     if wrong:
-        raise _refuse(where, f"architectures={wrong}", f"is not {FAMILIES[model_type]}: spmdkit runs causal LMs")
+        raise _refuse(where, f"architectures={wrong}", f"is not {wanted}: spmdkit runs causal LMs")
     return model_type
 
 
@@ -75,17 +59,28 @@ def rope_block(hf: dict[str, Any]) -> dict[str, Any]:
     return block
 
 
-def _rope_fields(hf: dict[str, Any], max_positions: int, where: str) -> dict[str, Any]:
+def _rope_fields(hf: dict[str, Any], max_positions: int, where: str, family: Family) -> dict[str, Any]:
     block = rope_block(hf)
+    fields: dict[str, Any] = {}
+    if {"full_attention", "sliding_attention"} <= set(block):  # per layer type (Gemma 3): local layers unscaled
+        local = block["sliding_attention"]
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise _refuse(where, "rope_parameters['sliding_attention']", "must be plain (rope_type default)")
+        fields["local_rope_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+        block = {"rope_theta": hf.get("rope_theta", 10_000.0), **block["full_attention"]}
+        block.setdefault("rope_type", block.get("type", "default"))
+    elif "rope_local_base_freq" in hf:
+        fields["local_rope_theta"] = float(hf["rope_local_base_freq"])
     nested = [k for k, v in block.items() if isinstance(v, dict)]
     if nested:
         raise _refuse(where, f"rope_parameters[{nested[0]!r}]", "(RoPE per layer type) is not implemented")
     rope_type = block["rope_type"]
     if rope_type not in ROPE_TYPES:
         raise _refuse(where, f"rope_type={rope_type!r}", f"is not implemented: spmdkit has {', '.join(ROPE_TYPES)}")
-    if block.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(where, f"partial_rotary_factor={block['partial_rotary_factor']}", "is not implemented")
-    fields: dict[str, Any] = {"rope_theta": float(block["rope_theta"]), "rope_type": rope_type}
+    fraction = block.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if fraction != 1.0 and not family.partial_rope:
+        raise _refuse(where, f"partial_rotary_factor={fraction}", "is not implemented for this family")
+    fields |= {"rope_theta": float(block["rope_theta"]), "rope_type": rope_type, "rope_fraction": float(fraction)}
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
     for key in needed.get(rope_type, ()):
         if not isinstance(block.get(key), (int, float)):
@@ -99,83 +94,46 @@ def _rope_fields(hf: dict[str, Any], max_positions: int, where: str) -> dict[str
     return fields
 
 
-def _check_sliding_window(hf: dict[str, Any], layers: int, max_positions: int, where: str) -> None:
-    """Qwen2/Qwen3 attend within `sliding_window` tokens on their "sliding_attention" layers (`layer_types`, else
-    the layers from `max_window_layers` on) when `use_sliding_window`; a window at least as long as the model's
-    positions changes nothing, a shorter one (or one next to unknown positions) is refused."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    if window is None:
-        return
-    first = hf.get("max_window_layers")
-    if not hf.get("layer_types") and not isinstance(first, int):
-        raise _refuse(where, f"max_window_layers={first!r}", "must be an integer when use_sliding_window is true")
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if "sliding_attention" not in types:
-        return
-    if not isinstance(window, int) or isinstance(window, bool):
-        raise _refuse(where, f"sliding_window={window!r}", "must be an integer when use_sliding_window is true")
-    if not max_positions or window < max_positions:
-        raise _refuse(
-            where,
-            f"sliding_window={window}",
-            f"is shorter than max_position_embeddings={max_positions}: sliding-window attention is not implemented",
-        )
-
-
-def _family_fields(hf: dict[str, Any], family: str, layers: int, max_positions: int, where: str) -> dict[str, Any]:
-    """The biases and q/k norms of the family's attention and MLP (Qwen: after the sliding-window check)."""
-    if family.startswith("qwen"):
-        _check_sliding_window(hf, layers, max_positions, where)
-    attention_bias = bool(hf.get("attention_bias", False))
-    if family == "qwen2":
-        return {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
-    if family == "qwen3":
-        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": False, "qk_norm": True}
-    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
-
-
 def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> TransformerConfig:
     """The `TransformerConfig` a Hugging Face config describes (shape and function; numerics stay the defaults).
 
     `where` names the file in errors. Raises SpmdkitError, one line naming the key, for anything not implemented.
     """
-    family = family_of(hf, where)
-    hf = DEFAULTS.get(family, {}) | hf
+    family = FAMILIES[family_of(hf, where)]
+    keys = Keys(family.defaults | hf, where)
     for key in ("auto_map", "quantization_config"):
-        if hf.get(key):
+        if keys.get(key):
             raise _refuse(where, key, "is not supported: spmdkit loads plain (unquantised) transformers models")
-    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    for key in needed:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
-            raise _refuse(where, key, f"must be an integer, got {hf.get(key)!r}")
-    activation = hf.get("hidden_act", "silu")
-    if activation not in ACTIVATIONS:
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        keys.integer(key)
+    activation = keys.get(family.activation_key, "silu")
+    keys.zero("attention_dropout")
+    heads, embed, layers = keys.get("num_attention_heads"), keys.get("hidden_size"), keys.get("num_hidden_layers")
+    max_positions = keys.get("max_position_embeddings") or 0
+    fields = {"activation": activation, **family.read(keys, layers)}
+    if fields["activation"] not in ACTIVATIONS:
         raise _refuse(
-            where, f"hidden_act={activation!r}", f"is not implemented: choose one of {', '.join(ACTIVATIONS)}"
+            where,
+            f"{family.activation_key}={activation!r}",
+            f"is not implemented: choose one of {', '.join(ACTIVATIONS)}",
         )
-    if hf.get("attention_dropout"):
-        raise _refuse(where, f"attention_dropout={hf['attention_dropout']}", "is not implemented (no dropout)")
-    heads, embed, layers = hf["num_attention_heads"], hf["hidden_size"], hf["num_hidden_layers"]
-    max_positions = hf.get("max_position_embeddings") or 0
-    biases = _family_fields(hf, family, layers, max_positions, where)
-    eps = hf.get("rms_norm_eps", 1e-6)
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise _refuse(where, f"rms_norm_eps={eps!r}", "must be a positive number")
+    rope = _rope_fields(keys.hf, int(max_positions), where, family)
+    if not fields.get("sliding_window"):
+        rope.pop("local_rope_theta", None)  # a local base with no local layer changes nothing
     try:
         return TransformerConfig(
-            vocab_size=hf["vocab_size"],
+            vocab_size=keys.get("vocab_size"),
             embed=embed,
             layers=layers,
             heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or embed // heads,
-            mlp=hf["intermediate_size"],
-            norm_eps=float(eps),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            activation=activation,
+            kv_heads=keys.get("num_key_value_heads") or heads,
+            head_dim=keys.get("head_dim") or embed // heads,
+            mlp=keys.get("intermediate_size"),
+            norm_eps=keys.number("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(keys.get("tie_word_embeddings", False)),
             max_positions=int(max_positions),
-            **biases,
-            **_rope_fields(hf, int(max_positions), where),
+            **fields,
+            **rope,
         )
     except SpmdkitError as error:
         raise SpmdkitError(f"{where}: {error}") from None
@@ -189,5 +147,15 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerConfig]
 
 
 def function_of(model: TransformerConfig) -> dict[str, Any]:
-    """The fields of `model` that a Hugging Face config fixes (shape and function), for comparisons."""
-    return {name: getattr(model, name) for name in FUNCTION_FIELDS}
+    """What `model` computes as a Hugging Face config fixes it (every field but the run's numerics), its layer
+    patterns spelled out per layer, for comparisons."""
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in RUN_FIELDS}
+    fields["window_pattern"] = tuple(model.window_of(i) for i in range(model.layers))
+    fields["rope_pattern"] = tuple(model.rope_of(i) for i in range(model.layers))
+    if not any(fields["window_pattern"]):
+        fields["local_rope_theta"] = 0.0
+    fields["attention_scale"] = model.attention_scale or model.head_dim**-0.5
+    fields["expert_mlp"] = model.routed_mlp if model.experts else 0
+    fields["shared_expert_mlp"] = (model.shared_expert_mlp or model.mlp) if model.shared_expert else 0
+    fields["dense_layers"] = tuple(i for i in range(model.layers) if not model.is_moe_layer(i))
+    return fields

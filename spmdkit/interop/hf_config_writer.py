@@ -2,9 +2,8 @@
 
 A model imported from Hugging Face keeps its config: when the model still computes what that config says, it is
 written back as it was (its RoPE block, extra keys and style included), with only the dtype, token ids and
-`max_position_embeddings` brought up to date. Otherwise a config of the family the model fits is built: `llama`
-when q/k/v and o biases go together (`attention_bias`), `qwen2` for q/k/v biases alone, `qwen3` for q/k norms
-(`qk_norm`, with or without q/k/v/o biases, no MLP biases). The RoPE block takes the
+`max_position_embeddings` brought up to date. Otherwise a config of the first family that computes the model is
+built (each family's fresh config is read back and compared: `spmdkit.interop.families`). The RoPE block takes the
 style of the transformers installed (5: `rope_parameters`; 4: `rope_theta` + `rope_scaling`), or both styles
 when transformers is not installed, which either version reads the same way.
 """
@@ -30,27 +29,22 @@ def transformers_major() -> int | None:
 
 
 def family_for(model: TransformerConfig, preferred: str | None = None) -> str:
-    """The Hugging Face family that computes what `model` does (`preferred` when both can)."""
-    if model.experts:
-        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen Hugging Face layout: export a dense model")
-    fits = {
-        "llama": model.qkv_bias == model.o_bias and not model.qk_norm,
-        "qwen2": model.qkv_bias and not model.o_bias and not model.mlp_bias and not model.qk_norm,
-        "qwen3": model.qkv_bias == model.o_bias and not model.mlp_bias and model.qk_norm,
-    }
-    if preferred in fits and fits[preferred]:
-        return preferred
-    for family, ok in fits.items():
-        if ok:
+    """The Hugging Face family that computes what `model` does (`preferred` when it can): the first whose fresh
+    config, read back, gives `model`'s function. Else one line naming the closest family and what it lacks."""
+    target, misses = function_of(model), {}
+    for family in ([preferred] if preferred in FAMILIES else []) + list(FAMILIES):
+        try:
+            back = function_of(from_hf_config(_fresh(model, family, {"rope_parameters"}), family))
+        except SpmdkitError:
+            continue
+        misses[family] = [key for key in target if back[key] != target[key]]
+        if not misses[family]:
             return family
-    if model.qk_norm:
-        raise SpmdkitError(
-            "q/k norms fit only Hugging Face Qwen3, which has no MLP biases and biases on all of q, k, v and o or "
-            "none (attention_bias): change qk_norm/qkv_bias/o_bias/mlp_bias"
-        )
+    closest = min(misses, key=lambda family: len(misses[family]))
+    fields = ", ".join(f"{key}={getattr(model, key)!r}" for key in misses[closest])
     raise SpmdkitError(
-        "q/k/v biases without an output bias, together with MLP biases, fit neither Hugging Face Llama "
-        "(attention_bias covers q, k, v and o) nor Qwen2 (no MLP biases): change qkv_bias/o_bias/mlp_bias"
+        f"no Hugging Face family computes this model: the closest, {closest}, cannot have {fields}; change the "
+        "model, or keep it as an spmdkit checkpoint"
     )
 
 
@@ -58,6 +52,8 @@ def _rope(model: TransformerConfig, places: set[str]) -> dict[str, Any]:
     """The RoPE keys, in the places given: "rope_parameters" (transformers 5), "rope_scaling" and a top-level
     "rope_theta" (transformers 4)."""
     scaling: dict[str, Any] = {"rope_type": model.rope_type}
+    if model.rope_fraction != 1.0:
+        scaling["partial_rotary_factor"] = model.rope_fraction
     if model.rope_type != "default":
         scaling["factor"] = model.rope_factor
     if model.rope_type == "llama3":
@@ -69,6 +65,11 @@ def _rope(model: TransformerConfig, places: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "rope_parameters" in places:
         out["rope_parameters"] = {"rope_theta": model.rope_theta, **scaling}
+        if model.local_rope_theta:  # per layer type, as Gemma 3 writes it
+            local = {"rope_type": "default", "rope_theta": model.local_rope_theta}
+            out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": local}
+    if model.local_rope_theta and "rope_parameters" not in places:
+        out["rope_local_base_freq"] = model.local_rope_theta
     if "rope_scaling" in places:
         out["rope_scaling"] = scaling if model.rope_type != "default" else None
     if "rope_theta" in places:
@@ -77,8 +78,10 @@ def _rope(model: TransformerConfig, places: set[str]) -> dict[str, Any]:
 
 
 def _fresh(model: TransformerConfig, family: str, places: set[str]) -> dict[str, Any]:
+    """A `config.json` of `family` for `model`: the keys every family shares, then the family's own."""
+    spec = FAMILIES[family]
     out: dict[str, Any] = {
-        "architectures": [FAMILIES[family]],
+        "architectures": [spec.architecture],
         "model_type": family,
         "vocab_size": model.vocab_size,
         "hidden_size": model.embed,
@@ -87,21 +90,15 @@ def _fresh(model: TransformerConfig, family: str, places: set[str]) -> dict[str,
         "num_attention_heads": model.heads,
         "num_key_value_heads": model.kv_heads,
         "head_dim": model.head_dim,
-        "hidden_act": model.activation,
+        spec.activation_key: model.activation,
         "rms_norm_eps": model.norm_eps,
         "tie_word_embeddings": model.tie_embeddings,
         "attention_dropout": 0.0,
         "use_cache": True,
         **_rope(model, places),
+        **dict.fromkeys(TOKEN_KEYS),  # unknown until given: never the family class's ids (Phi-3's pad is 32000)
     }
-    if family == "llama":
-        out |= {"attention_bias": model.qkv_bias, "mlp_bias": model.mlp_bias}
-    else:
-        out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.layers}
-        out["layer_types"] = ["full_attention"] * model.layers
-    if family == "qwen3":
-        out["attention_bias"] = model.qkv_bias
-    return out
+    return out | spec.write(model)
 
 
 def hf_config(

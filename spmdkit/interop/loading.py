@@ -24,7 +24,7 @@ from flax import nnx
 from spmdkit.checkpoint.params import aligned_empty
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.safetensors_files import TensorFiles
-from spmdkit.interop.sources import source_kind, source_model
+from spmdkit.interop.sources import hf_family, source_kind, source_model
 from spmdkit.interop.tensor_names import Read, TensorMap, expected_tensors, tensor_maps
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.sharding.partition import abstract_state, state_shardings
@@ -37,9 +37,10 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 3} more)" if len(names) > 3 else ""
 
 
-def check_tensors(files: TensorFiles, model: TransformerConfig) -> None:
-    """SpmdkitError (one line) unless the files hold exactly the model's tensors, with the shapes it implies."""
-    where, found, expected = files.directory, files.shapes, expected_tensors(model)
+def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> None:
+    """SpmdkitError (one line) unless the files hold exactly the model's tensors in `family`'s names, with the
+    shapes it implies."""
+    where, found, expected = files.directory, files.shapes, expected_tensors(model, family)
     missing = [name for name in expected if name not in found]
     if missing:
         raise SpmdkitError(
@@ -92,7 +93,7 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 CHUNK_BYTES = 64 * 2**20  # the most of a file read (and mapped) at once
 
 
-def _fill(out: np.ndarray, m: TensorMap, read: Read, index: tuple[slice, ...], layer: int | None) -> None:
+def _fill(out: np.ndarray, m: TensorMap, read: Read, index: tuple[slice, ...], entry: int | None) -> None:
     """Fill `out` with the block `index` of one layer of `m`, in pieces of at most CHUNK_BYTES of the file's rows,
     so that neither the mapped file pages nor the transposed copy of a piece grow with the parameter."""
     dim = m.row_dim
@@ -102,7 +103,7 @@ def _fill(out: np.ndarray, m: TensorMap, read: Read, index: tuple[slice, ...], l
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         piece = index[:dim] + (slice(lo, hi),) + index[dim + 1 :]
-        out[(slice(None),) * dim + (slice(lo - start, hi - start),)] = m.read(read, piece, layer)
+        out[(slice(None),) * dim + (slice(lo - start, hi - start),)] = m.read(read, piece, entry)
 
 
 def _reader(files: TensorFiles, m: TensorMap, shape: tuple[int, ...], dtype: str) -> Callable[..., np.ndarray]:
@@ -116,8 +117,8 @@ def _reader(files: TensorFiles, m: TensorMap, shape: tuple[int, ...], dtype: str
             value = aligned_empty(tuple(stop - start for start, stop in key), target)
             within = tuple(slice(*k) for k in (key[1:] if m.stacked else key))
             if m.stacked:  # layer by layer: one layer's piece in flight at a time
-                for i, layer in enumerate(range(*key[0])):
-                    _fill(value[i], m, files.read, within, layer)
+                for i, entry in enumerate(range(*key[0])):
+                    _fill(value[i], m, files.read, within, entry)
             else:
                 _fill(value, m, files.read, within, None)
             blocks[key] = value
@@ -126,14 +127,14 @@ def _reader(files: TensorFiles, m: TensorMap, shape: tuple[int, ...], dtype: str
     return block
 
 
-def hf_params(files: TensorFiles, model: TransformerConfig, shardings: Any, dtype: str) -> PureTree:
-    """The model's parameters (a pure dict) from Hugging Face files, in `dtype`: global arrays laid out as
-    `shardings` (a matching pure dict of shardings) says, each device's block read on its own; or, with
-    `shardings=None`, host numpy arrays (what one process writing a checkpoint needs: no device copy)."""
-    check_tensors(files, model)
+def hf_params(files: TensorFiles, model: TransformerConfig, family: str, shardings: Any, dtype: str) -> PureTree:
+    """The model's parameters (a pure dict) from Hugging Face files in `family`'s layout, in `dtype`: global arrays
+    laid out as `shardings` (a matching pure dict of shardings) says, each device's block read on its own; or,
+    with `shardings=None`, host numpy arrays (what one process writing a checkpoint needs: no device copy)."""
+    check_tensors(files, model, family)
     params: PureTree = {}
-    for m in tensor_maps(model):
-        shape = (model.layers, *m.shape) if m.stacked else m.shape
+    for m in tensor_maps(model, family):
+        shape = (len(m.layers), *m.shape) if m.stacked else m.shape
         read = _reader(files, m, shape, dtype)
         if shardings is None:
             value = read(tuple(slice(None) for _ in shape))
@@ -177,7 +178,7 @@ def check_source(path: str | Path, model: TransformerConfig) -> None:
     source, every shard present and every tensor there with its shape (only headers are read). An spmdkit source's
     model is its saved config's, checked when it was read."""
     if source_kind(path) == "hf":
-        check_tensors(TensorFiles(path), model)
+        check_tensors(TensorFiles(path), model, hf_family(path))
 
 
 def load_params(
@@ -191,7 +192,7 @@ def load_params(
     if step is not None:
         raise SpmdkitError(f"{path} is a Hugging Face model: it has no checkpoint steps to choose from")
     files = TensorFiles(path)
-    return hf_params(files, model, shardings, dtype or stored_dtype(files))
+    return hf_params(files, model, hf_family(path), shardings, dtype or stored_dtype(files))
 
 
 def load_model(

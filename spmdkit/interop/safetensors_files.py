@@ -47,6 +47,13 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path], dict[str, str]
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SpmdkitError(f"{path} has no 'weight_map' of tensor name -> shard file: is it a safetensors index?")
+    home = path.parent.resolve()
+    outside = sorted({name for name in weight_map.values() if not (home / name).resolve().is_relative_to(home)})
+    if outside:
+        raise SpmdkitError(
+            f"{path} maps tensors to {outside[0]!r}, outside the model directory {path.parent}: refused (an index "
+            "names shard files inside its directory)"
+        )
     files = sorted({path.parent / name for name in weight_map.values()})
     missing = [f for f in files if not f.is_file()]
     if missing:

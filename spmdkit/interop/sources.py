@@ -1,5 +1,5 @@
-"""What a model path is (a Hugging Face model or an spmdkit checkpoint), the model shape it holds, and how the run's
-model settings (`[model]`: a preset or a path, `--init-from`, overrides) resolve into a `TransformerConfig`.
+"""What a model path is (a Hugging Face model or an spmdkit checkpoint) and the model shape it holds
+(`source_model`: what `spmdkit.models.resolve.build_model` reads a path with).
 
 Pure Python on import: reading an spmdkit checkpoint's saved config imports the checkpoint layer (Orbax) only when
 such a path is given.
@@ -7,24 +7,16 @@ such a path is given.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop.hf_config import read_hf_config, read_json
+from spmdkit.interop.hf_config import family_of, read_hf_config, read_json
 from spmdkit.interop.hf_files import CONFIG, is_hf_directory
-from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.resolve import OVERRIDES, build_model
 
-# ModelSettings' own fields (the rest override TransformerConfig's); TransformerConfig fields that are the run's
-# numerics, not the model's function: they may differ from what --init-from holds.
-OWN_SETTINGS = ("name", "init_from", "dtype", "remat", "attention")
-RUN_NUMERICS = frozenset(
-    {"param_dtype", "max_positions", "dispatch", "capacity_factor", "load_balance_weight", "router_z_weight"}
-)
-DEFAULT_MODEL = "tiny"  # `--model`'s default: with --init-from, it means "the source's shape"
-OVERRIDES = tuple(f.name for f in dataclasses.fields(TransformerConfig) if f.name not in OWN_SETTINGS)
+__all__ = ["OVERRIDES", "hf_config_path", "hf_family", "saved_run_config", "source_kind", "source_model"]
 
 
 def source_kind(path: str | Path) -> Literal["hf", "spmdkit"]:
@@ -58,6 +50,12 @@ def hf_config_path(path: str | Path) -> Path:
     return path.parent / CONFIG
 
 
+def hf_family(path: str | Path) -> str:
+    """The family (`model_type`) of a Hugging Face source: it names the tensors (`spmdkit.interop.tensor_names`)."""
+    config = hf_config_path(path)
+    return family_of(read_json(config, "a Hugging Face model directory holds its config.json"), str(config))
+
+
 def saved_run_config(path: str | Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """(the step: `step` or the newest, the run config saved with it) of an spmdkit checkpoint or run directory."""
     from spmdkit.checkpoint.steps import open_step, saved_config
@@ -75,56 +73,4 @@ def source_model(path: str | Path, step: int | None = None) -> TransformerConfig
     if source_kind(path) == "hf":
         return read_hf_config(hf_config_path(path))[1]
     _, saved = saved_run_config(path, step)
-    return build_model(saved.get("model") or {})
-
-
-def _base(settings: Mapping[str, Any], overrides: dict[str, Any]) -> TransformerConfig:
-    """The model the settings start from: --init-from's, a preset's, or a path's."""
-    name, init_from = settings.get("name"), settings.get("init_from")
-    if init_from:
-        if name not in (None, DEFAULT_MODEL, init_from):
-            raise SpmdkitError(
-                f"--model {name} conflicts with --init-from {init_from}: the model's shape comes from --init-from; "
-                "drop --model"
-            )
-        base = source_model(init_from)
-        for key, value in overrides.items():
-            if key not in RUN_NUMERICS and getattr(base, key) != value:
-                raise SpmdkitError(
-                    f"--model.{key.replace('_', '-')} {value} conflicts with --init-from {init_from}, whose {key} is "
-                    f"{getattr(base, key)}: drop it (the weights fix the model's shape)"
-                )
-        return base
-    if name is None or name in PRESETS:
-        return model_preset(name or DEFAULT_MODEL)
-    if "/" in name or name.endswith(".json") or Path(name).expanduser().exists():
-        return source_model(name)
-    raise SpmdkitError(
-        f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}, or pass a Hugging Face model directory "
-        "or config.json"
-    )
-
-
-def build_model(settings: Mapping[str, Any]) -> TransformerConfig:
-    """The `TransformerConfig` of the run's model settings (ModelSettings' fields as a mapping).
-
-    The base is `init_from`'s model (`name` must then be the default `tiny` or that same path), else the preset
-    or path `name` names; every override that is set replaces the base's field. Settings with every override set
-    are complete: no source is read. `attention` stays as given: a training program resolves "auto" for its
-    devices (`spmdkit.train.program.build_program`, by `spmdkit.models.attention_choice.choose_attention`).
-    """
-    overrides = {k: settings[k] for k in OVERRIDES if settings.get(k) is not None}
-    base = TransformerConfig() if len(overrides) == len(OVERRIDES) else _base(settings, overrides)
-    own = {k: settings[k] for k in ("dtype", "remat", "attention") if settings.get(k) is not None}
-    return base.replace(**overrides, **own)
-
-
-def resolved_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """`settings` with every override set to the model's value, so that a saved config is complete on its own (it
-    no longer needs the preset table or the source path to say what the model is); `name` says where it came from
-    (the preset, or the path of the model or of --init-from's weights)."""
-    model = build_model(settings)
-    name = settings.get("name") or DEFAULT_MODEL
-    if settings.get("init_from") and name == DEFAULT_MODEL:
-        name = settings["init_from"]  # what the model is called in reports: where its weights came from
-    return {**settings, "name": name, **{k: getattr(model, k) for k in OVERRIDES}}
+    return build_model(saved.get("model") or {}, source_model)

@@ -1,11 +1,17 @@
 """Which Hugging Face tensor each spmdkit parameter is, and how its layout differs (pure numpy, no JAX).
 
-Llama, Qwen2 and Qwen3 share their tensor names (Qwen3 adds the [head_dim] scales `self_attn.q_norm.weight` and
-`k_norm.weight`). Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the
-head dims: q [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim,
-embed] is `o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no
-permutation. Block parameters are stacked on a leading [layers] dim in
-spmdkit and are one tensor per layer (`model.layers.{i}.`) in Hugging Face.
+The families share the Llama names (`model.layers.{i}.self_attn.q_proj.weight`, ...) with their own additions:
+q/k norms (`self_attn.q_norm.weight`: [head_dim] per head, or [heads x head_dim] over the layer, OLMo 2), norms
+after attention and the MLP (Gemma 2/3, OLMo 2: `post_attention_layernorm` is then the norm *after* attention, and
+Gemma's pre-MLP norm is `pre_feedforward_layernorm`), experts (`block_sparse_moe.experts.{e}.w1` for Mixtral,
+`mlp.experts.{e}.gate_proj` for Qwen-MoE, with the router `gate` and Qwen2-MoE's `shared_expert` and its gate), and
+Phi-3's fused `qkv_proj` and `gate_up_proj` (each spmdkit parameter a block of rows of one tensor).
+
+Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the head dims: q
+[embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim, embed] is
+`o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no permutation.
+Block parameters are stacked on a leading dim in spmdkit (dense and MoE blocks in two stacks, in layer order) and
+are one tensor per layer (`model.layers.{i}.`), and per expert, in Hugging Face.
 
 A `TensorMap` says how spmdkit's dims group into the Hugging Face tensor's dims (q: (embed), (heads, head_dim)),
 so that a slice of a spmdkit parameter (what one device holds) reads only the rows and columns it needs.
@@ -19,108 +25,182 @@ from collections.abc import Callable
 
 import numpy as np
 
-from spmdkit.errors import SpmdkitError
+from spmdkit.interop.families import FAMILIES
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.layer_plan import layer_order
 
 Read = Callable[[str, tuple[slice, ...]], np.ndarray]  # (Hugging Face name, slices of it) -> array
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """One parameter: its spmdkit `path`, its Hugging Face `name` (`{i}`: the layer), whether it is `stacked` over
-    layers, its spmdkit `shape` (one layer's), `groups` (how many spmdkit dims make each Hugging Face dim, in
-    spmdkit's order) and `transpose` (Hugging Face's dims are the groups reversed)."""
+    """One parameter: its spmdkit `path`, its Hugging Face `name` (`{i}`: the layer, `{e}`: the expert), the
+    global `layers` of its stack's entries (empty: not stacked), its spmdkit `shape` (one layer's), `experts` (the
+    shape's first dim is the experts, one Hugging Face tensor each; 0: none), `groups` (how many of the remaining
+    spmdkit dims make each Hugging Face dim, in spmdkit's order), `transpose` (Hugging Face's dims are the groups
+    reversed) and `fused` ((first row, rows) of a tensor it shares with others, Phi-3; rows 0: its own)."""
 
     path: tuple[str, ...]
     name: str
-    stacked: bool
+    layers: tuple[int, ...]
     shape: tuple[int, ...]
     groups: tuple[int, ...]
     transpose: bool
+    experts: int = 0
+    fused: tuple[int, int] = (0, 0)
 
-    def hf_name(self, layer: int | None = None) -> str:
-        return self.name.format(i=layer)
+    @property
+    def stacked(self) -> bool:
+        return bool(self.layers)
 
-    def hf_names(self, layers: int) -> list[str]:
-        return [self.hf_name(i) for i in range(layers)] if self.stacked else [self.hf_name()]
+    def hf_name(self, entry: int | None = None, expert: int | None = None) -> str:
+        """The tensor of stack entry `entry` (and `expert`)."""
+        return self.name.format(i=None if entry is None else self.layers[entry], e=expert)
+
+    def hf_names(self) -> list[str]:
+        entries = range(len(self.layers)) if self.stacked else [None]
+        experts = range(self.experts) if self.experts else [None]
+        return [self.hf_name(i, e) for i in entries for e in experts]
+
+    @property
+    def _inner(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.experts else self.shape
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        """The Hugging Face shape of this parameter's part (one layer, one expert)."""
         sizes, start = [], 0
         for g in self.groups:
-            sizes.append(math.prod(self.shape[start : start + g]))
+            sizes.append(math.prod(self._inner[start : start + g]))
             start += g
         return tuple(reversed(sizes)) if self.transpose else tuple(sizes)
+
+    @property
+    def file_shape(self) -> tuple[int, ...]:
+        """The shape of the whole tensor in the file (a fused tensor: all its parts' rows)."""
+        return (self.fused[1], *self.hf_shape[1:]) if self.fused[1] else self.hf_shape
 
     @property
     def row_dim(self) -> int:
         """The spmdkit dim that is the Hugging Face tensor's outermost (row) dim: slices of it are contiguous bytes
         in the file."""
-        return sum(self.groups[:-1]) if self.transpose else 0
+        return (sum(self.groups[:-1]) if self.transpose else 0) + bool(self.experts)
 
     def to_hf(self, value: np.ndarray) -> np.ndarray:
-        """One layer's spmdkit array -> the Hugging Face tensor (C-contiguous)."""
+        """One layer's (and expert's) spmdkit array -> its Hugging Face part (C-contiguous)."""
         value = np.asarray(value).reshape([s for s in self.hf_shape[:: -1 if self.transpose else 1]])
         return np.ascontiguousarray(value.T if self.transpose else value)
 
-    def read(self, read: Read, index: tuple[slice, ...], layer: int | None = None) -> np.ndarray:
+    def read(self, read: Read, index: tuple[slice, ...], entry: int | None = None) -> np.ndarray:
         """The block `index` (slices over `shape`, one layer) of this parameter, read from the Hugging Face
-        tensor: each group's first dim is sliced in the file; the rest of a group are read whole (they never are
-        split: `head_dim` has no mesh axis) and sliced here."""
+        tensors: each group's first dim is sliced in the file; the rest of a group are read whole (they never are
+        split: `head_dim` has no mesh axis) and sliced here. Experts are read one tensor each."""
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, self.shape, strict=True))
+        if self.experts:
+            experts = range(index[0].start, index[0].stop)
+            return np.stack([self._read_one(read, index[1:], self.hf_name(entry, e)) for e in experts])
+        return self._read_one(read, index, self.hf_name(entry))
+
+    def _read_one(self, read: Read, index: tuple[slice, ...], name: str) -> np.ndarray:
         ranges, block_shape, inner_index, start = [], [], [], 0
         for g in self.groups:
-            dims, slices = self.shape[start : start + g], index[start : start + g]
+            dims, slices = self._inner[start : start + g], index[start : start + g]
             inner = math.prod(dims[1:])
             ranges.append(slice(slices[0].start * inner, slices[0].stop * inner))
             block_shape += [slices[0].stop - slices[0].start, *dims[1:]]
             inner_index += [slice(None), *slices[1:]]
             start += g
-        block = read(self.hf_name(layer), tuple(reversed(ranges)) if self.transpose else tuple(ranges))
+        ranges = ranges[::-1] if self.transpose else ranges
+        ranges[0] = slice(ranges[0].start + self.fused[0], ranges[0].stop + self.fused[0])
+        block = read(name, tuple(ranges))
         block = block.T if self.transpose else block
         return block.reshape(block_shape)[tuple(inner_index)]
 
 
-def tensor_maps(model: TransformerConfig) -> list[TensorMap]:
-    """Every parameter of `model` as a `TensorMap`, in the order Hugging Face lists them."""
-    if model.experts:
-        raise SpmdkitError("a mixture-of-experts model has no Llama/Qwen Hugging Face layout: use a dense model")
-    E, H, K, D, F, V = model.embed, model.heads, model.kv_heads, model.head_dim, model.mlp, model.vocab_size
-    layer = "model.layers.{i}."
+def _norm_names(model: TransformerConfig) -> dict[str, str]:
+    """spmdkit block norm -> Hugging Face name: with norms after attention and the MLP (Gemma 2/3, OLMo 2)
+    `post_attention_layernorm` is the one after attention; otherwise it is the one before the MLP."""
+    if model.post_norm:
+        return {"attention_norm": "input_layernorm", "attention_post_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}  # fmt: skip
+    return {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
-    def block(path: str, name: str, shape: tuple[int, ...], groups: tuple[int, ...], transpose: bool) -> TensorMap:
-        return TensorMap(("blocks", *path.split(".")), layer + name, True, shape, groups, transpose)
 
-    maps = [TensorMap(("embedding",), "model.embed_tokens.weight", False, (V, E), (1, 1), False)]
-    maps += [
-        block("attention_norm.scale", "input_layernorm.weight", (E,), (1,), False),
-        block("attention.q", "self_attn.q_proj.weight", (E, H, D), (1, 2), True),
-        block("attention.k", "self_attn.k_proj.weight", (E, K, D), (1, 2), True),
-        block("attention.v", "self_attn.v_proj.weight", (E, K, D), (1, 2), True),
-        block("attention.o", "self_attn.o_proj.weight", (H, D, E), (2, 1), True),
-    ]
+def _attention(model: TransformerConfig, family: str, add) -> None:
+    E, H, K, D = model.embed, model.heads, model.kv_heads, model.head_dim
+    fused = FAMILIES[family].fused
+    for n, h, offset in (("q", H, 0), ("k", K, H * D), ("v", K, (H + K) * D)):
+        name = "self_attn.qkv_proj.weight" if fused else f"self_attn.{n}_proj.weight"
+        add(f"attention.{n}", name, (E, h, D), (1, 2), True, fused=(offset, (H + 2 * K) * D) if fused else (0, 0))
+    add("attention.o", "self_attn.o_proj.weight", (H, D, E), (2, 1), True)
     if model.qkv_bias:
-        maps += [block(f"attention.{n}_bias", f"self_attn.{n}_proj.bias", (h, D), (2,), False) for n, h in
-                 (("q", H), ("k", K), ("v", K))]  # fmt: skip
+        for n, h in (("q", H), ("k", K), ("v", K)):
+            add(f"attention.{n}_bias", f"self_attn.{n}_proj.bias", (h, D), (2,), False)
     if model.o_bias:
-        maps.append(block("attention.o_bias", "self_attn.o_proj.bias", (E,), (1,), False))
-    if model.qk_norm:
-        maps += [block(f"attention.{n}_norm.scale", f"self_attn.{n}_norm.weight", (D,), (1,), False) for n in "qk"]
-    maps += [
-        block("mlp_norm.scale", "post_attention_layernorm.weight", (E,), (1,), False),
-        block("mlp.gate", "mlp.gate_proj.weight", (E, F), (1, 1), True),
-        block("mlp.up", "mlp.up_proj.weight", (E, F), (1, 1), True),
-        block("mlp.down", "mlp.down_proj.weight", (F, E), (1, 1), True),
-    ]
+        add("attention.o_bias", "self_attn.o_proj.bias", (E,), (1,), False)
+    if model.qk_norm and model.qk_norm_scope == "head":
+        for n in "qk":
+            add(f"attention.{n}_norm.scale", f"self_attn.{n}_norm.weight", (D,), (1,), False)
+    elif model.qk_norm:
+        for n, h in (("q", H), ("k", K)):
+            add(f"attention.{n}_norm.scale", f"self_attn.{n}_norm.weight", (h, D), (2,), False)
+
+
+def _mlp(model: TransformerConfig, family: str, add, prefix: str = "mlp", hf: str = "mlp", width: int = 0) -> None:
+    E, F = model.embed, width or model.mlp
+    fused = FAMILIES[family].fused
+    for n, offset in (("gate", 0), ("up", F)):
+        name = f"{hf}.gate_up_proj.weight" if fused else f"{hf}.{n}_proj.weight"
+        add(f"{prefix}.{n}", name, (E, F), (1, 1), True, fused=(offset, 2 * F) if fused else (0, 0))
+    add(f"{prefix}.down", f"{hf}.down_proj.weight", (F, E), (1, 1), True)
     if model.mlp_bias:
-        maps += [block(f"mlp.{n}_bias", f"mlp.{n}_proj.bias", (size,), (1,), False) for n, size in
-                 (("gate", F), ("up", F), ("down", E))]  # fmt: skip
-    maps.append(TensorMap(("final_norm", "scale"), "model.norm.weight", False, (E,), (1,), False))
+        for n, size in (("gate", F), ("up", F), ("down", E)):
+            add(f"{prefix}.{n}_bias", f"{hf}.{n}_proj.bias", (size,), (1,), False)
+
+
+def _experts(model: TransformerConfig, family: str, add) -> None:
+    E, X, F = model.embed, model.experts, model.routed_mlp
+    mixtral = FAMILIES[family].experts == "mixtral"
+    base = "block_sparse_moe" if mixtral else "mlp"
+    add("mlp.router", f"{base}.gate.weight", (E, X), (1, 1), True)
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for n, hf, shape in zip(("gate", "up", "down"), names, ((X, E, F), (X, E, F), (X, F, E)), strict=True):
+        add(f"mlp.{n}", f"{base}.experts.{{e}}.{hf}.weight", shape, (1, 1), True, experts=X)
+    if model.shared_expert:
+        _mlp(model, family, add, "mlp.shared", "mlp.shared_expert", model.shared_expert_mlp or model.mlp)
+    if model.shared_expert_gate:
+        add("mlp.shared_gate", "mlp.shared_expert_gate.weight", (E, 1), (1, 1), True)
+
+
+def tensor_maps(model: TransformerConfig, family: str) -> list[TensorMap]:
+    """Every parameter of `model` as a `TensorMap` in Hugging Face `family`'s names, in the order it lists them."""
+    E, V = model.embed, model.vocab_size
+    order = layer_order(model)
+    maps = [TensorMap(("embedding",), "model.embed_tokens.weight", (), (V, E), (1, 1), False)]
+    for stack in ("blocks", "moe_blocks"):
+        layers = tuple(i for i, (s, _) in enumerate(order) if s == stack)
+        if not layers:
+            continue
+
+        def add(path, name, shape, groups, transpose, *, experts=0, fused=(0, 0), stack=stack, layers=layers):
+            full = "model.layers.{i}." + name
+            maps.append(TensorMap((stack, *path.split(".")), full, layers, shape, groups, transpose, experts, fused))
+
+        norms = _norm_names(model)
+        for norm in ("attention_norm", "attention_post_norm"):
+            if norm in norms and (model.pre_norm or norm != "attention_norm"):
+                add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
+        _attention(model, family, add)
+        for norm in ("mlp_norm", "mlp_post_norm"):
+            if norm in norms and (model.pre_norm or norm != "mlp_norm"):
+                add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
+        (_experts if stack == "moe_blocks" else _mlp)(model, family, add)
+    maps.append(TensorMap(("final_norm", "scale"), "model.norm.weight", (), (E,), (1,), False))
     if not model.tie_embeddings:
-        maps.append(TensorMap(("lm_head",), "lm_head.weight", False, (E, V), (1, 1), True))
+        maps.append(TensorMap(("lm_head",), "lm_head.weight", (), (E, V), (1, 1), True))
     return maps
 
 
-def expected_tensors(model: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every tensor a checkpoint of `model` holds."""
-    return {name: m.hf_shape for m in tensor_maps(model) for name in m.hf_names(model.layers)}
+def expected_tensors(model: TransformerConfig, family: str) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor a checkpoint of `model` in `family` holds."""
+    return {name: m.file_shape for m in tensor_maps(model, family) for name in m.hf_names()}

@@ -62,13 +62,17 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def _plan_shards(model: TransformerConfig, maps: list[TensorMap], itemsize: int, limit: int) -> list[list[str]]:
-    """Tensor names per shard, in parameter order, each shard at most `limit` bytes (a bigger tensor alone)."""
+def _plan_shards(maps: list[TensorMap], itemsize: int, limit: int) -> list[list[str]]:
+    """Tensor names per shard, in parameter order, each shard at most `limit` bytes (a bigger tensor alone); a
+    fused tensor (Phi-3) is counted once, where its first part comes."""
     shards: list[list[str]] = [[]]
-    size = 0
+    size, seen = 0, set()
     for m in maps:
-        nbytes = int(np.prod(m.hf_shape)) * itemsize
-        for name in m.hf_names(model.layers):
+        nbytes = int(np.prod(m.file_shape)) * itemsize
+        for name in m.hf_names():
+            if name in seen:
+                continue
+            seen.add(name)
             if shards[-1] and size + nbytes > limit:
                 shards.append([])
                 size = 0
@@ -77,26 +81,42 @@ def _plan_shards(model: TransformerConfig, maps: list[TensorMap], itemsize: int,
     return shards
 
 
-def write_weights(directory: Path, model: TransformerConfig, params: Any, dtype: str, max_shard_size: int) -> int:
-    """The safetensors shards (and index) of `params` (a pure dict) in `directory`; returns the bytes written."""
+def _parts(m: TensorMap, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(Hugging Face name, this parameter's part of it) for every layer and expert of `value`."""
+    layers = [(i, value[i]) for i in range(len(m.layers))] if m.stacked else [(None, value)]
+    if not m.experts:
+        return [(m.hf_name(i), m.to_hf(v)) for i, v in layers]
+    return [(m.hf_name(i, e), m.to_hf(v[e])) for i, v in layers for e in range(m.experts)]
+
+
+def write_weights(
+    directory: Path, model: TransformerConfig, family: str, params: Any, dtype: str, max_shard_size: int
+) -> int:
+    """The safetensors shards (and index) of `params` (a pure dict) in `family`'s names in `directory`; returns the
+    bytes written."""
     from safetensors.numpy import save_file
 
-    maps = tensor_maps(model)
+    maps = tensor_maps(model, family)
     target = NUMPY_DTYPES[dtype]
-    shards = _plan_shards(model, maps, target.itemsize, max_shard_size)
+    shards = _plan_shards(maps, target.itemsize, max_shard_size)
     files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in
                                                range(len(shards))]  # fmt: skip
     where = {name: file for file, names in zip(files, shards, strict=True) for name in names}
     pending: dict[str, dict[str, np.ndarray]] = {file: {} for file in files}
-    remaining = {file: len(names) for file, names in zip(files, shards, strict=True)}
+    remaining = {file: 0 for file in files}  # parts still to come per shard
+    for m in maps:
+        for name in m.hf_names():
+            remaining[where[name]] += 1
     total = 0
     for m in maps:
-        value = _host(_get(params, m.path))  # every process gathers; process 0 writes
-        layers = [(m.hf_name(i), value[i]) for i in range(model.layers)] if m.stacked else [(m.hf_name(), value)]
-        for name, layer in layers:
-            file = where[name]
-            pending[file][name] = m.to_hf(layer).astype(target)
-            total += pending[file][name].nbytes
+        for name, part in _parts(m, _host(_get(params, m.path))):  # every process gathers; process 0 writes
+            file, part = where[name], part.astype(target)
+            if m.fused[1]:  # one block of rows of a tensor shared with other parameters
+                whole = pending[file].setdefault(name, np.empty(m.file_shape, target))
+                whole[m.fused[0] : m.fused[0] + part.shape[0]] = part
+            else:
+                pending[file][name] = part
+            total += part.nbytes
             remaining[file] -= 1
             if not remaining[file]:  # the shard is complete: write it and let its tensors go
                 if jax.process_index() == 0:
@@ -151,9 +171,10 @@ def save_hf(
     hf = hf_config(
         config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
     )
+    family = hf["model_type"]
     staging = _staging(out) if jax.process_index() == 0 else out
     try:
-        write_weights(staging, config, params, dtype, limit)
+        write_weights(staging, config, family, params, dtype, limit)
         if jax.process_index() != 0:
             return out
         (staging / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")

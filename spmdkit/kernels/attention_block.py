@@ -4,7 +4,8 @@ Every function takes any leading dims `...` (ring attention: [batch]; the blockw
 queries and their output gradient [..., kv_heads, group, bq, head_dim] (grouped-query heads viewed as
 [kv_heads, group], so K/V are never repeated), keys and values [..., kv_heads, bk, head_dim], per-row statistics
 [..., kv_heads, group, bq], and a visibility mask [..., bq, bk] (True: the query sees the key) or None (all see
-all). With scores s = q k^T * scale (masked to -inf), the forward pass keeps per query row
+all). With scores s = q k^T * scale, soft-capped to c tanh(s / c) when `softcap` c > 0 (Gemma 2), then masked to
+-inf, the forward pass keeps per query row
 
     m' = max(m, rowmax(s))        l' = l exp(m - m') + rowsum(exp(s - m'))
     o' = o exp(m - m') + exp(s - m') v
@@ -14,7 +15,7 @@ all). With scores s = q k^T * scale (masked to -inf), the forward pass keeps per
 cotangent of lse, if any), recomputes P from the saved lse (`block_grads`):
 
     P = exp(s - lse)     dV = P^T dO     dP = dO V^T     dS = P * (dP - D)
-    dQ = dS K * scale    dK = dS^T Q * scale
+    dQ = dS' K * scale   dK = dS'^T Q * scale     (dS' = dS (1 - tanh(s / c)^2) under a soft cap, else dS)
 
 A query row that sees no key at all (padding: segment id 0) gets out = 0, lse = -inf and zero gradients: its
 running max starts at the finite float32 minimum, so a fully masked block gives exp(-inf) = 0, never NaN.
@@ -46,16 +47,20 @@ def visible(
     q_seg: jax.Array | None = None,
     k_seg: jax.Array | None = None,
     k_len: int | None = None,
+    window: int = 0,
 ) -> jax.Array | None:
     """Which keys each query sees: bool [..., bq, bk], or None when every query sees every key.
 
-    q_pos [..., bq], k_pos [..., bk]: sequence positions (causal: a key is seen when k_pos <= q_pos);
+    q_pos [..., bq], k_pos [..., bk]: sequence positions (causal: a key is seen when k_pos <= q_pos; `window`
+    W > 0: only when k_pos > q_pos - W, the W latest keys of a causal query, itself included; 0: no window);
     q_seg [..., bq], k_seg [..., bk]: segment ids (a key is seen when its id equals the query's and the query's
     is not 0, padding); k_len: keys at positions >= k_len are padding added to fill the last block.
     """
     mask = None
     if causal:
         mask = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window > 0:
+        mask = _and(mask, k_pos[..., None, :] > q_pos[..., :, None] - window)
     if k_len is not None:
         mask = _and(mask, (k_pos < k_len)[..., None, :])
     if q_seg is not None:
@@ -64,12 +69,24 @@ def visible(
     return mask
 
 
-def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
-    """s = q k^T * scale, float32 [..., kv_heads, group, bq, bk]; keys the mask hides are -inf."""
+def capped_scores(q: jax.Array, k: jax.Array, scale: float, softcap: float = 0.0) -> tuple[jax.Array, jax.Array | None]:
+    """(s, t): s = q k^T * scale float32 [..., kv_heads, group, bq, bk], soft-capped to softcap * t with
+    t = tanh(s / softcap) when softcap > 0 (t is None without a cap); nothing masked."""
     s = jnp.einsum("...hgqd,...hkd->...hgqk", q, k, preferred_element_type=F32) * scale
-    if mask is not None:
-        s = jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
-    return s
+    if softcap <= 0:
+        return s, None
+    t = jnp.tanh(s / softcap)
+    return softcap * t, t
+
+
+def _masked(s: jax.Array, mask: jax.Array | None) -> jax.Array:
+    return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
+
+
+def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float, softcap: float = 0.0) -> jax.Array:
+    """s = q k^T * scale (soft-capped when softcap > 0), float32 [..., kv_heads, group, bq, bk]; keys the mask
+    hides are -inf."""
+    return _masked(capped_scores(q, k, scale, softcap)[0], mask)
 
 
 def initial_state(q: jax.Array) -> State:
@@ -78,10 +95,12 @@ def initial_state(q: jax.Array) -> State:
     return o, jnp.full_like(o[..., 0], INIT_MAX), jnp.zeros_like(o[..., 0])
 
 
-def fold(state: State, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> State:
+def fold(
+    state: State, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float, softcap: float = 0.0
+) -> State:
     """Fold one key block (k, v [..., kv_heads, bk, D]) into the state of the query block q."""
     o, m, denom = state
-    s = scores(q, k, mask, scale)
+    s = scores(q, k, mask, scale, softcap)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
@@ -112,14 +131,19 @@ def block_grads(
     delta: jax.Array,
     mask: jax.Array | None,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Float32 (dq [..., kv_heads, group, bq, D], dk, dv [..., kv_heads, bk, D]) of one block pair, P recomputed
-    from the rows' lse. Rows with lse = -inf (they saw no key) have every score -inf: P = 0 there."""
+    from the rows' lse. Rows with lse = -inf (they saw no key) have every score -inf: P = 0 there. Under a soft cap
+    dS is carried back through the tanh (1 - t^2, t taken before masking: finite everywhere)."""
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    p = jnp.exp(scores(q, k, mask, scale) - lse[..., None])
+    s, t = capped_scores(q, k, scale, softcap)
+    p = jnp.exp(_masked(s, mask) - lse[..., None])
     dv = jnp.einsum("...hgqk,...hgqd->...hkd", p.astype(do.dtype), do, preferred_element_type=F32)
     dp = jnp.einsum("...hgqd,...hkd->...hgqk", do, v, preferred_element_type=F32)
     ds = p * (dp - delta[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
     dq = jnp.einsum("...hgqk,...hkd->...hgqd", ds.astype(k.dtype), k, preferred_element_type=F32) * scale
     dk = jnp.einsum("...hgqk,...hgqd->...hkd", ds.astype(q.dtype), q, preferred_element_type=F32) * scale
     return dq, dk, dv
@@ -139,3 +163,18 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> None:
         raise SpmdkitError(
             f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
         )
+
+
+def check_attention_options(
+    window: int, scale: float | None, softcap: float, causal: bool, head_dim: int, kernel: str
+) -> float:
+    """The score scale (None: 1/sqrt(head_dim)); one SpmdkitError line for a negative window or soft cap, a window
+    without the causal mask, or a scale that is not positive and finite (`kernel` names the caller)."""
+    if window < 0 or (window > 0 and not causal):
+        raise SpmdkitError(f"{kernel}: window={window} must be 0 (unlimited) or, with causal=True, positive")
+    if softcap < 0 or not np.isfinite(softcap):
+        raise SpmdkitError(f"{kernel}: softcap={softcap} must be 0 (off) or positive")
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if not (np.isfinite(scale) and scale > 0):
+        raise SpmdkitError(f"{kernel}: scale={scale} must be positive (None: 1/sqrt(head_dim))")
+    return scale

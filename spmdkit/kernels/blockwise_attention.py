@@ -8,8 +8,14 @@ online-softmax state with `spmdkit.kernels.attention_block.fold`, the same funct
 Schedule (`spmdkit.kernels.block_plan`): the pairs run in steps, each a batch of pairs with static shapes, one
 step after another. Under a causal mask, pairs whose key block lies wholly after the query block are never built:
 they cost no FLOPs, and the compiled program's FLOPs (`cost_analysis`) show the saving (about half at long
-sequences). Only steps that hold a partially visible pair (the diagonal, the padded last key block) compute a mask;
-with `segment_ids` every step does.
+sequences). A sliding window (`window` W: a query at i sees keys i - W < j <= i) drops the key blocks wholly
+before every query's window too, and splits the pairs it hides in part (the diagonal's, the window edge's) into
+sub-block pairs down to 1/8 of a block, dropping those wholly hidden: FLOPs and scratch fall with W, to about
+(W + block / 8) / (seq / 2) of full causal (`block_plan`). The steps of sub-blocks (`Step.split`, after the steps
+of whole blocks, their split growing) run on the blocks and the online-softmax state (backward: the gradient
+accumulators) cut into sub-blocks of consecutive positions. Only steps that hold a partially visible pair (the
+diagonal, the window's edge, the padded last key block) compute a mask; with `segment_ids` every step does.
+`scale` multiplies q k^T; `softcap` c > 0 caps the scores to c tanh(s / c) before masking (Gemma 2).
 
 Backward (`jax.custom_vjp`): the residuals are q, k, v, out and the float32 log-sum-exp per query row; every pair
 is recomputed by `block_grads`. Scratch memory is a few arrays of one step's scores, [pairs, batch, heads,
@@ -27,7 +33,17 @@ import numpy as np
 from jax import lax
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import F32, block_grads, check_qkv, finish, fold, initial_state, row_delta, visible
+from spmdkit.kernels.attention_block import (
+    F32,
+    block_grads,
+    check_attention_options,
+    check_qkv,
+    finish,
+    fold,
+    initial_state,
+    row_delta,
+    visible,
+)
 from spmdkit.kernels.block_plan import BLOCK_K, BLOCK_Q, BlockPlan, Step
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockPlan", "blockwise_attention"]
@@ -97,21 +113,50 @@ def _add(acc: jax.Array, idx: tuple[int, ...], value: jax.Array) -> jax.Array:
 
 
 def _put(acc: jax.Array, idx: tuple[int, ...], value: jax.Array) -> jax.Array:
-    """acc[idx] = value for the query side of a step (always a range of query blocks)."""
-    return lax.dynamic_update_slice_in_dim(acc, value, idx[0], axis=0)
+    """acc[idx] = value for the query side of a step (distinct query blocks: a range, except where a window
+    leaves some query blocks fewer key blocks than their neighbours)."""
+    if _contiguous(idx):
+        return lax.dynamic_update_slice_in_dim(acc, value, idx[0], axis=0)
+    return acc.at[np.asarray(idx)].set(value)
+
+
+def _split_rows(x: jax.Array | None, split: int, axis: int) -> jax.Array | None:
+    """Blocks [n, ..., b (at `axis`), ...] -> [n x split, ..., b / split, ...]: block i's rows a b / split ..
+    (a + 1) b / split - 1 become block i split + a (positions keep their order)."""
+    if x is None or split == 1:
+        return x
+    x = x.reshape(x.shape[:axis] + (split, x.shape[axis] // split) + x.shape[axis + 1 :])
+    x = jnp.moveaxis(x, axis, 1)
+    return x.reshape((x.shape[0] * split, *x.shape[2:]))
+
+
+def _merge_rows(x: jax.Array, split: int, axis: int) -> jax.Array:
+    """The inverse of `_split_rows`."""
+    if split == 1:
+        return x
+    x = jnp.moveaxis(x.reshape((x.shape[0] // split, split, *x.shape[1:])), 1, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
+
+
+def _resplit(arrays: tuple, axes: tuple[int, ...], factor: int) -> tuple:
+    """Arrays of blocks (rows at `axes`, None passed through) cut in `factor` sub-blocks each."""
+    return tuple(_split_rows(x, factor, a) for x, a in zip(arrays, axes, strict=True))
 
 
 def _mask(plan: BlockPlan, step: Step, q_seg: jax.Array | None, k_seg: jax.Array | None) -> jax.Array | None:
-    """The visibility of the step's pairs, [pairs, B or 1, block_q, block_k], or None when all is visible."""
+    """The visibility of the step's pairs, [pairs, B or 1, bq, bk], or None when all is visible (q_seg and k_seg:
+    segment ids in the step's blocks)."""
     segments = q_seg is not None
-    if not (step.causal_mask or (step.length_mask and not segments) or segments):
+    if not (step.causal_mask or step.window_mask or (step.length_mask and not segments) or segments):
         return None
-    q_pos = jnp.asarray(step.q, jnp.int32)[:, None, None] * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
-    k_pos = jnp.asarray(step.k, jnp.int32)[:, None, None] * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
+    bq, bk = plan.sizes(step)
+    q_pos = jnp.asarray(step.q, jnp.int32)[:, None, None] * bq + jnp.arange(bq, dtype=jnp.int32)
+    k_pos = jnp.asarray(step.k, jnp.int32)[:, None, None] * bk + jnp.arange(bk, dtype=jnp.int32)
     return visible(
         q_pos,
         k_pos,
         causal=step.causal_mask,
+        window=plan.window if step.window_mask else 0,
         q_seg=_take(q_seg, step.q) if segments else None,
         k_seg=_take(k_seg, step.k) if segments else None,
         k_len=plan.seq if step.length_mask and not segments else None,  # padded keys carry segment id 0
@@ -121,34 +166,46 @@ def _mask(plan: BlockPlan, step: Step, q_seg: jax.Array | None, k_seg: jax.Array
 # ---------------------------------------------------------------- forward, backward
 
 
-def _after(x: jax.Array, previous: tuple[jax.Array, ...]) -> jax.Array:
+def _after(x: jax.Array | None, previous: tuple[jax.Array, ...]) -> jax.Array | None:
     """x, made to wait until the previous step's results are complete: the added value is 0 at run time (no float
     is > +inf), which the compiler cannot prove, and it reads all of every result (one element could be computed
     alone). Without it XLA runs the steps side by side and keeps many steps' scores alive at once, up to O(seq^2)
     scratch (XLA:CPU drops `optimization_barrier`s before it schedules, so they cannot order the steps)."""
-    if not previous:
+    if x is None or not previous:
         return x
     late = functools.reduce(jnp.logical_or, [jnp.any(p > jnp.inf) for p in previous])
     return x + late.astype(x.dtype)
 
 
+STATE_AXES = (4, 4, 4)  # the rows axis of the online-softmax state o, m, l
+FORWARD_AXES = (4, 3, 3, 2, 2)  # ... of the query, key and value blocks and the query and key segment ids
+BACKWARD_AXES = (4, 4, 4, 4, 3, 3, 2, 2)  # q, dout, lse, delta, k, v, segment ids
+GRAD_AXES = (4, 3, 3)  # dq, dk, dv
+
+
 def _forward(plan: BlockPlan, q, k, v, segment_ids):
-    """out [B, S, H, D] in q's dtype and lse [blocks, B, kv_heads, group, block_q] float32."""
+    """out [B, S, H, D] in q's dtype and lse [blocks, B, kv_heads, group, block_q] float32. Steps of sub-blocks
+    (`Step.split`) run on the blocks and the state viewed at their size."""
     kv_heads = k.shape[2]
-    qb, kb, vb = q_blocks(q, plan.block_q, kv_heads), kv_blocks(k, plan.block_k), kv_blocks(v, plan.block_k)
-    q_seg, k_seg = _segment_blocks(plan, segment_ids)
-    state, new = initial_state(qb), ()
+    whole = (q_blocks(q, plan.block_q, kv_heads), kv_blocks(k, plan.block_k), kv_blocks(v, plan.block_k))
+    whole += _segment_blocks(plan, segment_ids)
+    blocks, state, split, new = whole, initial_state(whole[0]), 1, ()
     for step in plan.steps:
+        if step.split != split:
+            state = _resplit(state, STATE_AXES, step.split // split)
+            blocks = _resplit(tuple(_after(x, new) for x in whole), FORWARD_AXES, step.split)
+            split = step.split
+        qb, kb, vb, q_seg, k_seg = blocks
         mask = _mask(plan, step, q_seg, k_seg)
         rows = tuple(_take(x, step.q) for x in state)
         queries, keys, values = (_after(x, new) for x in (_take(qb, step.q), _take(kb, step.k), _take(vb, step.k)))
-        new = fold(rows, queries, keys, values, mask, plan.scale)
+        new = fold(rows, queries, keys, values, mask, plan.scale, plan.softcap)
         state = tuple(_put(x, step.q, y) for x, y in zip(state, new, strict=True))
     out, lse = finish(state)
-    return from_q_blocks(out.astype(q.dtype), plan.seq), lse
+    return from_q_blocks(out.astype(q.dtype), plan.seq), _merge_rows(lse, split, STATE_AXES[2])
 
 
-def _segment_blocks(plan: BlockPlan, segment_ids):
+def _segment_blocks(plan: BlockPlan, segment_ids) -> tuple:
     if segment_ids is None:
         return None, None
     return row_blocks(segment_ids, plan.block_q), row_blocks(segment_ids, plan.block_k)
@@ -170,16 +227,21 @@ def _attention_bwd(plan: BlockPlan, residuals, dout):
     qb, kb, vb = q_blocks(q, plan.block_q, kv_heads), kv_blocks(k, plan.block_k), kv_blocks(v, plan.block_k)
     dob = q_blocks(dout, plan.block_q, kv_heads)
     delta = row_delta(dob, q_blocks(out, plan.block_q, kv_heads))
-    q_seg, k_seg = _segment_blocks(plan, segment_ids)
-    dq, dk, dv = jnp.zeros(qb.shape, F32), jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32)
-    grads = ()
+    whole = (qb, dob, lse, delta, kb, vb, *_segment_blocks(plan, segment_ids))
+    blocks, split, grads = whole, 1, ()
+    acc = jnp.zeros(qb.shape, F32), jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32)
     for step in plan.steps:
-        rows = tuple(_after(_take(x, step.q), grads) for x in (qb, dob))
-        rows += tuple(_take(x, step.q) for x in (lse, delta))
-        kv = tuple(_after(_take(x, step.k), grads) for x in (kb, vb))
-        mask = _mask(plan, step, q_seg, k_seg)
-        grads = gq, gk, gv = block_grads(rows[0], *kv, *rows[1:], mask, plan.scale)
-        dq, dk, dv = _add(dq, step.q, gq), _add(dk, step.k, gk), _add(dv, step.k, gv)
+        if step.split != split:
+            acc = _resplit(acc, GRAD_AXES, step.split // split)
+            blocks = _resplit(tuple(_after(x, grads) for x in whole), BACKWARD_AXES, step.split)
+            split = step.split
+        rows = tuple(_after(_take(x, step.q), grads) for x in blocks[:2])
+        rows += tuple(_take(x, step.q) for x in blocks[2:4])
+        kv = tuple(_after(_take(x, step.k), grads) for x in blocks[4:6])
+        mask = _mask(plan, step, *blocks[6:])
+        grads = gq, gk, gv = block_grads(rows[0], *kv, *rows[1:], mask, plan.scale, plan.softcap)
+        acc = _add(acc[0], step.q, gq), _add(acc[1], step.k, gk), _add(acc[2], step.k, gv)
+    dq, dk, dv = acc  # blocks of the last step's size: the layouts below read any block size
     return (
         from_q_blocks(dq, plan.seq).astype(q.dtype),
         from_kv_blocks(dk, plan.seq).astype(k.dtype),
@@ -208,6 +270,9 @@ def blockwise_attention(
     segment_ids: jax.Array | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim)) v over blocks, without ever holding the [seq, seq] scores.
 
@@ -219,8 +284,13 @@ def blockwise_attention(
     of its own document only (and, `causal`, at or before its position). Padding rows see nothing: their output
     is 0 and they pass no gradient. `None`: one document per row. `block_q`, `block_k`: positions per block (any
     sequence length; the last block is padded). Gradients: a custom VJP that saves out and the log-sum-exp.
+    `window` W > 0 (causal only): a query at position i sees keys i - W < j <= i (W keys, itself included; both
+    this and the document rule must hold); 0: unlimited. `scale`: the multiplier of q k^T (None: 1/sqrt(head_dim)).
+    `softcap` c > 0: scores become c tanh(s / c) before masking and softmax (0: off).
     """
     _check(q, k, v, segment_ids, block_q, block_k)
+    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "blockwise attention")
     seq = q.shape[1]
-    plan = BlockPlan(seq, min(block_q, seq), min(block_k, seq), causal, q.shape[3] ** -0.5)
+    window = window if window < seq else 0  # a window as long as the sequence hides nothing
+    plan = BlockPlan(seq, min(block_q, seq), min(block_k, seq), causal, scale, window, float(softcap))
     return _attention(plan, q, k, v, segment_ids)

@@ -4,7 +4,8 @@
 """
 
 from spmdkit._lazy import lazy_exports
-from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.presets import PRESETS, model_preset
 
 __all__ = ["PRESETS", "Transformer", "TransformerConfig", "model_preset"]
 __getattr__, __dir__, _ = lazy_exports(__name__, {"Transformer": "spmdkit.models.transformer"})

@@ -1,5 +1,11 @@
 """Attention kernels: softmax(q k^T / sqrt(head_dim)) v with grouped-query heads, and which one runs.
 
+Every kernel also takes the options of the 2026 model families, with one meaning everywhere: `window` W > 0
+(sliding-window attention: a query at position i sees keys i - W < j <= i, W keys including itself; 0: unlimited),
+`scale` (the multiplier of q k^T; None: 1/sqrt(head_dim)) and `softcap` c > 0 (Gemma 2's logit soft cap: scores s
+become c tanh(s / c) before masking and softmax; 0: off). cuDNN has no soft cap: `choose_attention` never picks it
+then.
+
 All kernels take q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] (heads = kv_heads x
 group; K/V are never repeated) and optional `segment_ids` int32 [batch, seq] (0: padding, 1, 2, ...: the documents
 packed in a row; a query sees keys of its own document only, padding sees nothing and gets output 0). They return
@@ -30,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import visible
+from spmdkit.kernels.attention_block import check_attention_options, visible
 from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.device_facts import compute_capability, device_platform
@@ -45,32 +51,44 @@ __all__ = [
 KEY_TILE = 512  # keys per tile inside a ring chunk pair: bounds attention scratch at long context
 
 
-def _document_mask(segment_ids: jax.Array, causal: bool) -> jax.Array:
-    """bool [batch, seq, seq]: query i sees key j (same document, not padding; causal: j <= i)."""
+def _document_mask(segment_ids: jax.Array, causal: bool, window: int = 0) -> jax.Array:
+    """bool [batch, seq, seq]: query i sees key j (same document, not padding; causal: j <= i; window: j > i - W)."""
     pos = jnp.arange(segment_ids.shape[1])
-    return visible(pos, pos, causal=causal, q_seg=segment_ids, k_seg=segment_ids)
+    return visible(pos, pos, causal=causal, window=window, q_seg=segment_ids, k_seg=segment_ids)
 
 
 def dot_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True, segment_ids: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    *,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v with grouped-query heads, K/V never repeated.
+    """softmax(q k^T * scale) v with grouped-query heads, K/V never repeated.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group.
     Scores and softmax in float32. Returns [batch, seq, heads, head_dim] in q's dtype. With `segment_ids`
-    [batch, seq], rows that see no key (padding) give 0 and pass no gradient.
+    [batch, seq], rows that see no key (padding) give 0 and pass no gradient. `window`, `scale`, `softcap`: the
+    module doc (window needs causal).
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
+    scale = check_attention_options(window, scale, softcap, causal, d, "dot attention")
     qg = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
     if segment_ids is None:
         if causal:
-            mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
-            scores = jnp.where(mask, scores, -jnp.inf)
+            pos = jnp.arange(s)
+            scores = jnp.where(visible(pos, pos, causal=True, window=window), scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     else:
-        mask = _document_mask(segment_ids, causal)[:, None, None]
+        mask = _document_mask(segment_ids, causal, window)[:, None, None]
         scores = jnp.where(mask, scores, -jnp.inf)
         top = jax.lax.stop_gradient(scores.max(-1, keepdims=True))
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exp(-inf) = 0
@@ -111,11 +129,20 @@ def _free_axes(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> tuple[str, ...
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in manual)
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+def context_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
-    seq is sharded over `context` in the zigzag layout (segment ids too). Requires `use_rules` to be active with a
-    context axis > 1.
+    seq is sharded over `context` in the zigzag layout (segment ids too); `window` counts true token positions.
+    Requires `use_rules` to be active with a context axis > 1.
     """
     rules, mesh = active_rules()
     heads = _free_axes(rules.params["heads"], mesh)
@@ -133,13 +160,21 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         heads_axis=heads[0] if heads else None,
         key_tile=tile,
         segment_ids=segment_ids,
+        window=window,
+        scale=scale,
+        softcap=softcap,
     )
 
 
-def _fused_local(q, k, v, segment_ids, *, causal: bool, implementation: str) -> jax.Array:
-    """`jax.nn.dot_product_attention` on one device's shard; segment ids become a [batch, 1, seq, seq] mask."""
+def _fused_local(q, k, v, segment_ids, *, causal: bool, implementation: str, window: int, scale) -> jax.Array:
+    """`jax.nn.dot_product_attention` on one device's shard; segment ids become a [batch, 1, seq, seq] mask.
+    Its `local_window_size=(left, right)` lets query i see keys i - left <= j <= i + right: our window W is
+    (W - 1, 0), which cuDNN runs as its causal `sliding_window_length` W (keys in (i - W, i])."""
     mask = None if segment_ids is None else _document_mask(segment_ids, False)[:, None]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
+    local = (window - 1, 0) if window > 0 else None
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=local, implementation=implementation
+    )
     if segment_ids is not None:  # a fully masked row is a uniform average there: padding gives 0, no gradient
         out = jnp.where((segment_ids != 0)[..., None, None], out, jnp.zeros((), out.dtype))
     return out
@@ -153,6 +188,9 @@ def cudnn_attention(
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     implementation: str = "cudnn",
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """cuDNN's fused attention, per device: a `shard_map` over every mesh axis not already manual, the batch split
     over the batch axes of the active rules and the heads over their head axes, whole on the rest.
@@ -161,9 +199,14 @@ def cudnn_attention(
     when the kv heads do not split over the head axes (kv_heads < tensor), K/V are repeated to the query heads
     first. The region spans all free axes, size-1 ones included: cuDNN's custom partitioner fails inside a
     `shard_map` that leaves some mesh axes automatic (`get_num_ways_dim_sharded` AssertionError in XLA:GPU's SPMD
-    partitioner). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
+    partitioner). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests). `window` and
+    `scale` as the module doc; cuDNN has no logit soft cap, so `softcap` > 0 raises SpmdkitError.
     """
-    kernel = functools.partial(_fused_local, causal=causal, implementation=implementation)
+    if softcap:
+        raise SpmdkitError(f"cuDNN attention has no logit soft-capping (softcap={softcap}): use the blockwise kernel")
+    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "cuDNN attention")
+    window = window if window < q.shape[1] else 0
+    kernel = functools.partial(_fused_local, causal=causal, implementation=implementation, window=window, scale=scale)
     active = active_rules()
     if active is None:
         return kernel(q, k, v, segment_ids)
@@ -203,19 +246,24 @@ def attend(
     segment_ids: jax.Array | None = None,
     *,
     block: int = BLOCK_Q,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Causal attention with the kernel `choose_attention` picks for the setting `kind` here (mesh, platform,
-    dtype, head_dim); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise kernel's query
-    and key block size."""
+    dtype, head_dim, soft cap); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise
+    kernel's query and key block size. `window` (0: unlimited), `scale` (None: 1/sqrt(head_dim)), `softcap`
+    (0: off): the module doc; every kernel gives the same numbers."""
     device = _device()
     kernel = choose_attention(
         kind, context=context_size(), platform=device_platform(device), dtype=q.dtype.name, head_dim=q.shape[3],
-        compute_capability=compute_capability(device), manual_region=in_manual_region(),
+        compute_capability=compute_capability(device), manual_region=in_manual_region(), softcap=softcap,
     )  # fmt: skip
+    options = {"window": window, "scale": scale, "softcap": softcap}
     if kernel == "ring":
-        return context_attention(q, k, v, segment_ids)
+        return context_attention(q, k, v, segment_ids, **options)
     if kernel == "cudnn":
-        return cudnn_attention(q, k, v, segment_ids=segment_ids)
+        return cudnn_attention(q, k, v, segment_ids=segment_ids, **options)
     if kernel == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids=segment_ids, block_q=block, block_k=block)
-    return dot_attention(q, k, v, segment_ids=segment_ids)
+        return blockwise_attention(q, k, v, segment_ids=segment_ids, block_q=block, block_k=block, **options)
+    return dot_attention(q, k, v, segment_ids=segment_ids, **options)

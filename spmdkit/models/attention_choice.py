@@ -10,7 +10,8 @@
   there in JAX 0.10: called directly, its custom partitioner fails (`get_num_ways_dim_sharded`); in a nested
   `shard_map` over the remaining axes, its residuals lose their varying-axes type (checked by compiling for an
   H100 target, `tests/test_gpu_compile.py`). There `auto` runs the blockwise kernel and `cudnn` is refused.
-  On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
+  cuDNN has no attention-logit soft cap (Gemma 2): with `softcap` > 0 `auto` runs the blockwise kernel and
+  `cudnn` is refused. On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
   (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
 - `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
   SpmdkitError saying why it cannot run here.
@@ -46,18 +47,20 @@ def choose_attention(
     head_dim: int,
     compute_capability: int = 0,
     manual_region: bool = False,
+    softcap: float = 0.0,
 ) -> str:
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
 
     context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
     or None (unknown: the platform rules are not checked); dtype: the compute dtype's name; compute_capability:
     the GPU's major version (0: unknown); manual_region: the attention runs inside a partly manual `shard_map`
-    (pipeline stages, accumulation over replica axes). Raises SpmdkitError when an explicit choice cannot run.
+    (pipeline stages, accumulation over replica axes); softcap: the attention-logit soft cap (0: none; cuDNN has
+    none). Raises SpmdkitError when an explicit choice cannot run.
     """
     if kind == "auto":
         if context > 1:
             return "ring"
-        cudnn_ok = cudnn_refusal(dtype, head_dim, compute_capability) is None and not manual_region
+        cudnn_ok = cudnn_refusal(dtype, head_dim, compute_capability) is None and not manual_region and not softcap
         return "cudnn" if platform == "cuda" and cudnn_ok else "blockwise"
     if kind not in KERNELS:
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
@@ -73,6 +76,10 @@ def choose_attention(
             raise SpmdkitError(f"--attention cudnn needs an NVIDIA GPU, not {platform}: use blockwise (or auto)")
         if reason := cudnn_refusal(dtype, head_dim, compute_capability):
             raise SpmdkitError(reason)
+        if softcap:
+            raise SpmdkitError(
+                f"--attention cudnn has no logit soft-capping (softcap={softcap}): use blockwise (or auto)"
+            )
         if manual_region:
             raise SpmdkitError(
                 "--attention cudnn cannot run inside pipeline stages or gradient accumulation over replica axes "

@@ -1,9 +1,12 @@
-"""`TransformerConfig`: the shape of a Llama-style decoder, with presets from `tiny` to `405b`.
+"""`TransformerConfig`: the shape and function of a decoder-only transformer (presets: `spmdkit.models.presets`).
 
-Presets are starting points: every field can be set (the `[model]` table, `--model.FIELD`), and the features of the
-Hugging Face families spmdkit runs (Llama 2/3, Qwen2, Qwen3, SmolLM) are fields too: q/k/v and output biases, MLP
-biases, per-head q/k RMSNorms, tied input/output embeddings, RoPE scaling (`linear`, `llama3`) and the MLP's
-activation. The big presets are shapes only: the planner uses them; nobody initialises 405B parameters on a laptop.
+Every feature of the Hugging Face families spmdkit runs is a field (so a flag and a `[model]` TOML key): q/k/v and
+output biases, MLP biases, q/k RMSNorms (per head or over the whole projection), norms before and/or after each
+block's attention and MLP, RMSNorm as (1 + w), tied embeddings, RoPE scaling (`linear`, `llama3`), partial RoPE,
+layers without RoPE, sliding-window attention on every layer or on a pattern of layers with their own RoPE base,
+the attention scale, attention- and final-logit soft-capping, embedding / residual / logit multipliers, the MLP's
+activation, and mixture-of-experts routing (routed experts of their own width, a gated shared expert, the dense
+layers' pattern).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring"]
 Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
+QkNormScope = Literal["head", "layer"]
 RopeType = Literal["default", "linear", "llama3"]
 REMAT_POLICIES: tuple[str, ...] = typing.get_args(Remat)
 ATTENTION_KINDS: tuple[str, ...] = typing.get_args(Attention)
@@ -27,6 +31,7 @@ DISPATCH_KINDS: tuple[str, ...] = typing.get_args(Dispatch)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 ACTIVATIONS: tuple[str, ...] = typing.get_args(Activation)
 ROPE_TYPES: tuple[str, ...] = typing.get_args(RopeType)
+QK_NORM_SCOPES: tuple[str, ...] = typing.get_args(QkNormScope)
 
 
 def _field(default: Any, help: str) -> Any:
@@ -95,9 +100,36 @@ class TransformerConfig:
     rope_original_max_positions: int = _field(8192, "llama3 RoPE: original_max_position_embeddings")
     max_positions: int = _field(0, "max_position_embeddings a Hugging Face export records (0: the run's seq_len)")
 
+    rope_fraction: float = _field(
+        1.0, "share of head_dim that RoPE rotates, the leading dims (HF partial_rotary_factor)"
+    )
+    rope_pattern: str = _field("", "which layers use RoPE: R (yes) or N (no) per layer, repeated (empty: all; SmolLM3)")
+    sliding_window: int = _field(0, "local attention: a query sees this many positions up to its own (0: all)")
+    window_pattern: str = _field(
+        "", "with sliding_window: L (local) or G (global) per layer, repeated over the layers (empty: all local)"
+    )
+    local_rope_theta: float = _field(0.0, "RoPE base of the local layers, unscaled (0: as the others; Gemma 3)")
+    attention_scale: float = _field(0.0, "the factor on q.k (0: 1/sqrt(head_dim); Gemma, Granite set their own)")
+    attention_softcap: float = _field(0.0, "attention logits s become c tanh(s / c) (0: off; Gemma 2)")
+    logit_softcap: float = _field(0.0, "final logits z become c tanh(z / c) (0: off; Gemma 2)")
+    logit_divisor: float = _field(1.0, "final logits divided by this (Granite logits_scaling)")
+    embed_scale: float = _field(1.0, "the embedding's output multiplied by this (Gemma sqrt(embed), Granite)")
+    residual_scale: float = _field(1.0, "attention's and the MLP's outputs multiplied by this (Granite)")
+    norm_plus_one: bool = _field(False, "RMSNorms multiply by (1 + scale): scales stored as offsets (Gemma)")
+    pre_norm: bool = _field(True, "RMSNorm on each block's input to attention and to the MLP (off: OLMo 2)")
+    post_norm: bool = _field(False, "RMSNorm on attention's and the MLP's outputs (Gemma 2/3, OLMo 2)")
+    qk_norm_scope: QkNormScope = _field("head", "q/k norms over each head (Qwen3, Gemma 3) or the layer (OLMo 2)")
+    expert_mlp: int = _field(0, "mixture of experts: hidden width of each routed expert (0: mlp)")
+    shared_expert_mlp: int = _field(0, "mixture of experts: hidden width of the shared expert (0: mlp)")
+    shared_expert_gate: bool = _field(False, "mixture of experts: the shared expert's output times sigmoid(x w)")
+    router_renormalize: bool = _field(True, "mixture of experts: top-k weights (k > 1) rescaled to sum to 1")
+    dense_layers: tuple[int, ...] = _field((), "mixture of experts: 0-based layers that keep the dense MLP")
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # the types the fields declare: layers=2.5 is not a model
             value, kind = getattr(self, field.name), type(field.default)
+            if kind is tuple and isinstance(value, list):  # from TOML or a saved config.json
+                object.__setattr__(self, field.name, value := tuple(value))
             if not _has_type(value, kind):
                 raise SpmdkitError(f"model {field.name}={value!r} must be of type {kind.__name__}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0 and self.norm_eps > 0):
@@ -107,22 +139,23 @@ class TransformerConfig:
                 raise SpmdkitError(f"model {name}={getattr(self, name)} must be positive")
         if self.heads % self.kv_heads:
             raise SpmdkitError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
-        if self.remat not in REMAT_POLICIES:
-            raise SpmdkitError(f"unknown remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        if self.attention not in ATTENTION_KINDS:
-            raise SpmdkitError(f"unknown attention {self.attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+        for name, value, choices in (
+            ("remat policy", self.remat, REMAT_POLICIES), ("attention", self.attention, ATTENTION_KINDS),
+            ("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
+            ("activation", self.activation, ACTIVATIONS), ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES),
+        ):  # fmt: skip
+            if value not in choices:
+                raise SpmdkitError(f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
         if self.loss_chunk < 0 or not (math.isfinite(self.z_loss) and self.z_loss >= 0):
             raise SpmdkitError(f"loss_chunk={self.loss_chunk} and z_loss={self.z_loss} must be >= 0")
         if self.attention_block < 1:
             raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
         if self.experts:
             self._check_experts()
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise SpmdkitError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
-        if self.activation not in ACTIVATIONS:
-            raise SpmdkitError(f"unknown activation {self.activation!r}: choose one of {', '.join(ACTIVATIONS)}")
+        elif self.dense_layers:
+            raise SpmdkitError("dense_layers names layers of a mixture-of-experts model: set experts, or drop it")
         self._check_rope()
+        self._check_scales()
 
     def _check_rope(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -136,65 +169,126 @@ class TransformerConfig:
             )
         if self.rope_original_max_positions < 1 or self.max_positions < 0:
             raise SpmdkitError("rope_original_max_positions must be positive and max_positions >= 0")
+        rotated = self.rotary_dims
+        if not 0 < self.rope_fraction <= 1 or rotated < 2 or rotated % 2:
+            raise SpmdkitError(f"rope_fraction={self.rope_fraction} must rotate an even number of head_dim's dims")
+        for name, letters in (("rope_pattern", "RN"), ("window_pattern", "LG")):
+            pattern = getattr(self, name)
+            if set(pattern) - set(letters):
+                raise SpmdkitError(f"{name}={pattern!r} may hold only the letters {' and '.join(letters)}")
+        if self.sliding_window < 0 or not (math.isfinite(self.local_rope_theta) and self.local_rope_theta >= 0):
+            raise SpmdkitError(f"sliding_window={self.sliding_window} and local_rope_theta must be >= 0")
+        if not self.sliding_window and (self.window_pattern or self.local_rope_theta):
+            raise SpmdkitError("window_pattern and local_rope_theta describe local layers: set sliding_window too")
+
+    def _check_scales(self) -> None:
+        for name in ("attention_scale", "attention_softcap", "logit_softcap"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise SpmdkitError(f"{name}={getattr(self, name)} must be a number >= 0 (0: off)")
+        for name in ("logit_divisor", "embed_scale", "residual_scale"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise SpmdkitError(f"{name}={getattr(self, name)} must be a positive number")
 
     def _check_experts(self) -> None:
         if self.experts < 0 or not 1 <= self.top_k <= self.experts:
             raise SpmdkitError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
-        if self.moe_every < 1 or self.layers % self.moe_every:
-            raise SpmdkitError(f"layers={self.layers} is not a multiple of moe_every={self.moe_every}")
+        if self.moe_every < 1 or not self.moe_layers:
+            raise SpmdkitError(f"moe_every={self.moe_every} and dense_layers leave no mixture-of-experts layer")
+        if sorted(set(self.dense_layers)) != list(self.dense_layers) or not set(self.dense_layers) <= set(
+            range(self.layers)
+        ):
+            raise SpmdkitError(f"dense_layers={list(self.dense_layers)} must be increasing layers 0..{self.layers - 1}")
         if self.dispatch not in DISPATCH_KINDS:
             raise SpmdkitError(f"unknown dispatch {self.dispatch!r}: choose one of {', '.join(DISPATCH_KINDS)}")
-        if self.capacity_factor <= 0:
-            raise SpmdkitError(f"capacity_factor={self.capacity_factor} must be positive")
+        if self.capacity_factor <= 0 or self.expert_mlp < 0 or self.shared_expert_mlp < 0:
+            raise SpmdkitError("capacity_factor must be positive, expert_mlp and shared_expert_mlp >= 0")
         if self.mlp_bias or self.activation != "silu":
             raise SpmdkitError("mixture-of-experts models have SwiGLU experts without biases: drop mlp_bias/activation")
+        if self.shared_expert_gate and not self.shared_expert:
+            raise SpmdkitError("shared_expert_gate gates the shared expert: set shared_expert too")
+
+    # ------------------------------------------------------------------ what each layer is
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` (0-based) is a mixture-of-experts block: every `moe_every`-th, less `dense_layers`."""
+        return bool(self.experts) and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
     @property
     def moe_layers(self) -> int:
-        """How many blocks are mixture-of-experts blocks (every `moe_every`-th one)."""
-        return self.layers // self.moe_every if self.experts else 0
+        """How many blocks are mixture-of-experts blocks."""
+        return sum(self.is_moe_layer(i) for i in range(self.layers)) if self.experts else 0
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of layer `layer` (0: global attention)."""
+        pattern = self.window_pattern or "L"
+        return self.sliding_window if pattern[layer % len(pattern)] == "L" else 0
+
+    def rope_of(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys."""
+        pattern = self.rope_pattern or "R"
+        return pattern[layer % len(pattern)] == "R"
+
+    @property
+    def rotary_dims(self) -> int:
+        """The leading dims of each head that RoPE rotates (HF: int(head_dim x partial_rotary_factor))."""
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def routed_mlp(self) -> int:
+        return self.expert_mlp or self.mlp
 
     def replace(self, **changes: object) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------------------------ counts
+
     def num_params(self, active: bool = False) -> int:
-        """Parameter count: embedding + layers x (attention + MLP + 2 norms) + final norm + LM head (none when
-        tied), biases and q/k norm scales included.
+        """Parameter count: embedding + layers x (attention + MLP + norms) + final norm + LM head (none when
+        tied), biases and norm scales included.
 
-        A mixture-of-experts block has `experts` MLPs (+ the shared one) and a router [embed, experts];
-        `active=True` counts only the `top_k` experts a token runs through (what its FLOPs see).
+        A mixture-of-experts block has `experts` MLPs of width `routed_mlp` (+ the shared one and its gate) and a
+        router [embed, experts]; `active=True` counts only the `top_k` experts a token runs through.
         """
-        attention = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_vectors
-        mlp = 3 * self.embed * self.mlp + self.mlp_bias * (2 * self.mlp + self.embed)
-        dense = attention + mlp + 2 * self.embed
-        routed = self.top_k if active else self.experts
-        moe = attention + (routed + self.shared_expert) * mlp + self.embed * self.experts + 2 * self.embed
+        e = self.embed
+        attention = e * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_vectors
+        norms = 2 * (self.pre_norm + self.post_norm) * e
+        dense = attention + self._mlp_params(self.mlp, self.mlp_bias) + norms
+        routed = (self.top_k if active else self.experts) * self._mlp_params(self.routed_mlp, False)
+        shared = self.shared_expert * (self._mlp_params(self.shared_expert_mlp or self.mlp, False))
+        moe = attention + routed + shared + e * (self.experts + self.shared_expert_gate) + norms
         layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
-        head = 0 if self.tie_embeddings else self.vocab_size * self.embed
-        return self.vocab_size * self.embed + head + layers + self.embed
+        head = 0 if self.tie_embeddings else self.vocab_size * e
+        return self.vocab_size * e + head + layers + e
 
-    @property
-    def _attention_biases(self) -> int:
-        return self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
+    def _mlp_params(self, width: int, bias: bool) -> int:
+        return 3 * self.embed * width + bias * (2 * width + self.embed)
 
     @property
     def _attention_vectors(self) -> int:
         """Per layer: the attention's biases and its q/k norm scales (not matmul weights)."""
-        return self._attention_biases + 2 * self.qk_norm * self.head_dim
+        biases = self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
+        norms = 2 if self.qk_norm_scope == "head" else self.heads + self.kv_heads
+        return biases + self.qk_norm * norms * self.head_dim
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
 
         Every matmul weight costs 2 FLOPs per token forward and 4 backward (6N; the embedding lookup is a
-        gather, not a matmul, so an untied table is left out, as are norm scales and biases). Attention adds QK^T
-        and PV: 2 x 2 x seq x heads x head_dim per layer forward, times 3 with backward, halved for causal masking.
+        gather, not a matmul, so an untied table is left out, as are norm scales and biases; a router and a shared
+        expert's gate are matmuls). Attention adds QK^T and PV: 2 x 2 x keys x heads x head_dim per layer forward,
+        times 3 with backward, keys = seq (seq / 2 causal; a local layer's window W < seq: W - W^2 / (2 seq)).
         """
-        vectors = (2 * self.layers + 1) * self.embed + self.layers * self._attention_vectors
+        norms = 2 * (self.pre_norm + self.post_norm) * self.embed
+        vectors = self.layers * (norms + self._attention_vectors) + self.embed
         vectors += (self.layers - self.moe_layers) * self.mlp_bias * (2 * self.mlp + self.embed)
         table = 0 if self.tie_embeddings else self.vocab_size * self.embed
         matmul_params = self.num_params(active=True) - table - vectors
-        attention = 12 * self.layers * self.heads * self.head_dim * seq_len
-        return 6 * matmul_params + (attention / 2 if causal else attention)
+        keys = 0.0
+        for layer in range(self.layers):
+            window = self.window_of(layer) if causal else 0
+            full = seq_len / 2 if causal else seq_len
+            keys += window - window * window / (2 * seq_len) if 0 < window < seq_len else full
+        return 6 * matmul_params + 12 * self.heads * self.head_dim * keys
 
 
 def loss_chunks(seq_len: int, chunk: int, shards: int = 1) -> int:
@@ -205,81 +299,3 @@ def loss_chunks(seq_len: int, chunk: int, shards: int = 1) -> int:
         return 1
     local = seq_len // shards
     return next((n for n in range(math.ceil(seq_len / chunk), local + 1) if local % n == 0), local)
-
-
-PRESETS: dict[str, TransformerConfig] = {
-    "tiny": TransformerConfig(),
-    "125m": TransformerConfig(vocab_size=32_000, embed=768, layers=12, heads=12, kv_heads=12, head_dim=64, mlp=2048),
-    "1b": TransformerConfig(vocab_size=128_256, embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192),
-    "7b": TransformerConfig(vocab_size=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008),
-    "70b": TransformerConfig(
-        vocab_size=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, rope_theta=500_000.0
-    ),
-    "405b": TransformerConfig(
-        vocab_size=128_256,
-        embed=16384,
-        layers=126,
-        heads=128,
-        kv_heads=8,
-        head_dim=128,
-        mlp=53248,
-        rope_theta=500_000.0,
-    ),
-}
-
-PRESETS["tiny-moe"] = TransformerConfig(experts=8, top_k=2, mlp=128, moe_every=2)
-PRESETS["mixtral-8x7b"] = TransformerConfig(
-    vocab_size=32_000,
-    embed=4096,
-    layers=32,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    mlp=14336,
-    rope_theta=1_000_000.0,
-    experts=8,
-    top_k=2,
-)
-
-
-# The families users fine-tune (shapes for the planner; `spmdkit train --init-from` takes real weights' shapes).
-_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, rope_type="llama3", rope_low_freq_factor=1.0,
-               rope_high_freq_factor=4.0, rope_original_max_positions=8192, max_positions=131_072)  # fmt: skip
-PRESETS["llama3-8b"] = TransformerConfig(
-    embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, rope_factor=8.0, **_LLAMA3
-)
-PRESETS["llama3-70b"] = TransformerConfig(
-    embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, rope_factor=8.0, **_LLAMA3
-)
-PRESETS["llama3.2-1b"] = TransformerConfig(
-    embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192, rope_factor=32.0, tie_embeddings=True, **_LLAMA3
-)
-PRESETS["llama3.2-3b"] = TransformerConfig(
-    embed=3072,
-    layers=28,
-    heads=24,
-    kv_heads=8,
-    head_dim=128,
-    mlp=8192,
-    rope_factor=32.0,
-    tie_embeddings=True,
-    **_LLAMA3,
-)
-PRESETS["qwen2.5-0.5b"] = TransformerConfig(
-    vocab_size=151_936, embed=896, layers=24, heads=14, kv_heads=2, head_dim=64, mlp=4864, rope_theta=1_000_000.0,
-    norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_positions=32_768,
-)  # fmt: skip
-PRESETS["qwen3-8b"] = TransformerConfig(
-    vocab_size=151_936, embed=4096, layers=36, heads=32, kv_heads=8, head_dim=128, mlp=12288, rope_theta=1_000_000.0,
-    norm_eps=1e-6, qk_norm=True, max_positions=40_960,
-)  # fmt: skip
-PRESETS["smollm-135m"] = TransformerConfig(
-    vocab_size=49_152, embed=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536, tie_embeddings=True,
-    max_positions=2048,
-)  # fmt: skip
-
-
-def model_preset(name: str) -> TransformerConfig:
-    if name not in PRESETS:
-        raise SpmdkitError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]

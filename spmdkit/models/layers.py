@@ -19,6 +19,7 @@ from flax import nnx
 
 from spmdkit.models.attention import attend
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.layer_plan import LayerKind, layer_kind
 from spmdkit.sharding.logical import constrain
 
 # Activation layouts, by logical name. The residual stream carries `act_seq` (sequence parallelism shards it
@@ -38,35 +39,43 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * scale, over the last dim; computed in float32. scale: [size] (`norm`; size: embed, or
-    head_dim for the per-head q/k norms)."""
+    """y = x / rms(x) * scale over the trailing dims of `scale`, in float32; scale (1 + scale with
+    `norm_plus_one`, Gemma: then stored as zeros). Shapes: [embed] (`norm`), [head_dim] for per-head q/k norms,
+    [heads, head_dim] (`heads`, `head_dim`) for a q/k norm over the whole projection (OLMo 2)."""
 
-    def __init__(self, config: TransformerConfig, size: int | None = None):
-        self.scale = nnx.Param(jnp.ones((size or config.embed,), config.param_dtype), out_sharding=("norm",))
-        self.eps = config.norm_eps
+    def __init__(self, config: TransformerConfig, shape: tuple[int, ...] | None = None, names: tuple = ("norm",)):
+        init = jnp.zeros if config.norm_plus_one else jnp.ones
+        self.scale = nnx.Param(init(shape or (config.embed,), config.param_dtype), out_sharding=names)
+        self.eps, self.plus_one = config.norm_eps, config.norm_plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, plus_one=self.plus_one)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(mean(x^2) + eps) * scale over the last dim, in float32, returned in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * scale (or * (1 + scale)) over x's trailing `scale.ndim` dims, in float32,
+    returned in x's dtype."""
+    x32, axes = x.astype(jnp.float32), tuple(range(-scale.ndim, 0))
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    weight = scale.astype(jnp.float32) + 1.0 if plus_one else scale.astype(jnp.float32)
+    return (normed * weight).astype(x.dtype)
 
 
 @functools.cache
-def rope_frequencies(config: TransformerConfig) -> np.ndarray:
-    """The [head_dim / 2] float32 inverse frequencies theta^(-2i/d), scaled as `rope_type` says.
+def rope_frequencies(config: TransformerConfig, local: bool = False) -> np.ndarray:
+    """The [rotary_dims / 2] float32 inverse frequencies theta^(-2i/d) (d = `rotary_dims`), scaled as `rope_type`
+    says; `local`: the local layers' plain frequencies of base `local_rope_theta` (Gemma 3).
 
     Computed in float32 in the order transformers' `modeling_rope_utils` computes them, so that imported models
     rotate by the same angles: `linear` divides every frequency by `rope_factor`; `llama3` divides the low
     frequencies (wavelength above original_max_positions / low_freq_factor) by `rope_factor`, keeps the high ones
     (wavelength below original_max_positions / high_freq_factor) and blends the band between.
     """
-    c, f32 = config, np.float32
-    inv = f32(1.0) / (f32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=f32) / f32(c.head_dim)))
+    c, f32, d = config, np.float32, config.rotary_dims
+    theta = c.local_rope_theta if local else c.rope_theta
+    inv = f32(1.0) / (f32(theta) ** (np.arange(0, d, 2, dtype=f32) / f32(d)))
+    if local:
+        return inv.astype(f32)
     if c.rope_type == "linear":
         inv = inv / f32(c.rope_factor)
     elif c.rope_type == "llama3":
@@ -88,18 +97,21 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
 def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float) -> jax.Array:
     """Rotary position embedding (rotate-half form). x: [batch, seq, heads, head_dim]; positions: [batch, seq].
 
-    Pairs (x_i, x_{i+d/2}) rotate by angle position * frequencies[i] (`rope_frequencies`; a float is a plain RoPE
-    base theta: theta^(-2i/d)). Positions are explicit so that a permuted sequence (zigzag context parallelism)
-    keeps each token's true position.
+    Over the leading d = 2 x len(frequencies) dims of each head (the rest pass unrotated: partial RoPE), pairs
+    (x_i, x_{i+d/2}) rotate by angle position * frequencies[i] (`rope_frequencies`; a float is a plain RoPE base
+    theta over the whole head: theta^(-2i/d)). Positions are explicit so that a permuted sequence (zigzag context
+    parallelism) keeps each token's true position.
     """
-    half = x.shape[-1] // 2
     if isinstance(frequencies, (int, float)):
+        half = x.shape[-1] // 2
         frequencies = frequencies ** (-np.arange(half, dtype=np.float32) / half)
+    half = len(frequencies)
     freq = jnp.asarray(frequencies, jnp.float32)
     angle = positions[..., None, None].astype(jnp.float32) * freq  # [batch, seq, 1, half]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half : 2 * half].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotated if 2 * half == x.shape[-1] else jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1)
 
 
 def zeros_param(shape: tuple[int, ...], names: tuple[str, ...], dtype: str) -> nnx.Param:
@@ -111,7 +123,8 @@ class Attention(nnx.Module):
     """Grouped-query self-attention. Weights: q [embed, heads, head_dim], k/v [embed, kv_heads, head_dim],
     o [heads, head_dim, embed]; with `qkv_bias`, q_bias [heads, head_dim] and k/v_bias [kv_heads, head_dim]; with
     `o_bias`, o_bias [embed] (split like the weights' embed: over fsdp under ZeRO-3, whole on `tensor`, added once
-    after the row-parallel sum); with `qk_norm`, q_norm and k_norm (`RMSNorm` over head_dim, shared by the heads).
+    after the row-parallel sum); with `qk_norm`, q_norm and k_norm (`RMSNorm` over head_dim, shared by the heads;
+    scope "layer": over [heads, head_dim], split like q and k).
     Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o: one all-reduce, or
     reduce-scatter under SP, per block forward)."""
 
@@ -129,13 +142,19 @@ class Attention(nnx.Module):
             self.v_bias = zeros_param((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd)
         if c.o_bias:
             self.o_bias = zeros_param((c.embed,), ("embed",), pd)
-        if c.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(c, c.head_dim), RMSNorm(c, c.head_dim)
+        if c.qk_norm and c.qk_norm_scope == "head":
+            self.q_norm, self.k_norm = RMSNorm(c, (c.head_dim,)), RMSNorm(c, (c.head_dim,))
+        elif c.qk_norm:
+            self.q_norm = RMSNorm(c, (c.heads, c.head_dim), ("heads", "head_dim"))
+            self.k_norm = RMSNorm(c, (c.kv_heads, c.head_dim), ("kv_heads", "head_dim"))
         self.config = config
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(
+        self, x: jax.Array, positions: jax.Array, kind: LayerKind | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [batch, seq, embed] -> q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim], with
-        the rotary embedding of `positions` [batch, seq] applied to q and k (heads split over `tensor` under TP)."""
+        the rotary embedding of `positions` [batch, seq] applied to q and k where the layer's `kind` rotates
+        (None: layer 0's kind); heads split over `tensor` under TP."""
         c, dt = self.config, self.config.dtype
         x = constrain(x, HIDDEN)
 
@@ -146,9 +165,12 @@ class Attention(nnx.Module):
             return constrain(y, ("batch", "seq", heads, None))
 
         q, k, v = project("q", "heads"), project("k", "kv_heads"), project("v", "kv_heads")
-        if c.qk_norm:  # each head normalised over head_dim after the projection, before the rotation (Qwen3)
+        if c.qk_norm:  # normalised after the projection, before the rotation (Qwen3, OLMo 2, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
-        frequencies = rope_frequencies(c)
+        kind = kind or layer_kind(c, 0)
+        if not kind.rope:
+            return q, k, v
+        frequencies = rope_frequencies(c, kind.local_rope)
         return rotary(q, positions, frequencies), rotary(k, positions, frequencies), v
 
     def out(self, attended: jax.Array) -> jax.Array:
@@ -160,11 +182,27 @@ class Attention(nnx.Module):
             y = y + self.o_bias[...].astype(dt)
         return constrain(y, RESIDUAL)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def scores_options(self, kind: LayerKind | None = None) -> dict:
+        """The keyword arguments every attention kernel takes for this layer, those it sets: window, scale,
+        softcap (a plain layer passes none)."""
+        c, kind = self.config, kind or layer_kind(self.config, 0)
+        options = {"window": kind.window, "scale": c.attention_scale or None, "softcap": c.attention_softcap}
+        return {name: value for name, value in options.items() if value}
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        kind: LayerKind | None = None,
+    ) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`.
-        segment_ids: int32 [batch, seq] (0 padding, 1, 2, ... documents packed in a row) or None (one document)."""
-        q, k, v = self.qkv(x, positions)
-        return self.out(attend(q, k, v, self.config.attention, segment_ids, block=self.config.attention_block))
+        segment_ids: int32 [batch, seq] (0 padding, 1, 2, ... documents packed in a row) or None (one document);
+        kind: the layer's static kind (its window, its RoPE; None: layer 0's)."""
+        c = self.config
+        q, k, v = self.qkv(x, positions, kind)
+        attended = attend(q, k, v, c.attention, segment_ids, block=c.attention_block, **self.scores_options(kind))
+        return self.out(attended)
 
 
 ACTIVATIONS = {
@@ -176,16 +214,17 @@ ACTIVATIONS = {
 
 class MLP(nnx.Module):
     """Gated MLP: down(act(x gate) * (x up)), act = `activation` (silu: SwiGLU). gate/up [embed, mlp]
-    (column-parallel), down [mlp, embed] (row); with `mlp_bias`, gate/up_bias [mlp] and down_bias [embed]."""
+    (column-parallel), down [mlp, embed] (row); with `mlp_bias`, gate/up_bias [mlp] and down_bias [embed]; `width`
+    replaces the config's `mlp` (a shared expert's own width)."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        c, pd = config, config.param_dtype
-        self.gate = normal_param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
-        self.up = normal_param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.embed, pd)
-        self.down = normal_param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.mlp, pd)
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, width: int | None = None):
+        c, pd, f = config, config.param_dtype, width or config.mlp
+        self.gate = normal_param(rngs, (c.embed, f), ("embed", "mlp"), c.embed, pd)
+        self.up = normal_param(rngs, (c.embed, f), ("embed", "mlp"), c.embed, pd)
+        self.down = normal_param(rngs, (f, c.embed), ("mlp", "embed"), f, pd)
         if c.mlp_bias:
-            self.gate_bias = zeros_param((c.mlp,), ("mlp",), pd)
-            self.up_bias = zeros_param((c.mlp,), ("mlp",), pd)
+            self.gate_bias = zeros_param((f,), ("mlp",), pd)
+            self.up_bias = zeros_param((f,), ("mlp",), pd)
             self.down_bias = zeros_param((c.embed,), ("embed",), pd)
         self.dtype, self.activation, self.bias = config.dtype, config.activation, config.mlp_bias
 
@@ -204,9 +243,13 @@ class MLP(nnx.Module):
         return constrain(y, RESIDUAL)
 
 
-def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
-    """table [vocab, embed], tokens [batch, seq] -> [batch, seq, embed] in `dtype`."""
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str, scale: float = 1.0) -> jax.Array:
+    """table [vocab, embed], tokens [batch, seq] -> [batch, seq, embed] in `dtype`, times `scale` (Gemma's
+    sqrt(embed), Granite's multiplier: a `dtype` constant, as transformers casts it)."""
     # Gather the table's `embed` dim first (as FSDP does for every weight): a lookup into an fsdp-sharded
     # table with (batch, seq)-sharded ids otherwise makes GSPMD all-gather the embedded sequence.
     table = constrain(table.astype(dtype), ("vocab", None))
-    return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+    x = jnp.take(table, tokens, axis=0)
+    if scale != 1.0:
+        x = x * jnp.asarray(scale, dtype)
+    return constrain(x, RESIDUAL)

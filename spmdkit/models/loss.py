@@ -31,19 +31,32 @@ LOGITS = ("batch", "seq", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Head:
-    """The static part of the head (a custom_vjp non-differentiable argument)."""
+class HeadSpec:
+    """The static part of the head (a custom_vjp non-differentiable argument): the final norm's epsilon and
+    form, the compute dtype, and what happens to the logits (divided by `divisor`, then soft-capped)."""
 
     norm_eps: float
     dtype: str
+    norm_plus_one: bool = False
+    divisor: float = 1.0
+    softcap: float = 0.0
+
+    @classmethod
+    def of(cls, config: TransformerConfig) -> HeadSpec:
+        c = config
+        return cls(c.norm_eps, c.dtype, c.norm_plus_one, c.logit_divisor, c.logit_softcap)
 
 
-def head_logits(x: jax.Array, norm_scale: jax.Array, head: jax.Array, norm_eps: float, dtype: str) -> jax.Array:
+def head_logits(x: jax.Array, norm_scale: jax.Array, head: jax.Array, spec: HeadSpec) -> jax.Array:
     """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab] (vocab split over
-    `tensor` under TP)."""
-    x = rms_norm(x, norm_scale, norm_eps)
-    logits = jnp.einsum("bse,ev->bsv", x, head.astype(dtype))
-    return constrain(logits.astype(F32), LOGITS)
+    `tensor` under TP): z = norm(x) head / divisor, then c tanh(z / c) when soft-capped (Granite, Gemma 2)."""
+    x = rms_norm(x, norm_scale, spec.norm_eps, plus_one=spec.norm_plus_one)
+    logits = jnp.einsum("bse,ev->bsv", x, head.astype(spec.dtype)).astype(F32)
+    if spec.divisor != 1.0:
+        logits = logits / spec.divisor
+    if spec.softcap:
+        logits = spec.softcap * jnp.tanh(logits / spec.softcap)
+    return constrain(logits, LOGITS)
 
 
 def _token_axes(name: str) -> tuple[str, ...]:
@@ -66,16 +79,16 @@ def _take(x: jax.Array, i) -> jax.Array:
     return lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
-def _chunk_stats(spec: _Head, xs, scale, head, ts, ws, i):
+def _chunk_stats(spec: HeadSpec, xs, scale, head, ts, ws, i):
     """(sum of w (lse - logit of the target), sum of w lse^2, lse [batch, c]) of chunk i."""
-    logits = head_logits(_take(xs, i), scale, head, spec.norm_eps, spec.dtype)
+    logits = head_logits(_take(xs, i), scale, head, spec)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, _take(ts, i)[..., None], axis=-1)[..., 0]
     w = _take(ws, i)
     return jnp.sum(w * (lse - target)), jnp.sum(w * lse * lse), lse
 
 
-def _forward(spec: _Head, xs, scale, head, ts, ws):
+def _forward(spec: HeadSpec, xs, scale, head, ts, ws):
     """Loop over the chunks; the first runs outside the loop, so the carry takes its types (inside a shard_map the
     sums vary over the axes the activations vary over)."""
     ce, z, lse0 = _chunk_stats(spec, xs, scale, head, ts, ws, 0)
@@ -90,20 +103,20 @@ def _forward(spec: _Head, xs, scale, head, ts, ws):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss_sums(spec: _Head, xs, scale, head, ts, ws):
+def _loss_sums(spec: HeadSpec, xs, scale, head, ts, ws):
     return _forward(spec, xs, scale, head, ts, ws)[:2]
 
 
-def _loss_sums_fwd(spec: _Head, xs, scale, head, ts, ws):
+def _loss_sums_fwd(spec: HeadSpec, xs, scale, head, ts, ws):
     ce, z, lses = _forward(spec, xs, scale, head, ts, ws)
     return (ce, z), (xs, scale, head, ts, ws, lses)
 
 
-def _loss_sums_bwd(spec: _Head, residuals, cotangents):
+def _loss_sums_bwd(spec: HeadSpec, residuals, cotangents):
     xs, scale, head, ts, ws, lses = residuals
     g_ce, g_z = cotangents
 
-    logits_of = functools.partial(head_logits, norm_eps=spec.norm_eps, dtype=spec.dtype)
+    logits_of = functools.partial(head_logits, spec=spec)
 
     def chunk_grads(i):
         logits, vjp = jax.vjp(logits_of, _take(xs, i), scale, head)
@@ -150,7 +163,7 @@ def lm_loss(
     batch, seq = _token_axes("batch"), _token_axes("seq")
     n = loss_chunks(x.shape[1], config.loss_chunk, math.prod(active_rules()[1].shape[a] for a in seq))
     weights = jnp.ones(targets.shape, F32) if mask is None else mask.astype(F32)
-    spec = _Head(config.norm_eps, config.dtype)
+    spec = HeadSpec.of(config)
 
     def sums(x, scale, head, targets, weights):
         return _loss_sums(spec, _strided(x, n), scale, head, _strided(targets, n), _strided(weights, n))

@@ -4,8 +4,10 @@ The module is plain: the experts' leading dim is the logical axis `experts` (the
 mesh axis) and the routed computation is `spmdkit.parallel.experts.expert_ffn`, which picks the dispatch.
 
 Router (float32): p = softmax(x W_r) over E experts; each token takes its top_k experts, weighted by their
-probabilities renormalised to sum to 1 (for top_k = 1 the raw probability, as in Switch: renormalised it
-would be 1 and the router would get no gradient from the loss).
+probabilities, renormalised to sum to 1 when `router_renormalize` (Mixtral; Qwen-MoE's `norm_topk_prob`) and
+top_k > 1 (for top_k = 1 the raw probability, as in Switch: renormalised it would be 1 and the router would get no
+gradient from the loss). Experts are `routed_mlp` wide; the shared expert (Qwen2-MoE) is `shared_expert_mlp`
+wide and, with `shared_expert_gate`, scaled per token by sigmoid(x w_g), w_g [embed, 1].
 
 Aux losses, over all tokens of the batch (computed outside the shard_map, so they are global on any mesh):
 - load balance (Switch): E x sum_i f_i P_i, f_i = share of the token->expert assignments that chose expert i,
@@ -28,11 +30,11 @@ from spmdkit.sharding.logical import constrain
 ROUTED = ("batch", "seq", None)
 
 
-def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, top_k: int, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights: logits [B, S, E] float32 -> (index, weight) [B, S, k]."""
     probs = jax.nn.softmax(logits, axis=-1)
     weight, index = jax.lax.top_k(probs, top_k)
-    if top_k > 1:
+    if top_k > 1 and renormalize:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     return index, weight
 
@@ -51,18 +53,22 @@ def aux_losses(logits: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts. router [embed, experts]; gate/up [experts, embed, mlp]; down [experts, mlp, embed]."""
+    """Routed SwiGLU experts. router [embed, experts]; gate/up [experts, embed, routed_mlp]; down [experts,
+    routed_mlp, embed]; with `shared_expert`, `shared` (an MLP of width shared_expert_mlp) and, with
+    `shared_expert_gate`, its gate [embed, 1]."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        c, pd = config, config.param_dtype
+        c, pd, f = config, config.param_dtype, config.routed_mlp
         self.router = nnx.Param(normal(rngs, (c.embed, c.experts), c.embed, pd), out_sharding=("embed", None))
-        shape_in, shape_out = (c.experts, c.embed, c.mlp), (c.experts, c.mlp, c.embed)
+        shape_in, shape_out = (c.experts, c.embed, f), (c.experts, f, c.embed)
         names_in, names_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
         self.gate = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
         self.up = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
-        self.down = nnx.Param(normal(rngs, shape_out, c.mlp, pd), out_sharding=names_out)
-        if c.shared_expert:
-            self.shared = MLP(config, rngs=rngs)  # the dense block's MLP, run on every token
+        self.down = nnx.Param(normal(rngs, shape_out, f, pd), out_sharding=names_out)
+        if c.shared_expert:  # a dense MLP run on every token
+            self.shared = MLP(config, rngs=rngs, width=c.shared_expert_mlp or c.mlp)
+        if c.shared_expert_gate:
+            self.shared_gate = nnx.Param(normal(rngs, (c.embed, 1), c.embed, pd), out_sharding=("embed", None))
         self.config = config
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -70,10 +76,14 @@ class MoE(nnx.Module):
         c = self.config
         x = constrain(x, HIDDEN)
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        index, weight = route(logits, c.top_k)
+        index, weight = route(logits, c.top_k, c.router_renormalize)
         index, weight = constrain(index, ROUTED), constrain(weight, ROUTED)
         experts = ExpertWeights(self.gate[...], self.up[...], self.down[...])
         y, dropped = expert_ffn(x, index, weight, experts, dispatch_kind=c.dispatch, factor=c.capacity_factor)
         if c.shared_expert:
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            if c.shared_expert_gate:  # sigmoid(x w_g) per token, in the compute dtype as transformers runs it
+                gate = jnp.einsum("bse,eo->bso", x, self.shared_gate[...].astype(x.dtype))
+                shared = shared * jax.nn.sigmoid(gate)
+            y = y + shared
         return constrain(y, ("batch", "act_seq", "act_embed")), {**aux_losses(logits, index), "dropped": dropped}

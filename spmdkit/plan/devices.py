@@ -36,6 +36,7 @@ class Device:
     kinds: tuple[str, ...] = ()
     hbm_bw: float = 0.0  # HBM bytes/s (nominal): decode reads every weight and the KV cache per token from it
     link_latency: float = 10e-6  # seconds of one small collective in a node (latency-bound: decode's all-reduces)
+    compute_capability: int = 0  # the GPU's major version (9: Hopper): what cuDNN attention may run there
 
 
 DEVICES: dict[str, Device] = {
@@ -43,16 +44,52 @@ DEVICES: dict[str, Device] = {
     # B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
     # (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
     # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
-    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, kinds=("H100", "H800"), hbm_bw=3.35e12, link_latency=8e-6),
-    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, kinds=("H200", "GH200"), hbm_bw=4.8e12, link_latency=8e-6),
+    "h100": Device(
+        "h100",
+        80e9,
+        989e12,
+        450e9,
+        50e9,
+        kinds=("H100", "H800"),
+        hbm_bw=3.35e12,
+        link_latency=8e-6,
+        compute_capability=9,
+    ),
+    "h200": Device(
+        "h200",
+        141e9,
+        989e12,
+        450e9,
+        50e9,
+        kinds=("H200", "GH200"),
+        hbm_bw=4.8e12,
+        link_latency=8e-6,
+        compute_capability=9,
+    ),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
-    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, kinds=("A100", "A800"), hbm_bw=2.039e12, link_latency=10e-6),
+    "a100": Device(
+        "a100",
+        80e9,
+        312e12,
+        300e9,
+        25e9,
+        kinds=("A100", "A800"),
+        hbm_bw=2.039e12,
+        link_latency=10e-6,
+        compute_capability=8,
+    ),
     # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
-    "l40s": Device("l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",), hbm_bw=0.864e12, link_latency=20e-6),
+    "l40s": Device(
+        "l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",), hbm_bw=0.864e12, link_latency=20e-6, compute_capability=8
+    ),
     # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
-    "b200": Device("b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",), hbm_bw=8e12, link_latency=8e-6),
+    "b200": Device(
+        "b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",), hbm_bw=8e12, link_latency=8e-6, compute_capability=10
+    ),
     # GB200 NVL72: 186 GB usable, 2.5 PFLOP/s dense bf16, NVLink5 1.8 TB/s in a 72-GPU domain.
-    "gb200": Device("gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",), hbm_bw=8e12),
+    "gb200": Device(
+        "gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",), hbm_bw=8e12, compute_capability=10
+    ),
     # TPU v4: 32 GB HBM, 275 TFLOP/s; ICI ~ 2 x 45 GB/s per link, 6 links. TPU v5e: 16 GB, 197 TFLOP/s.
     "tpu-v4": Device(
         "tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",), hbm_bw=1.2e12

@@ -62,7 +62,8 @@ import math
 from collections.abc import Mapping
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config import PRESETS, TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
 from spmdkit.plan.layout import BATCH_AXES, Layout, check_layout
@@ -271,13 +272,13 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
     # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens;
     # 6 FLOPs per weight and slot (forward and backward), 3 E F weights per expert.
-    padding = 18 * m.embed * m.mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
+    padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
     extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    if attention_kernel(m, sizes["context"], planner_platform(dev), manual_region(s)) != "dot":
+    if attention_kernel(m, sizes["context"], planner_platform(dev), manual_region(s), dev.compute_capability) != "dot":
         extra += attention_forward / 2
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3
@@ -292,7 +293,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         model=model_name(m), mesh=sizes, device=dev.name, batch_size=s.batch_size, seq_len=s.seq_len,
         dtype=m.dtype, remat=m.remat, zero=s.zero, sequence_parallel=s.sequence_parallel and sizes["tensor"] > 1,
         microbatches=s.microbatches, schedule=s.schedule, virtual_stages=s.virtual_stages,
-        memory=memory(s, planner_platform(dev)),
+        memory=memory(s, planner_platform(dev), dev.compute_capability),
         hbm_bytes=dev.hbm_bytes, collective_bytes=by_opcode, traffic=traffic, bubble=bubble, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble_s, step_s=step, tokens_per_s=s.batch_size * s.seq_len / step,
         mfu=model_flops / (step * devices * dev.peak_flops),

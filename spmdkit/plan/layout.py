@@ -35,43 +35,63 @@ UNSTACKED = ("embedding", "final_norm", "lm_head")
 Param = tuple[str, tuple[int, ...], tuple[str | None, ...]]
 
 
+def _mlp(E: int, F: int, bias: bool) -> list[Param]:
+    mlp = [("gate", (E, F), ("embed", "mlp")), ("up", (E, F), ("embed", "mlp")), ("down", (F, E), ("mlp", "embed"))]
+    if bias:
+        mlp += [("gate_bias", (F,), ("mlp",)), ("up_bias", (F,), ("mlp",)), ("down_bias", (E,), ("embed",))]
+    return mlp
+
+
+def _attention_vectors(m: TransformerConfig) -> list[Param]:
+    """The attention's biases and q/k norm scales."""
+    E, H, K, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    out: list[Param] = []
+    if m.qkv_bias:
+        out += [("attention.q_bias", (H, d), ("heads", "head_dim"))]
+        out += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
+    if m.o_bias:
+        out += [("attention.o_bias", (E,), ("embed",))]
+    if m.qk_norm and m.qk_norm_scope == "head":
+        out += [("attention.q_norm", (d,), ("norm",)), ("attention.k_norm", (d,), ("norm",))]
+    elif m.qk_norm:
+        out += [
+            ("attention.q_norm", (H, d), ("heads", "head_dim")),
+            ("attention.k_norm", (K, d), ("kv_heads", "head_dim")),
+        ]
+    return out
+
+
+def _experts(m: TransformerConfig) -> list[Param]:
+    E, F, X = m.embed, m.routed_mlp, m.experts
+    mlp: list[Param] = [
+        ("router", (E, X), ("embed", None)),
+        ("gate", (X, E, F), ("experts", "embed", "mlp")),
+        ("up", (X, E, F), ("experts", "embed", "mlp")),
+        ("down", (X, F, E), ("experts", "mlp", "embed")),
+    ]
+    if m.shared_expert:
+        mlp += [(f"shared.{n}", shape, names) for n, shape, names in _mlp(E, m.shared_expert_mlp or m.mlp, False)]
+    if m.shared_expert_gate:
+        mlp += [("shared_gate", (E, 1), ("embed", None))]
+    return mlp
+
+
 def _block(m: TransformerConfig, moe: bool) -> list[Param]:
     """One block's parameters (name relative to the block, shape, logical names), as `Block` builds them."""
-    E, H, K, d, F, X = m.embed, m.heads, m.kv_heads, m.head_dim, m.mlp, m.experts
-    dense_mlp = [
-        ("gate", (E, F), ("embed", "mlp")),
-        ("up", (E, F), ("embed", "mlp")),
-        ("down", (F, E), ("mlp", "embed")),
-    ]
-    if m.mlp_bias:
-        dense_mlp += [("gate_bias", (F,), ("mlp",)), ("up_bias", (F,), ("mlp",)), ("down_bias", (E,), ("embed",))]
-    biases = []
-    if m.qkv_bias:
-        biases += [("attention.q_bias", (H, d), ("heads", "head_dim"))]
-        biases += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
-    if m.o_bias:
-        biases += [("attention.o_bias", (E,), ("embed",))]
-    if m.qk_norm:
-        biases += [("attention.q_norm", (d,), ("norm",)), ("attention.k_norm", (d,), ("norm",))]
-    if moe:
-        mlp = [
-            ("router", (E, X), ("embed", None)),
-            ("gate", (X, E, F), ("experts", "embed", "mlp")),
-            ("up", (X, E, F), ("experts", "embed", "mlp")),
-            ("down", (X, F, E), ("experts", "mlp", "embed")),
-        ]
-        mlp += [(f"shared.{name}", shape, names) for name, shape, names in dense_mlp] if m.shared_expert else []
-    else:
-        mlp = dense_mlp
+    E, H, K, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    mlp = _experts(m) if moe else _mlp(E, m.mlp, m.mlp_bias)
+    norm = ((E,), ("norm",))
     return [
-        ("attention_norm", (E,), ("norm",)),
+        *([("attention_norm", *norm)] if m.pre_norm else []),
         ("attention.q", (E, H, d), ("embed", "heads", "head_dim")),
         ("attention.k", (E, K, d), ("embed", "kv_heads", "head_dim")),
         ("attention.v", (E, K, d), ("embed", "kv_heads", "head_dim")),
         ("attention.o", (H, d, E), ("heads", "head_dim", "embed")),
-        *biases,
-        ("mlp_norm", (E,), ("norm",)),
+        *_attention_vectors(m),
+        *([("attention_post_norm", *norm)] if m.post_norm else []),
+        *([("mlp_norm", *norm)] if m.pre_norm else []),
         *[(f"mlp.{name}", shape, names) for name, shape, names in mlp],
+        *([("mlp_post_norm", *norm)] if m.post_norm else []),
     ]
 
 

@@ -74,13 +74,17 @@ def manual_region(s: Layout) -> bool:
     return s["pipeline"] > 1 or (s.microbatches > 1 and replicas and not s.model.moe_layers)
 
 
-def attention_kernel(m: TransformerConfig, C: int, platform: str | None, manual: bool = False) -> str:
+def attention_kernel(
+    m: TransformerConfig, C: int, platform: str | None, manual: bool = False, capability: int = 0
+) -> str:
     """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`); an explicit
-    cudnn in a manual region, which the trainer refuses, is sized as the blockwise kernel."""
+    cudnn in a manual region, which the trainer refuses, is sized as the blockwise kernel. `capability`: the GPU's
+    major compute capability (0: unknown, the limits every GPU runs)."""
     try:
         return choose_attention(
-            m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim, manual_region=manual
-        )
+            m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim, manual_region=manual,
+            softcap=m.attention_softcap, compute_capability=capability,
+        )  # fmt: skip
     except SpmdkitError:
         if not manual:
             raise
@@ -99,21 +103,38 @@ def kernel_scores(m: TransformerConfig, kernel: str, T: int, C: int, seq: int) -
         return 4 * H * seq + a * H * d
     if kernel == "ring":
         return 4 * H * seq * (1 + d / _ring_tile(seq // (2 * C)))
-    if kernel == "blockwise":
-        block = min(m.attention_block, seq)
-        pairs = sum(len(step.q) for step in BlockPlan(seq, block, block, True, 1.0).steps)
-        return pairs * block * (block + d) * 4 * H / seq
+    if kernel == "blockwise":  # the mean over the layers (a local layer's plan skips what its window hides)
+        plans = [_block_plan(m, seq, w) for w in _windows(m)]  # per pair, its scores and its rows' p v
+        kept = [sum(len(s.q) * p.sizes(s)[0] * (p.sizes(s)[1] + d) for s in p.steps) for p in plans]
+        return sum(kept) / len(kept) * 4 * H / seq
     return 0.0
 
 
+def _windows(m: TransformerConfig) -> list[int]:
+    """Each layer's sliding window (0: global)."""
+    return [m.window_of(i) for i in range(m.layers)]
+
+
+def _block_plan(m: TransformerConfig, seq: int, window: int) -> BlockPlan:
+    block = min(m.attention_block, seq)
+    return BlockPlan(seq, block, block, True, 1.0, window=window if 0 < window < seq else 0)
+
+
 def activation_bytes(
-    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None, manual: bool = False
+    m: TransformerConfig,
+    T: int,
+    sp: bool,
+    C: int,
+    seq: int,
+    platform: str | None = None,
+    manual: bool = False,
+    capability: int = 0,
 ) -> tuple[float, float]:
     """(bytes kept per token per layer under `m.remat`, bytes per token of one layer's recompute); module doc."""
     a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
     K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
     s = 1 / T if sp else 1
-    kernel = attention_kernel(m, C, platform, manual)
+    kernel = attention_kernel(m, C, platform, manual, capability)
     statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
     none = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + MLP_KEPT * a * F
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
@@ -131,9 +152,8 @@ def attention_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: floa
     (`spmdkit.kernels.block_plan`), for `seqs` sequences per device and the local heads; 0 for the other kernels."""
     if kernel != "blockwise":
         return 0.0
-    block = min(m.attention_block, seq)
-    pairs = BlockPlan(seq, block, block, True, 1.0).widest_step()
-    return 3 * 4 * pairs * block * block * m.heads / T * seqs
+    scores = max(_block_plan(m, seq, w).widest_step() for w in set(_windows(m)))  # per (sequence, head)
+    return 3 * 4 * scores * m.heads / T * seqs
 
 
 def ring_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float) -> float:
@@ -150,12 +170,16 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     """What an MoE layer adds to `activation_bytes` per token (kept, recompute): Q/S slots x per-slot bytes, less
     the routed dense MLP's terms; see `estimate`'s docstring. Rough: the router's float32 logits and one-hots are
     left out."""
-    a, E, F = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T
-    mlp = {"none": MLP_KEPT * a * F, "dots_saveable": 2 * a * F, "dots_with_no_batch_dims_saveable": 2 * a * F}
-    routed = 0.0 if m.shared_expert else 1.0  # a shared expert keeps the dense MLP's terms
-    none = slots_per_token * (4 * a * E + MLP_KEPT * a * F) - routed * mlp["none"]
-    per_slot = {"none": 4 * a * E + MLP_KEPT * a * F, "dots_saveable": a * E + 2 * a * F}.get(m.remat, 0.0)
-    kept = slots_per_token * per_slot - routed * mlp.get(m.remat, 0.0)
+    a, E, F, R = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T, m.routed_mlp / T
+    shared = (m.shared_expert_mlp or m.mlp) / T if m.shared_expert else 0.0
+
+    def mlp(width: float, remat: str) -> float:  # a dense MLP's kept bytes per token (activation_bytes' terms)
+        return {"none": MLP_KEPT * a * width}.get(remat, 0.0 if remat == "full" else 2 * a * width)
+
+    # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer
+    none = slots_per_token * (4 * a * E + MLP_KEPT * a * R) + mlp(shared, "none") - mlp(F, "none")
+    per_slot = {"none": 4 * a * E + MLP_KEPT * a * R, "dots_saveable": a * E + 2 * a * R}.get(m.remat, 0.0)
+    kept = slots_per_token * per_slot + mlp(shared, m.remat) - mlp(F, m.remat)
     return kept, (0.0 if m.remat == "none" else none)
 
 
@@ -170,15 +194,16 @@ def _layer_bytes(s: Layout, gathered: bool) -> float:
     )
 
 
-def _kept(s: Layout, platform: str | None) -> tuple[float, float, str]:
+def _kept(s: Layout, platform: str | None, capability: int) -> tuple[float, float, str]:
     """(kept bytes per token and layer, one layer's recompute per token, the attention kernel), MoE included."""
     m, T = s.model, s["tensor"]
     manual = manual_region(s)
-    kept, recompute = activation_bytes(m, T, s.sequence_parallel, s["context"], s.seq_len, platform, manual)
+    sp, C = s.sequence_parallel, s["context"]
+    kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, manual, capability)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
         moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
         kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
-    return kept, recompute, attention_kernel(m, s["context"], platform, manual)
+    return kept, recompute, attention_kernel(m, C, platform, manual, capability)
 
 
 def _residuals(s: Layout, kept: float) -> float:
@@ -235,11 +260,11 @@ def _loss_phase(s: Layout) -> dict[str, float]:
     }
 
 
-def memory(s: Layout, platform: str | None = None) -> dict[str, float]:
+def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[str, float]:
     """Per-device bytes by component at the step's peak: the persistent terms and the largest transient phase
     (module docstring); `platform` decides what attention "auto" runs (None: an O(seq) kernel)."""
     m, a, E, T = s.model, s.a, s.model.embed, s["tensor"]
-    kept, recompute, kernel = _kept(s, platform)
+    kept, recompute, kernel = _kept(s, platform, capability)
     mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] > 1
     stacked = sum(s.local(p, "params") for p in s.params if p.stacked)
     persistent = {

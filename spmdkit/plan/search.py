@@ -105,7 +105,7 @@ def search(
                         check_layout(layout)
                     except SpmdkitError:
                         continue
-                    need = sum(memory(layout, planner_platform(dev)).values())
+                    need = sum(memory(layout, planner_platform(dev), dev.compute_capability).values())
                     if need <= dev.hbm_bytes:
                         fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
                     smallest = min(smallest, (need, layout), key=lambda x: x[0])

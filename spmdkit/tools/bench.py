@@ -34,7 +34,8 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.models.attention import platform
 from spmdkit.models.attention_choice import choose_attention
-from spmdkit.models.config import TransformerConfig, model_preset
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.presets import model_preset
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.plan.devices import DEVICES, device_for_kind
 from spmdkit.plan.estimate import estimate
@@ -155,7 +156,7 @@ def kernel_for(setup: Setup, sizes: Any) -> str:
     model = model_for(setup, sizes)
     return choose_attention(
         model.attention, context=sizes.get("context", 1), platform=platform(), dtype=model.dtype,
-        head_dim=model.head_dim,
+        head_dim=model.head_dim, softcap=model.attention_softcap,
     )  # fmt: skip
 
 

@@ -17,11 +17,13 @@ import numpy as np
 
 from spmdkit.checkpoint.integrity import data_files
 from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.steps import check_not_a_step
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
 
 
-def _open(directory: str | Path) -> Checkpointer:
+def _open(directory: str | Path, choose: str) -> Checkpointer:
+    check_not_a_step(directory, choose)
     checkpointer = Checkpointer(directory, read_only=True)
     if not checkpointer.steps():
         checkpointer.close()
@@ -39,7 +41,7 @@ def _leftovers(directory: Path) -> dict[str, list[str]]:
 
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
     """Metadata of `step` (default: the newest) of the checkpoint directory, as a JSON-ready dict."""
-    checkpointer = _open(directory)
+    checkpointer = _open(directory, " with --step {step}")
     try:
         steps = checkpointer.steps()
         step = steps[-1] if step is None else step
@@ -111,7 +113,7 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
     """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`)."""
-    checkpointer = _open(directory)
+    checkpointer = _open(directory, " (verify reads every step)")
     try:
         report = []
         for step in checkpointer.steps():

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ import numpy as np
 from flax import nnx
 
 from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.ownership import check_output, enclosing_run, run_inputs
 from spmdkit.checkpoint.params import read_params as checkpoint_params
+from spmdkit.checkpoint.run_lock import lock_run
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
@@ -57,6 +61,20 @@ def check_creatable(out: Path) -> None:
         raise SpmdkitError(f"{out} cannot be written ({existing} is not writable): pass a directory you can write")
 
 
+@contextlib.contextmanager
+def writing_into(out: Path, command: str) -> Iterator[None]:
+    """Hold the lock of the run directory `out` lies in (if any) while `command` writes `out`: refused in one line
+    while a run (or another command) writes there."""
+    run = enclosing_run(out)
+    label = f"--out {out} lies in the run directory {run}, which" if run is not None else None
+    lock = lock_run(run, command, "--out", label) if run is not None else None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State, Any]:
     """(graphdef, abstract train state, shardings) of `config`'s model and optimizer on `mesh`; no allocation."""
     model = config.model.build()
@@ -70,7 +88,12 @@ def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nn
 
 def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: int | None = None) -> int:
     """Restore `step` (default: the newest) of `directory` onto `mesh` and save it into `out`; returns the step."""
-    out = fresh_output(out)
+    out = fresh_output(check_output(out, run_inputs(directory)))
+    with writing_into(out, "spmdkit ckpt reshard"):
+        return _reshard(directory, out, mesh, step)
+
+
+def _reshard(directory: str | Path, out: Path, mesh: str, step: int | None) -> int:
     source, step = open_step(directory, step)
     try:
         config = _saved_config(source, step)

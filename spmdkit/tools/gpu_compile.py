@@ -11,6 +11,7 @@ planner's prediction of the same layout.
 from __future__ import annotations
 
 import dataclasses
+import re
 import resource
 import time
 from typing import Any
@@ -46,6 +47,18 @@ def attention_in_hlo(text: str, context: int = 1) -> str:
     if BLOCK_SCORES in text:
         return "ring" if context > 1 and "collective-permute" in text else "blockwise"
     return "dot" if DOT_SCORES in text or CACHE_SCORES in text else "none"
+
+
+def attention_windows(text: str) -> dict[int, int]:
+    """{sliding window: how many of cuDNN's fused-attention calls (forward and backward) run it} in the compiled
+    program (0: global attention): where a model's local layers reach the GPU kernel."""
+    windows: dict[int, int] = {}
+    for line in text.splitlines():
+        if "__cudnn$fmha" in line and "custom-call(" in line:
+            found = re.search(r'"sliding_window_length":\s*"?(\d+)', line)
+            window = int(found.group(1)) if found else 0
+            windows[window] = windows.get(window, 0) + 1
+    return dict(sorted(windows.items()))
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:
@@ -177,6 +190,7 @@ def base_report(
         "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name, "batch_size": config.run.batch_size,
         "seq_len": config.run.seq_len, "fits": memory["total"] <= usable, "per_device_bytes": memory,
         "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable, "attention_kernel": attention_in_hlo(text, context),
+        "attention_windows": attention_windows(text),
         "collectives": collectives_table(compiled), "flops_per_device": hlo_flops(text), "planner_bytes": total,
         "planner_memory": dict(planned), "planner_ratio": total / memory["total"] if memory["total"] else None,
         "remat_that_fits": None, "compile_seconds": round(seconds, 2),
@@ -235,7 +249,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"- aliased {_gb(m['alias'])} + temporaries {_gb(m['temp'])}",
         f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
         f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
-        f"attention    {r['attention_kernel']} (found in the compiled program)",
+        f"attention    {r['attention_kernel']} (found in the compiled program)" + _windows_text(r),
         f"FLOPs        {r['flops_per_device']['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
         f"multiplied){model_flops}",
         "collectives  " + (", ".join(
@@ -251,6 +265,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"hint         the planner's fastest layout that fits: {r['planner_layout']} (compile it to check)"
         )
     return "\n".join(lines)
+
+
+def _windows_text(report: dict[str, Any]) -> str:
+    windows = {w: n for w, n in report.get("attention_windows", {}).items() if w}
+    return "; sliding windows " + ", ".join(f"{w} ({n} calls)" for w, n in windows.items()) if windows else ""
 
 
 def not_fit_line(report: dict[str, Any]) -> str:

@@ -21,19 +21,21 @@ from pathlib import Path
 import jax
 
 from spmdkit.checkpoint.manager import NonFiniteState
+from spmdkit.checkpoint.ownership import check_output, run_inputs
 from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
+from spmdkit.interop import hf_files
 from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import GENERATION_CONFIG, SIDECAR, copy_hf_files, find_hf_files, special_token_ids
 from spmdkit.interop.loading import check_tensors, hf_params, param_sharding_tree, stored_dtype
-from spmdkit.interop.safetensors_files import TensorFiles
-from spmdkit.interop.sources import OVERRIDES, hf_config_path, source_kind
+from spmdkit.interop.safetensors_files import INDEX, SINGLE, TensorFiles
+from spmdkit.interop.sources import OVERRIDES, hf_config_path, hf_family, source_kind
 from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
 from spmdkit.models.config import TransformerConfig
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.tools.convert import check_creatable, fresh_output, read_params
+from spmdkit.tools.convert import check_creatable, fresh_output, read_params, writing_into
 from spmdkit.train.config import TrainConfig, apply_overrides
 
 
@@ -46,11 +48,17 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     second copy of the weights. The checkpoint restores onto any mesh (`--init-from`, `load_model`)."""
     if source_kind(path) != "hf":
         raise SpmdkitError(f"{path} is an spmdkit checkpoint, not a Hugging Face model: train from it with --init-from")
-    out = fresh_output(out)
+    source = Path(path).expanduser().absolute()
+    out = fresh_output(check_output(out, [source if source.is_dir() else source.parent]))
+    with writing_into(out, "spmdkit ckpt import-hf"):
+        return _import_hf(path, out, dtype, mesh)
+
+
+def _import_hf(path: str | Path, out: Path, dtype: str | None, mesh: str) -> TransformerConfig:
     config_path = hf_config_path(path)
     _, model = read_hf_config(config_path)
-    files = TensorFiles(path)
-    check_tensors(files, model)  # every refusal comes before anything is written
+    files, family = TensorFiles(path), hf_family(path)
+    check_tensors(files, model, family)  # every refusal comes before anything is written
     if dtype is not None and dtype not in NUMPY_DTYPES:
         raise SpmdkitError(f"unknown dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
     model = model.replace(param_dtype=dtype or stored_dtype(files))
@@ -59,7 +67,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     config = apply_overrides(TrainConfig(), {"model": settings, "mesh": {"mesh": mesh}})
     layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
     rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    params = hf_params(files, model, param_sharding_tree(model, layout, rules), model.param_dtype)
+    params = hf_params(files, model, family, param_sharding_tree(model, layout, rules), model.param_dtype)
     staging = out.with_name(f".{out.name}.importing")
     if jax.process_index() == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -97,10 +105,38 @@ def export_hf(
 ) -> tuple[Path, int]:
     """The Hugging Face model directory `out` from `step` (default: the newest) of a checkpoint or run directory;
     returns (out, the step)."""
-    out_path = Path(out).expanduser().absolute()
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not force:
-        raise SpmdkitError(f"{out_path} already exists and is not empty: pass another --out, or --force to replace it")
+    out_path = check_output(out, run_inputs(directory))
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+        if not force:
+            raise SpmdkitError(
+                f"{out_path} already exists and is not empty: pass another --out, or --force to replace it"
+            )
+        check_earlier_export(out_path)
     check_creatable(out_path)
+    with writing_into(out_path, "spmdkit ckpt export"):
+        return _export(directory, out_path, dtype, step, max_shard_size, force)
+
+
+CONFIG = hf_files.CONFIG
+EXPORTED = frozenset({CONFIG, GENERATION_CONFIG, INDEX, SINGLE, *hf_files.TOKENIZER_FILES})
+
+
+def check_earlier_export(out: Path) -> None:
+    """SpmdkitError unless `out` is what `ckpt export` writes (a Hugging Face model directory of its files only):
+    `--force` replaces an earlier export, never another kind of directory."""
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    other = [n for n in names if n not in EXPORTED and not (n.startswith("model-") and n.endswith(".safetensors"))]
+    weights = any(n.endswith(".safetensors") for n in names)
+    if not out.is_dir() or other or not weights or CONFIG not in names:
+        what = "is a file" if not out.is_dir() else f"holds {other[0]}" if other else "holds no exported weights"
+        raise SpmdkitError(
+            f"--force replaces only an earlier export, but {out} {what}: it is not one; pass a new --out"
+        )
+
+
+def _export(
+    directory: str | Path, out_path: Path, dtype: str | None, step: int | None, max_shard_size: str | int, force: bool
+) -> tuple[Path, int]:
     step, config, params = read_params(directory, step)
     model = config.model.build()
     hf_dir = find_hf_files(directory)

@@ -26,8 +26,10 @@ import tyro
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop.sources import build_model, resolved_settings
-from spmdkit.models.config import PRESETS, Attention, Dtype, Remat, TransformerConfig
+from spmdkit.interop.sources import source_model
+from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
+from spmdkit.models.presets import PRESETS
+from spmdkit.models.resolve import build_model, resolved_settings
 
 __all__ = [
     "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
@@ -166,15 +168,15 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
 
 def _build(self: Any) -> TransformerConfig:
     """The `TransformerConfig` these settings describe: `init_from`'s model, or the preset or model path `name`
-    names, with every override given (see `spmdkit.interop.sources.build_model`). `attention` is the setting as
+    names, with every override given (see `spmdkit.models.resolve.build_model`). `attention` is the setting as
     given: `spmdkit.train.program.build_program` resolves "auto" for the devices and stores the kernel in it."""
-    return build_model(dataclasses.asdict(self))
+    return build_model(dataclasses.asdict(self), source_model)
 
 
 def _resolved(self: Any) -> Any:
     """These settings with every override set to the model's value: a saved config that needs no preset table
     and no source path to say what the model is."""
-    return dataclasses.replace(self, **resolved_settings(dataclasses.asdict(self)))
+    return dataclasses.replace(self, **resolved_settings(dataclasses.asdict(self), source_model))
 
 
 ModelSettings = dataclasses.make_dataclass(

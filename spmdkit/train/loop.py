@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
+from spmdkit.checkpoint.ownership import check_run_directory, lock_run_directories
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import parameter_rows
@@ -80,6 +81,7 @@ class Trainer:
         # compilation, and before anything is written.
         check_writable(self.run_dir, "--run-dir")
         check_writable(checkpoint_directory(config), "--checkpoint-dir")
+        check_run_directory(self.run_dir)  # a Hugging Face model or a user's files: never written into
         if config.model.init_from:  # the weights' files (shards, tensor shapes), before a state exists to fill
             check_source(config.model.init_from, self.model_config)
         self.data = make_data(
@@ -96,9 +98,23 @@ class Trainer:
         self.profiler = StepProfiler(run.profile_steps, self.run_dir)
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
+        # One writer per run directory, decided (on every process) before anything is written; held until `run`
+        # ends (or, for a Trainer never run, until it is garbage-collected).
+        self.locks = lock_run_directories(self.run_dir, checkpoint_directory(config), "spmdkit train")
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
         # different orders on two processes, and gloo timed out at the first step.
-        self.checkpointer = self._open_checkpointer()
+        try:
+            self.checkpointer = self._open_checkpointer()
+        except BaseException:
+            self.release_lock(failed=True)
+            raise
+
+    def release_lock(self, failed: bool = False) -> None:
+        """Free the run directory for another writer (`run` does at its end); `failed`: remove what the lock made."""
+        locks, self.locks = self.locks, []
+        for lock in reversed(locks):
+            if lock is not None:
+                lock.release(failed)
 
     # -- reporting -----------------------------------------------------------------------------------------
 
@@ -215,10 +231,13 @@ class Trainer:
             copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
         self.log(f"initialised the parameters from {source}" + (f" (tokenizer: {hf_files})" if hf_files else ""))
 
-    def save(self, step: int, force: bool = False) -> bool:
-        """Start an asynchronous save of `step` when due (or `force`); the state, data position and config."""
+    def save(self, step: int, force: bool = False, metrics: dict[str, jax.Array] | None = None) -> bool:
+        """Start an asynchronous save of `step` when due (or `force`); the state, data position and config. With the
+        step's `metrics`, a step that went bad (a non-finite loss, too many bad steps) stops the run unsaved."""
         if not self.checkpointer.due(step, force):  # cheap check first: this runs after every step
             return False
+        if metrics is not None:
+            self._check_bad_steps(metrics, step)
         config = json.loads(self.config.to_json())
         try:
             return self.checkpointer.save(step, self.state.state, self.data.iterator, config, force=force)
@@ -234,7 +253,17 @@ class Trainer:
         only clean-up path: it puts the signal handlers back and closes the progress bar, the checkpointer and the
         metrics writer on every way out. While a failure propagates, failures to close are swallowed (the first
         failure is the one reported); on a clean exit everything is closed and the first failure to close raised.
+        The run directory's lock is released last, after the summary.
         """
+        try:
+            result = self._run()
+        except BaseException:
+            self.release_lock(failed=True)  # a run that wrote nothing leaves no directory behind
+            raise
+        self.release_lock()
+        return result
+
+    def _run(self) -> TrainResult:
         run, checkpointer = self.config.run, self.checkpointer
         self.log(describe_run(self))
         with contextlib.ExitStack() as stack:
@@ -255,23 +284,25 @@ class Trainer:
             for step, metrics in self._steps(compiled, batch):
                 log_metrics(step, metrics)
                 with phase("checkpoint"):
-                    self.save(step, force=step == run.steps)
+                    self.save(step, step == run.steps, metrics)
                 checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
                     self.step_hook(step, self)
                 if stop.requested():
                     result.stopped_at = step
-                    self.save(step, force=True)
+                    self.save(step, True, metrics)
                     checkpointer.wait()
                     break
             self._check_bad_steps(metrics, step)  # the last step's counter: `_steps` checks each one before
         return self._finish(result, stop)
 
     def _start(self) -> None:
-        """Resume (or initialise from `--init-from`), then write config.json and the tokenizer into the run
-        directory: only once the resume checks passed, so that a refused run changes nothing."""
+        """Resume (or initialise from `--init-from`) and draw the first batch, then write config.json and the
+        tokenizer into the run directory: only once the resume checks passed and the data's first read did (a
+        damaged dataset stops here), so that a refused run changes nothing."""
         self.resume()
         self.initialise_from()
+        self._first_batch = self.global_batch(next(self.data))
         if not self.is_main:
             return
         try:
@@ -289,7 +320,7 @@ class Trainer:
         step_fn = self.program.train_step(self.state, self.data.keys, self.data.token_bytes)
         if self.pipeline is not None and self.is_main:
             self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
-        batch = self.global_batch(next(self.data))
+        batch = self._first_batch
         started = time.perf_counter()
         compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
@@ -337,8 +368,15 @@ class Trainer:
         return result
 
     def _check_bad_steps(self, metrics: dict[str, jax.Array], step: int) -> None:
-        """Stop the run (SpmdkitError) once `max_bad_steps` consecutive steps up to `step` had NaN/Inf gradients."""
-        bad = int(metrics["bad_steps"])
+        """Stop the run (SpmdkitError) at a non-finite loss (its update was skipped), or once `max_bad_steps`
+        consecutive steps up to `step` had NaN/Inf gradients."""
+        bad, loss = int(metrics["bad_steps"]), float(metrics["loss"])
+        if not math.isfinite(loss):
+            raise SpmdkitError(
+                f"the loss of step {step} is {loss}: its update was skipped and nothing of it saved (newest "
+                f"checkpoint: {self.checkpointer.newest()}); check the data (token ids must be below the vocab_size "
+                f"{self.model_config.vocab_size}), or lower --lr"
+            )
         limit = self.config.optimizer.max_bad_steps
         if bad >= limit:
             raise SpmdkitError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import time
 import warnings
@@ -90,6 +91,18 @@ def replace_text(path: Path, text: str) -> None:
             temporary.unlink()
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN or infinite float (in dicts and lists too) as None: JSON has no NaN, and
+    `metrics.jsonl` stays readable by any JSON parser (null: not finite)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to `metrics.jsonl` and mirrors scalars to TensorBoard.
 
@@ -117,7 +130,7 @@ class MetricsWriter:
         from tensorboardX.proto.summary_pb2 import Summary
 
         with _write_errors(self.path):
-            append_line(self.path, json.dumps(record) + "\n")
+            append_line(self.path, json.dumps(json_safe(record), allow_nan=False) + "\n")
         values = []
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
@@ -178,8 +191,8 @@ def plot_loss_curve(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss")
     if evals:

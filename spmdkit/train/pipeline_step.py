@@ -33,6 +33,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
+from spmdkit.errors import SpmdkitError
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.layer_plan import uniform
 from spmdkit.models.loss import lm_loss
 from spmdkit.models.transformer import Transformer, apply_blocks, default_positions, embed_tokens
 from spmdkit.parallel.pipeline.program import (
@@ -87,6 +90,16 @@ def _assemble(params: nnx.State, pieces: dict[str, Any]) -> nnx.State:
     return jax.tree_util.tree_map_with_path(pick, params)
 
 
+def _check_model(config: TransformerConfig, mesh: Mesh) -> None:
+    """SpmdkitError for a model the pipeline cannot run: MoE, context parallelism, layers that differ."""
+    check_pipelinable(config.moe_layers, mesh.shape["context"])
+    if not uniform(config):
+        raise SpmdkitError(
+            "pipelining a model whose layers differ (window_pattern, rope_pattern) is not supported yet: drop "
+            "pipeline= from the mesh"
+        )
+
+
 def pipeline_loss_and_grads(
     model: Transformer, batch: dict[str, jax.Array], *, mesh: Mesh, rules: Rules, schedule: Schedule
 ) -> tuple[jax.Array, nnx.State]:
@@ -97,7 +110,7 @@ def pipeline_loss_and_grads(
     the batch axes.
     """
     config = model.config
-    check_pipelinable(config.moe_layers, mesh.shape["context"])
+    _check_model(config, mesh)
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
     params = nnx.state(model, nnx.Param)
@@ -108,8 +121,8 @@ def pipeline_loss_and_grads(
     @_per_device
     def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:
         if not packed:
-            return embed_tokens(table, raw, config.dtype).astype(BOUNDARY_DTYPE)
-        x = embed_tokens(table, raw[..., 0], config.dtype).astype(BOUNDARY_DTYPE)
+            return embed_tokens(table, raw, config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
+        x = embed_tokens(table, raw[..., 0], config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
         return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1)  # + positions, segment ids
 
     @_per_device

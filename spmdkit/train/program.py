@@ -132,6 +132,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
         head_dim=model.head_dim, compute_capability=compute_capability(device),
         manual_region=manual_region(planned),  # pipeline stages, accumulation over replica axes
+        softcap=model.attention_softcap,
     )  # fmt: skip
     settings, run = config.mesh, config.run
     pipeline = None

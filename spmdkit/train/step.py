@@ -150,6 +150,15 @@ def loss_and_grads(
     )(params, batch, total)
 
 
+def _guarded(grads: nnx.State, loss: jax.Array, opt_step: jax.Array, fail_steps: tuple[int, ...]) -> nnx.State:
+    """`grads`, made NaN (so that `apply_if_finite` skips the update) when the loss is not finite (the loop then
+    stops the run) or `opt_step` is one of `fail_steps` (the test hook for the skip path)."""
+    poison = jnp.where(jnp.isfinite(loss), 1.0, jnp.nan)
+    if fail_steps:
+        poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, poison)
+    return jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
+
+
 def make_train_step(
     train_state: TrainState,
     mesh: Mesh,
@@ -184,9 +193,7 @@ def make_train_step(
                 loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
                 model_metrics = {"loss": loss}
             opt_step = optimizer.step[...]
-            if fail_steps:
-                poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, 1.0)
-                grads = jax.tree.map(lambda g: g * poison, grads)
+            grads = _guarded(grads, model_metrics["loss"], opt_step, fail_steps)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             grad_norm = optax.tree.norm(grads)
             optimizer.update(model, grads)

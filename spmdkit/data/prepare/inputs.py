@@ -5,14 +5,19 @@ INPUT kinds, each read as documents in order:
 - `stdlib`: each `.py` file of the embedded standard-library corpus (the files the `stdlib` source reads, empty
   ones included), named by its path relative to the stdlib (so the eval split is the stdlib source's); a
   directory called stdlib is `./stdlib`;
-- a text file (any extension but those below): the whole file, named by its path as given;
+- a text file (any extension but those below): the whole file, named by its path as given, read in pieces cut at
+  line boundaries (`text.text_pieces`: one document, never held whole);
 - a directory: each file matching `--glob` (recursively, hidden entries skipped, sorted), read by its extension,
-  named by its path relative to the directory;
+  named by its path relative to the directory; symbolic links are not followed out of it (a linked file that lies
+  outside is skipped, with one warning line from `check_inputs`; linked directories are not entered);
 - `.jsonl` / `.json` / `.ndjson`: each JSON line's `--text-key` value (blank lines skipped), named `file:line`;
 - `.parquet` (pyarrow): each row's `--text-key` column, named `file:row`;
 - a `datasets` `save_to_disk` directory: each row (a `DatasetDict`: of `--split`), named `dir:row`;
 - `json:GLOB`, `parquet:GLOB`, `text:GLOB`: each row of `datasets.load_dataset(builder, data_files=GLOB,
   split=--split)` on local files (text: one file per row), named `GLOB:row`.
+
+`check_inputs` runs first: an input given twice (or inside an input directory) and an `--out` inside an input are
+refused in one line.
 
 A document's name decides the eval split (crc32 of the name, `spmdkit.data.store.format.is_eval`).
 A bad input is a `Bad` record: `where` (`file:line`; Parquet and datasets: `file:row`, 1-based), what is wrong, and
@@ -29,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spmdkit.data.prepare.text import PIECE_CHARS, check_text_file, text_pieces
 from spmdkit.errors import SpmdkitError
 
 JSON_LINES = (".jsonl", ".json", ".ndjson")
@@ -39,8 +45,12 @@ STDLIB = "stdlib"
 
 @dataclasses.dataclass(frozen=True)
 class Document:
+    """A document, or a piece of one (a long text file's): `first` and `last` say whether it starts / ends it."""
+
     name: str  # stable name: its crc32 decides the eval split
     text: str
+    first: bool = True
+    last: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +72,15 @@ class InputOptions:
     text_key: str = "text"
     split: str = "train"
     cache_dir: str | None = None  # where `datasets` may write its Arrow cache (a temporary directory)
+    piece_chars: int = PIECE_CHARS  # a text file is read in pieces of at most this many characters
+
+    def __post_init__(self) -> None:
+        # A pattern names files *inside* each input directory: an absolute one or one that climbs out is a mistake.
+        if not self.glob or Path(self.glob).is_absolute() or ".." in Path(self.glob).parts:
+            raise SpmdkitError(
+                f"--glob {self.glob!r} must be a pattern inside the input directories (e.g. '*.txt' or 'docs/*.md'): "
+                "pass the other directory as an INPUT instead"
+            )
 
 
 def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
@@ -79,6 +98,48 @@ def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
         else:
             return None
     return total
+
+
+def _input_path(spec: str) -> Path | None:
+    """The file or directory an INPUT names (None for stdlib and builder:GLOB inputs)."""
+    builder, _, pattern = spec.partition(":")
+    if spec == STDLIB or (builder in LOADERS and pattern and not Path(spec).exists()):
+        return None
+    return Path(spec)
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def check_inputs(inputs: list[str], out: str, options: InputOptions) -> list[str]:
+    """Refuse an INPUT given twice (or lying inside an INPUT directory) and an `--out` inside an INPUT, each in one
+    line; returns the warnings to print (one line per INPUT directory with symlinks leading out of it)."""
+    out_path = Path(out).expanduser().resolve()
+    seen: dict[Path, str] = {}
+    warnings = []
+    for spec in inputs:
+        path = _input_path(spec)
+        if path is None or not path.exists():
+            continue
+        real = path.resolve()
+        for other_real, other in seen.items():
+            if real == other_real or (other_real.is_dir() and _inside(real, other_real)):
+                how = "again" if real == other_real else f"inside INPUT {other}"
+                raise SpmdkitError(f"INPUT {spec} is given {how} ({other}): pass each input once")
+            if real.is_dir() and _inside(other_real, real):
+                raise SpmdkitError(f"INPUT {other} lies inside INPUT {spec}: pass each input once")
+        seen[real] = spec
+        if real.is_dir() and _inside(out_path, real):
+            raise SpmdkitError(f"--out {out} lies inside INPUT {spec}: choose a place outside the inputs")
+        if real.is_dir() and not _is_saved_dataset(real):
+            outside = _links_out(path, options.glob)
+            if outside:
+                warnings.append(
+                    f"warning: {len(outside)} file(s) in {spec} are symbolic links leading outside it, not followed "
+                    f"(e.g. {outside[0]})"
+                )
+    return warnings
 
 
 def read_inputs(inputs: list[str], options: InputOptions) -> Iterator[Record]:
@@ -113,14 +174,29 @@ def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
         )
 
 
-def _matching_files(directory: Path, glob: str) -> list[Path]:
-    """Files under `directory` matching `glob` (recursively), sorted, with no hidden part in their path."""
-    found = []
+def _candidates(directory: Path, glob: str) -> Iterator[Path]:
+    """Files under `directory` matching `glob` (recursively; linked directories are not entered), with no hidden
+    part in their path."""
     for p in directory.rglob(glob):
         parts = p.relative_to(directory).parts
         if p.is_file() and not any(part.startswith(".") for part in parts):
-            found.append(p)
-    return sorted(found)
+            yield p
+
+
+def _matching_files(directory: Path, glob: str) -> list[Path]:
+    """`_candidates`, sorted, without the symbolic links that lead outside `directory`."""
+    real = directory.resolve()
+    return sorted(p for p in _candidates(directory, glob) if not p.is_symlink() or _inside(p.resolve(), real))
+
+
+def _links_out(directory: Path, glob: str) -> list[str]:
+    """The matching symbolic links under `directory` that lead outside it, as `link -> target`."""
+    real = directory.resolve()
+    return sorted(
+        f"{p} -> {p.resolve()}"
+        for p in _candidates(directory, glob)
+        if p.is_symlink() and not _inside(p.resolve(), real)
+    )
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -128,10 +204,6 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     )
-
-
-def _line_of(data: bytes, offset: int) -> int:
-    return data.count(b"\n", 0, offset) + 1
 
 
 def _read_stdlib() -> Iterator[Record]:
@@ -148,21 +220,28 @@ def _read_file(path: Path, name: str, options: InputOptions) -> Iterator[Record]
     elif suffix in PARQUET:
         yield from _read_parquet(path, name, options.text_key)
     else:
-        yield from _read_text(path, name)
+        yield from _read_text(path, name, options.piece_chars)
 
 
-def _read_text(path: Path, name: str) -> Iterator[Record]:
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        at = error.start
-        yield Bad(f"{path}:{_line_of(data, at)}", f"not UTF-8 (byte 0x{data[at]:02x} at offset {at})", "not UTF-8")
-        return
-    if not text.strip():
+def _read_text(path: Path, name: str, piece_chars: int) -> Iterator[Record]:
+    """The file as one document, in pieces (read twice: checked first, so that a bad byte at its end is found
+    before any piece of it is written)."""
+    problem = check_text_file(path)
+    if problem == "empty":
         yield Bad(f"{path}:1", "empty file", "empty")
         return
-    yield Document(name, text)
+    if problem is not None:
+        _, line, at = problem
+        with open(path, "rb") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+        yield Bad(f"{path}:{line}", f"not UTF-8 (byte 0x{byte:02x} at offset {at})", "not UTF-8")
+        return
+    try:
+        for text, first, last in text_pieces(path, piece_chars):
+            yield Document(name, text, first, last)
+    except UnicodeDecodeError:
+        raise SpmdkitError(f"{path} changed while it was read (it is no longer UTF-8): run again") from None
 
 
 def _text_value(record: Any, key: str, where: str, kind_of_record: str) -> Record | str:
@@ -177,6 +256,12 @@ def _text_value(record: Any, key: str, where: str, kind_of_record: str) -> Recor
         return Bad(where, f"{key!r} holds {type(value).__name__}, not a string", "not text")
     if not value.strip():
         return Bad(where, f"empty text under {key!r}", "empty")
+    if not value.isascii():  # JSON may escape a lone surrogate (\ud800), which no UTF-8 text holds
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            at = f"\\u{ord(value[error.start]):04x} at character {error.start + 1}"
+            return Bad(where, f"{key!r} holds a lone surrogate ({at}), not UTF-8 text", "not UTF-8")
     return value
 
 

@@ -2,20 +2,21 @@
 `spmdkit.data.store.format`).
 
 The tokenizer is `bytes`, a `tokenizer.json` (or a directory holding one), or `bpe:N`, trained first on the same
-inputs (one extra pass over them). Documents are encoded in batches of about `batch_bytes` of text by the Rust
-tokenizer on all cores (`encode_batch_fast`, which releases the GIL), while this thread reads and parses the next
-batch and writes the previous one: a progress bar on stderr, and a final throughput line. The dataset appears in
-`--out` only when complete (a temporary directory beside it is renamed at the end).
+inputs (one extra pass over them, fed to the trainer in pieces of at most 64 Ki characters). Everything streams:
+records are read, cut into pieces (a plain text file is read in pieces of `piece_chars` characters, and so is any
+longer text: `text.py`), gathered into batches of about `batch_bytes` of text, tokenized by `--workers` processes
+(`workers.py`, results in input order: the same bytes for any worker count) and written as they come
+(`DatasetWriter`), so memory does not grow with the input. A progress bar on stderr, and a final throughput line.
+The dataset appears in `--out` only when complete, and a run killed midway is cleaned up by the next one
+(`spmdkit.data.store.staging`). `inputs.check_inputs` refuses an input given twice and an `--out` inside an input.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -24,12 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.data.prepare.inputs import Bad, Document, InputOptions, input_bytes, read_inputs
+from spmdkit.data.prepare.inputs import Bad, Document, InputOptions, check_inputs, input_bytes, read_inputs
+from spmdkit.data.prepare.text import PIECE_CHARS, split_text
+from spmdkit.data.prepare.workers import Encoded, Encoder, Pieces, steady_heap
 from spmdkit.data.store import DatasetWriter
+from spmdkit.data.store.staging import Staging
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
 from spmdkit.errors import SpmdkitError
 
-IN_FLIGHT = 2  # batches encoding at once
+TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer buffers 256 texts at a time: pieces keep that small
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +50,9 @@ class PrepareOptions:
     dtype: str = "auto"
     shard_tokens: int = 1 << 28
     batch_bytes: int = 1 << 20
+    piece_chars: int = PIECE_CHARS  # longer texts are encoded in pieces of at most this many characters
     progress: bool = True
+    workers: int = 0  # tokenizer processes; 0: one per CPU core
 
 
 class _Counter:
@@ -66,17 +72,41 @@ class _Counter:
             yield record
 
 
-def _batches(documents: Iterator[Document], batch_bytes: int) -> Iterator[list[Document]]:
+def _pieces(documents: Iterator[Document], limit: int) -> Iterator[Document]:
+    """Documents, each text longer than `limit` characters cut into pieces (`text.split_text`)."""
+    for document in documents:
+        if len(document.text) <= limit:
+            yield document
+            continue
+        pieces = split_text(document.text, limit)
+        piece = next(pieces)
+        first = document.first
+        for following in pieces:
+            yield Document(document.name, piece, first, False)
+            piece, first = following, False
+        yield Document(document.name, piece, first, document.last)
+
+
+def _batches(pieces: Iterator[Document], batch_bytes: int) -> Iterator[Pieces]:
     batch: list[Document] = []
     size = 0
-    for document in documents:
-        batch.append(document)
-        size += len(document.text)
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
         if size >= batch_bytes:
-            yield batch
+            yield _batch(batch)
             batch, size = [], 0
     if batch:
-        yield batch
+        yield _batch(batch)
+
+
+def _batch(pieces: list[Document]) -> Pieces:
+    return Pieces(
+        [p.text for p in pieces],
+        np.fromiter((p.first for p in pieces), bool, count=len(pieces)),
+        np.fromiter((p.last for p in pieces), bool, count=len(pieces)),
+        np.fromiter((zlib.crc32(p.name.encode()) for p in pieces), np.uint32, count=len(pieces)),
+    )
 
 
 def _progress(enabled: bool, total: int | None, desc: str) -> Any:
@@ -105,7 +135,7 @@ def resolve_tokenizer(spec: str, options: PrepareOptions, input_options: InputOp
     def texts() -> Iterator[str]:
         for document in counter.documents(read_inputs(list(options.inputs), input_options)):
             bar.update(len(document.text))
-            yield document.text
+            yield from split_text(document.text, TRAIN_PIECE_CHARS)
 
     started = time.perf_counter()
     try:
@@ -133,51 +163,37 @@ def check_new_directory(out: str | Path) -> None:
 
 def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare a dataset as `options` say; returns its `dataset.json` content."""
+    inputs = list(options.inputs)
+    if not inputs:
+        raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
+    Staging(options.out).remove_stale()  # also when --out exists: a run killed after its rename left a lock file
     check_new_directory(options.out)
-    with tempfile.TemporaryDirectory(prefix="spmdkit-prepare-") as cache:
-        input_options = InputOptions(options.glob, options.text_key, options.split, cache_dir=cache)
-        inputs = list(options.inputs)
-        if not inputs:
-            raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
+    if options.workers < 0:
+        raise SpmdkitError(f"--workers {options.workers}: pass a positive number (0: one per CPU core)")
+    input_options = InputOptions(options.glob, options.text_key, options.split, piece_chars=options.piece_chars)
+    steady_heap()
+    for warning in check_inputs(inputs, options.out, input_options):
+        print(f"spmdkit: {warning}", file=sys.stderr)
+    with Staging(options.out) as staging:
+        input_options = dataclasses.replace(input_options, cache_dir=str(staging.cache))
         tokenizer = resolve_tokenizer(options.tokenizer, options, input_options, log)
         counter = _Counter(options.skip_bad)
-        bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
         started = time.perf_counter()
-        text_bytes = 0
-        with DatasetWriter(options.out, tokenizer, options.dtype, options.shard_tokens) as writer:
-            # Up to IN_FLIGHT batches encode at once (the Rust encoder runs without the GIL, on all cores), so a
-            # batch's slowest document never leaves a core idle; this thread meanwhile reads and parses the next
-            # batch and turns finished encodings into token arrays and shards, in input order.
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="tokenize")
-            pending: collections.deque = collections.deque()
-            try:
-                for batch in _batches(counter.documents(read_inputs(inputs, input_options)), options.batch_bytes):
-                    texts = [d.text for d in batch]
-                    future = pool.submit(tokenizer.hf.encode_batch_fast, texts, add_special_tokens=False)
-                    sizes = np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64, count=len(texts))
-                    keys = np.fromiter((zlib.crc32(d.name.encode()) for d in batch), np.uint32, count=len(batch))
-                    pending.append((future, sizes, keys))
-                    if len(pending) > IN_FLIGHT:
-                        text_bytes += _write(writer, tokenizer, pending.popleft(), bar)
-                while pending:
-                    text_bytes += _write(writer, tokenizer, pending.popleft(), bar)
-            finally:
-                pool.shutdown(cancel_futures=True)
-                bar.close()
+        with DatasetWriter(options.out, tokenizer, options.dtype, options.shard_tokens, staging) as writer:
+            _tokenize(writer, tokenizer, counter, inputs, input_options, options)
             if writer.documents == 0:
                 raise SpmdkitError("the inputs hold no documents (every one was empty or bad): check the INPUTs")
-            seconds = time.perf_counter() - started
             skipped = dict(sorted(counter.skipped.items()))
-            meta = writer.finish(
-                {
-                    "inputs": inputs,
-                    "options": {"glob": options.glob, "text_key": options.text_key, "split": options.split},
-                    "skipped": skipped,
-                    "seconds": round(seconds, 3),
-                }
-            )
+            info = {
+                "inputs": inputs,
+                "options": {"glob": options.glob, "text_key": options.text_key, "split": options.split},
+                "skipped": skipped,
+            }
+            meta = writer.finish(info)
+        seconds = time.perf_counter() - started
     if skipped:
         log(f"skipped {sum(skipped.values()):,} bad records ({', '.join(f'{k}: {v}' for k, v in skipped.items())})")
+    text_bytes = meta["bytes"]
     log(
         f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens from {text_bytes / 1e6:,.2f} MB of "
         f"text ({meta['tokens'] / max(text_bytes, 1):.3f} tokens/byte) into {len(meta['shards'])} shard(s) of "
@@ -187,10 +203,29 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
     return meta
 
 
-def _write(writer: DatasetWriter, tokenizer: Tokenizer, pending: tuple[Any, np.ndarray, np.ndarray], bar: Any) -> int:
-    future, sizes, keys = pending
-    tokens, lengths = tokenizer.documents_of(future.result())
-    writer.add(tokens, lengths, sizes, keys)
-    total = int(sizes.sum())
-    bar.update(total)
-    return total
+def _tokenize(
+    writer: DatasetWriter,
+    tokenizer: Tokenizer,
+    counter: _Counter,
+    inputs: list[str],
+    input_options: InputOptions,
+    options: PrepareOptions,
+) -> None:
+    """Read, cut, batch, encode (in worker processes, in order) and write every document of `inputs`."""
+    bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
+    documents = counter.documents(read_inputs(inputs, input_options))
+    workers = options.workers or os.cpu_count() or 1
+    try:
+        with Encoder(tokenizer, workers, writer.dtype) as encoder:
+            for batch in _batches(_pieces(documents, options.piece_chars), options.batch_bytes):
+                for done in encoder.submit(batch):
+                    _write(writer, done, bar)
+            for done in encoder.drain():
+                _write(writer, done, bar)
+    finally:
+        bar.close()
+
+
+def _write(writer: DatasetWriter, done: Encoded, bar: Any) -> None:
+    writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
+    bar.update(int(done.text_bytes.sum()))

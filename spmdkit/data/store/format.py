@@ -14,15 +14,25 @@ DIR/document_keys.npy       uint32 [documents]: crc32 of each document's name (f
 ```
 
 `dataset.json`: `format`, `version`, `tokenizer` (name, file, sha256, vocab_size, model_vocab_size, bos_id,
-eos_id, special_ids), `dtype`, `documents`, `tokens`, `bytes` (of text), `shards` ([{file, documents, tokens,
-sha256}]), `index` ({offsets|bytes|keys: {file, sha256}}), `content_sha256` (sha256 of the dtype, the tokenizer's
-sha256 and every shard's and index file's sha256, in order: equal for equal datasets), `inputs`, `options`,
-`skipped` ({kind: count} of the bad records `--skip-bad` skipped), `seconds`, `created`.
+eos_id, special_ids), `dtype`, `documents`, `tokens`, `bytes` (of text), `max_token_id` (the largest id in the
+shards), `chunk_tokens` (CHUNK_TOKENS), `shards` ([{file, documents, tokens, sha256, chunks}]: `chunks` the crc32 of
+each `chunk_tokens` tokens of the shard, the last one shorter), `index` ({offsets|bytes|keys: {file, sha256}}),
+`content_sha256` (sha256 of the dtype, the tokenizer's sha256 and every shard's and index file's sha256, in order:
+equal for equal datasets), `inputs`, `options`, `skipped` ({kind: count} of the bad records `--skip-bad` skipped).
+The same inputs and flags give the same bytes in every file, `dataset.json` included (no time stamps), whatever
+`--workers` and whether an earlier run was killed.
+
+Every file name in `dataset.json` is a plain name inside DIR (no absolute path, no `..`, no symlink leading out).
+Datasets written before `max_token_id` and the chunk checksums (same version) are read with the other checks only.
+A plain text file is one document; a long one is tokenized in pieces cut at line boundaries
+(`spmdkit.data.prepare.text`), which for `bytes` and byte-level BPEs with GPT-2- or Llama-3-style pre-tokenization
+gives exactly the tokens of the whole text.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -35,6 +45,7 @@ BYTES_FILE = "document_bytes.npy"
 KEYS_FILE = "document_keys.npy"
 INDEX_FILES = {"offsets": OFFSETS_FILE, "bytes": BYTES_FILE, "keys": KEYS_FILE}
 UINT16_VOCAB = 1 << 16
+CHUNK_TOKENS = 1 << 20  # tokens per checksummed chunk of a shard (2 MiB of uint16)
 EVAL_BUCKETS = 10_000  # the same rule as the stdlib source's eval files: crc32(name) % 10,000 < fraction x 10,000
 
 
@@ -67,3 +78,25 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def chunk_crcs(path: str, itemsize: int, chunk_tokens: int = CHUNK_TOKENS) -> tuple[str, list[int]]:
+    """(sha256, [crc32 of each chunk of `chunk_tokens` tokens]) of a shard file, read once in chunks."""
+    digest, crcs = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while block := f.read(chunk_tokens * itemsize):
+            digest.update(block)
+            crcs.append(zlib.crc32(block))
+    return digest.hexdigest(), crcs
+
+
+def write_npy(path: str, dtype: str, count: int, raw: str) -> str:
+    """Write `path` as `np.save` writes a 1-D array of `count` `dtype` items whose bytes are the file `raw` (copied
+    in blocks); returns its sha256."""
+    with open(path, "wb") as out:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
+        np.lib.format.write_array_header_1_0(out, header)
+        with open(raw, "rb") as f:
+            while block := f.read(1 << 22):
+                out.write(block)
+    return file_sha256(path)

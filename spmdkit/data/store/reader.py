@@ -1,15 +1,22 @@
 """`PreparedDataset`: a prepared dataset opened for reading, checked against its `dataset.json`.
 
-Opening checks what costs nothing (the format, every file present, each shard's size against its token count,
-the index's shapes and offsets, the tokenizer file's sha256, the dtype against the vocab); `verify()` also reads
-every shard and index file and compares their sha256 and the content hash (`spmdkit data verify DIR`). A mismatch is
-one line naming the file and saying to prepare the dataset again.
+Opening checks what costs little, whatever the dataset's size: the format, every file name a plain name inside
+the directory (no absolute path, no `..`, no symlink leading out), every file present, each shard entry's fields,
+each shard's size against its token count and the dtype, the chunk checksum lists against the shard sizes, the
+index's shapes and offsets, the tokenizer file's sha256, the dtype against the vocab. Reading checks the rest as it
+goes: the first `read` touching a chunk of a shard (`format.CHUNK_TOKENS` tokens) checks that chunk's crc32, and a
+damaged chunk stops the run with one line naming the shard and the offset. `verify()` reads every shard and index
+file and compares their sha256, every chunk's crc32 and the content hash (`spmdkit data verify DIR`).
+`check_vocabulary(dataset, vocab_size)` refuses a model vocabulary that does not hold the dataset's largest token id.
+A mismatch is one line naming the file and saying to prepare the dataset again. Datasets written before the chunk
+checksums and `max_token_id` get every other check.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +56,35 @@ class PreparedDataset:
                 f"{fmt.VERSION}: prepare the dataset again with this spmdkit"
             )
         try:
+            if self.meta["dtype"] not in ("uint16", "uint32"):
+                self._damaged(f"{fmt.META_FILE} says dtype {self.meta['dtype']!r}, not uint16 or uint32")
             self.dtype = np.dtype(self.meta["dtype"])
+            self._check_names()
             self._check_files()
-        except (KeyError, TypeError) as error:
+            self._chunk_tokens = self._check_chunk_lists()
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             self._damaged(f"{meta_path} lacks or mangles {error}")
-        self.offsets = np.load(self.path / fmt.OFFSETS_FILE, mmap_mode="r")
-        self.text_bytes = np.load(self.path / fmt.BYTES_FILE, mmap_mode="r")
-        self.keys = np.load(self.path / fmt.KEYS_FILE, mmap_mode="r")
+        self.offsets, self.text_bytes, self.keys = (
+            self._index_array(name) for name in (fmt.OFFSETS_FILE, fmt.BYTES_FILE, fmt.KEYS_FILE)
+        )
         self._check_index()
         self.lengths = np.diff(self.offsets).astype(np.int64)
         counts = [s["tokens"] for s in self.meta["shards"]]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._shards = [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r") for s in self.meta["shards"]]
+        # per shard: which chunks were checked (the first read of a chunk checks it), and how many are left
+        self._checked = [bytearray(len(s.get("chunks", ()))) for s in self.meta["shards"]]
+        self._unchecked = [len(c) for c in self._checked]
+
+    def _index_array(self, name: str) -> np.ndarray:
+        """One of the document index's `.npy` arrays, mapped; never unpickled (`np.load` refuses objects)."""
+        try:
+            array = np.load(self.path / name, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as error:
+            self._damaged(f"{name} is not a plain numeric .npy array ({error})")
+        if array.dtype.kind not in "iu":
+            self._damaged(f"{name} holds {array.dtype} values, not the integers `data prepare` writes")
+        return array
 
     def _damaged(self, what: str) -> None:
         raise SpmdkitError(f"{what}: the prepared dataset {self.path} is damaged or was changed; prepare it again")
@@ -75,6 +99,45 @@ class PreparedDataset:
 
     def __repr__(self) -> str:
         return f"PreparedDataset({str(self.path)!r}, documents={self.documents}, tokens={self.tokens})"
+
+    def _check_names(self) -> None:
+        """Every file `dataset.json` names is a plain name inside the directory, and shard entries are well formed."""
+        meta = self.meta
+        if not isinstance(meta["shards"], list) or not meta["shards"]:
+            self._damaged(f"{fmt.META_FILE} lists no shards")
+        for k, shard in enumerate(meta["shards"]):
+            fields = {"file": str, "tokens": int, "documents": int, "sha256": str}
+            bad = [
+                f
+                for f, kind in fields.items()
+                if not isinstance(shard.get(f) if isinstance(shard, dict) else None, kind)
+            ]
+            if bad or shard["tokens"] < 0 or shard["documents"] < 0:
+                self._damaged(f"{fmt.META_FILE} shard {k} lacks or mangles {', '.join(bad) or 'its counts'}")
+        names = [s["file"] for s in meta["shards"]] + [e["file"] for e in meta["index"].values()]
+        root = self.path.resolve()
+        for name in [*names, meta["tokenizer"]["file"]]:
+            path = Path(name) if isinstance(name, str) else None
+            if path is None or path.is_absolute() or ".." in path.parts or not name:
+                self._damaged(f"{fmt.META_FILE} names the file {name!r}, which is not a plain name inside the dataset")
+            real = (self.path / path).resolve()
+            if root not in real.parents:
+                self._damaged(f"{self.path / path} leads outside the dataset (to {real})")
+        if [e["file"] for e in meta["index"].values()] != [meta["index"][k]["file"] for k in fmt.INDEX_FILES]:
+            self._damaged(f"{fmt.META_FILE} has another index than {', '.join(fmt.INDEX_FILES.values())}")
+
+    def _check_chunk_lists(self) -> int:
+        """`chunk_tokens` (0 for a dataset without chunk checksums) and each shard's list of them against its size."""
+        if "chunk_tokens" not in self.meta:
+            return 0
+        chunk = self.meta["chunk_tokens"]
+        if not isinstance(chunk, int) or chunk < 1:
+            self._damaged(f"{fmt.META_FILE} says chunk_tokens {chunk!r}")
+        for shard in self.meta["shards"]:
+            chunks = shard.get("chunks")
+            if not isinstance(chunks, list) or len(chunks) != -(-shard["tokens"] // chunk):
+                self._damaged(f"{fmt.META_FILE} has no chunk checksum list of {self.path / shard['file']}'s size")
+        return chunk
 
     def _check_files(self) -> None:
         """Every file present, each shard of the size its token count says, the tokenizer's hash, dtype vs vocab."""
@@ -128,10 +191,31 @@ class PreparedDataset:
         return (np.searchsorted(self._shard_starts, self.offsets[:-1], side="right") - 1).astype(np.int32)
 
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
-        """Tokens `start:stop` of document `doc`, as stored (uint16/uint32), without copying."""
+        """Tokens `start:stop` of document `doc`, as stored (uint16/uint32), without copying; the first read of a
+        chunk checks its checksum (`check_chunks`)."""
         shard = self._doc_shard[doc]
         base = int(self.offsets[doc]) - int(self._shard_starts[shard])
+        if self._unchecked[shard] and stop > start:  # nothing to do once every chunk of the shard was checked
+            self.check_chunks(int(shard), base + start, base + stop)
         return self._shards[shard][base + start : base + stop]
+
+    def check_chunks(self, shard: int, start: int, stop: int) -> None:
+        """Check the crc32 of each chunk of shard `shard` that tokens `start:stop` touch and that was not checked
+        yet: a mismatch is one line naming the shard and the offset. Nothing for a dataset without checksums."""
+        if not self._chunk_tokens:
+            return
+        size, checked = self._chunk_tokens, self._checked[shard]
+        entry = self.meta["shards"][shard]
+        for c in range(start // size, (stop - 1) // size + 1):
+            if checked[c]:
+                continue
+            if zlib.crc32(self._shards[shard][c * size : (c + 1) * size]) != entry["chunks"][c]:
+                self._damaged(
+                    f"{self.path / entry['file']} is damaged at token offset {c * size:,} (byte "
+                    f"{c * size * self.dtype.itemsize:,}): chunk {c} does not match its crc32 in {fmt.META_FILE}"
+                )
+            checked[c] = 1
+            self._unchecked[shard] -= 1
 
     def document(self, doc: int) -> np.ndarray:
         return self.read(doc, 0, int(self.lengths[doc]))
@@ -139,7 +223,10 @@ class PreparedDataset:
     def verify(self) -> dict[str, Any]:
         """Read every shard and index file and compare their sha256 (and the content hash) with `dataset.json`."""
         hashes = []
-        for shard in self.meta["shards"]:
+        for k, shard in enumerate(self.meta["shards"]):
+            self._checked[k] = bytearray(len(self._checked[k]))
+            self._unchecked[k] = len(self._checked[k])
+            self.check_chunks(k, 0, shard["tokens"])
             found = fmt.file_sha256(str(self.path / shard["file"]))
             if found != shard["sha256"]:
                 self._damaged(f"{self.path / shard['file']} does not match its sha256 in {fmt.META_FILE}")
@@ -154,3 +241,20 @@ class PreparedDataset:
         if content != self.meta["content_sha256"]:
             self._damaged(f"its content hash is not the one {fmt.META_FILE} records")
         return self.meta
+
+
+def check_vocabulary(dataset: PreparedDataset, vocab_size: int) -> None:
+    """SpmdkitError (one line) unless a model with `vocab_size` embedding rows holds every token id of `dataset`:
+    its `max_token_id` (recorded at prepare time; older datasets: the tokenizer's largest id). Call it before the
+    first step (`make_data` does, for every prepared dataset it reads)."""
+    tokenizer = dataset.meta["tokenizer"]
+    largest = dataset.meta.get("max_token_id", tokenizer["vocab_size"] - 1)
+    if not isinstance(largest, int) or largest >= np.iinfo(dataset.dtype).max + 1:
+        dataset._damaged(f"{fmt.META_FILE} says max_token_id {largest!r}")
+    if largest >= vocab_size:
+        need = max(tokenizer["model_vocab_size"], largest + 1)
+        raise SpmdkitError(
+            f"the prepared dataset {dataset.path} holds token id {largest:,}, but the model's vocabulary has "
+            f"{vocab_size:,} ids: use a model vocab_size of at least {need:,} (its tokenizer is {tokenizer['name']}) "
+            "or prepare the data with the model's tokenizer"
+        )

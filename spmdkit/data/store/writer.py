@@ -1,34 +1,88 @@
-"""`DatasetWriter`: token shards, the document index and `dataset.json`, written into a temporary directory beside
-the output and renamed to it at the end, so an interrupted or failed run leaves no half-written dataset behind."""
+"""`DatasetWriter`: token shards, the document index and `dataset.json`, written into a staging directory beside
+the output (`staging.Staging`) and renamed to it at the end, so an interrupted or failed run leaves no half-written
+dataset behind (and the next run removes what a killed one left).
+
+Memory stays bounded whatever the dataset's size: tokens go to the shard file as they come, the index to raw files
+that become the `.npy` files at the end, and a document may arrive in pieces (`add_pieces`), its tokens written as
+each piece comes. Each shard's sha256 and chunk checksums are computed by reading it back when it is closed.
+"""
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from spmdkit.data.store import format as fmt
+from spmdkit.data.store.staging import Staging
 from spmdkit.data.tokenizer import Tokenizer
 from spmdkit.errors import SpmdkitError
 
+INDEX_DTYPES = {"offsets": "int64", "bytes": "int64", "keys": "uint32"}
+FLUSH_DOCUMENTS = 1 << 16  # index entries buffered before they go to their raw files
+
+
+class _Index:
+    """The document index, appended to raw files (offsets without the leading 0, bytes, keys)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.files = {name: open(directory / f"{name}.raw", "wb") for name in INDEX_DTYPES}
+        self.buffer: dict[str, list[np.ndarray]] = {name: [] for name in INDEX_DTYPES}
+        self.buffered = 0
+
+    def add(self, ends: np.ndarray, text_bytes: np.ndarray, keys: np.ndarray) -> None:
+        self.buffer["offsets"].append(np.asarray(ends, np.int64))
+        self.buffer["bytes"].append(np.asarray(text_bytes, np.int64))
+        self.buffer["keys"].append(np.asarray(keys, np.uint32))
+        self.buffered += len(ends)
+        if self.buffered >= FLUSH_DOCUMENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, parts in self.buffer.items():
+            if parts:
+                self.files[name].write(np.concatenate(parts).astype(INDEX_DTYPES[name], copy=False).tobytes())
+            parts.clear()
+        self.buffered = 0
+
+    def finish(self, documents: int) -> dict[str, dict[str, str]]:
+        """Write the `.npy` index files (offsets with its leading 0); returns `dataset.json`'s `index`."""
+        self.flush()
+        for f in self.files.values():
+            f.close()
+        raw = {name: self.directory / f"{name}.raw" for name in INDEX_DTYPES}
+        with open(raw["offsets"], "r+b") as f:  # prepend the leading 0: rewrite through a second raw file
+            with open(self.directory / "offsets0.raw", "wb") as out:
+                out.write(np.zeros(1, np.int64).tobytes())
+                while block := f.read(1 << 22):
+                    out.write(block)
+        os.replace(self.directory / "offsets0.raw", raw["offsets"])
+        index = {}
+        for name, dtype in INDEX_DTYPES.items():
+            path = self.directory / fmt.INDEX_FILES[name]
+            count = documents + 1 if name == "offsets" else documents
+            index[name] = {"file": path.name, "sha256": fmt.write_npy(str(path), dtype, count, str(raw[name]))}
+            raw[name].unlink()
+        return index
+
 
 class DatasetWriter:
-    """Appends batches of documents to shards of at most `shard_tokens` tokens (a longer document gets a shard of
-    its own). Use as a context manager: leaving it by an exception removes the temporary directory."""
+    """Appends documents to shards of at most `shard_tokens` tokens (a longer document gets a shard of its own; no
+    document spans shards). Use as a context manager: leaving it by an exception removes the staging directory.
+    `staging`: an entered `Staging` of `out` to write into (one is made when None)."""
 
-    def __init__(self, out: str | Path, tokenizer: Tokenizer, dtype: str = "auto", shard_tokens: int = 1 << 28):
-        self.out = Path(out)
-        if self.out.exists():
-            raise SpmdkitError(
-                f"--out {out} already exists: choose a new directory (prepared data is never overwritten)"
-            )
+    def __init__(
+        self,
+        out: str | Path,
+        tokenizer: Tokenizer,
+        dtype: str = "auto",
+        shard_tokens: int = 1 << 28,
+        staging: Staging | None = None,
+    ):
         if shard_tokens < 1:
             raise SpmdkitError(f"--shard-tokens {shard_tokens} must be positive")
         self.dtype = fmt.token_dtype(tokenizer.vocab_size, dtype)
@@ -41,18 +95,19 @@ class DatasetWriter:
                 "use --dtype uint32 (or auto)"
             )
         self.tokenizer, self.shard_tokens = tokenizer, shard_tokens
-        try:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
-        except OSError as error:
-            raise SpmdkitError(f"cannot create --out {self.out} ({error.strerror or error})") from None
+        self.itemsize = np.dtype(self.dtype).itemsize
+        self.chunk_tokens = fmt.CHUNK_TOKENS
+        self._own_staging = staging is None
+        self.staging = Staging(out).__enter__() if staging is None else staging
+        assert self.staging.directory is not None
+        self.tmp = self.staging.directory
+        self.out = self.staging.out
+        self.index = _Index(self.tmp)
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
-        self._hash: Any = None
-        self.lengths: list[np.ndarray] = []
-        self.text_bytes: list[np.ndarray] = []
-        self.keys: list[np.ndarray] = []
-        self.tokens = self.documents = 0
+        self._open_doc: list[int] | None = None  # [start in shard, tokens, text bytes, key] of a document in pieces
+        self.tokens = self.documents = self.text_bytes = 0
+        self.max_token_id = -1
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -65,28 +120,56 @@ class DatasetWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        for f in self.index.files.values():
+            f.close()
+        if self._own_staging:
+            self.staging.__exit__(None, None, None)
 
-    # -- writing ---------------------------------------------------------------------------------------------
+    # -- shards ----------------------------------------------------------------------------------------------
 
     def _open_shard(self) -> None:
         name = fmt.shard_file(len(self.shards))
         self._file = open(self.tmp / name, "wb")
-        self._hash = hashlib.sha256()
         self.shards.append({"file": name, "documents": 0, "tokens": 0})
 
     def _close_shard(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-            self.shards[-1]["sha256"] = self._hash.hexdigest()
+            shard = self.shards[-1]
+            path = str(self.tmp / shard["file"])
+            shard["sha256"], shard["chunks"] = fmt.chunk_crcs(path, self.itemsize, self.chunk_tokens)
+
+    def _write(self, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self._file.write(tokens.tobytes())
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
+
+    def _move_open_document(self, start: int) -> None:
+        """The document in pieces that began at token `start` of the last shard does not fit there after all: move
+        its tokens (copied in blocks) to a new shard, cut the old one back."""
+        old = self.tmp / self.shards[-1]["file"]
+        self._file.close()
+        new = fmt.shard_file(len(self.shards))
+        with open(old, "r+b") as f, open(self.tmp / new, "wb") as out:
+            f.seek(start * self.itemsize)
+            while block := f.read(1 << 22):
+                out.write(block)
+            f.truncate(start * self.itemsize)
+        moved = self.shards[-1]["tokens"] - start
+        self.shards[-1]["tokens"] = start
+        self._file = open(old, "ab")
+        self._close_shard()  # hashes the shard as cut
+        self.shards.append({"file": new, "documents": 0, "tokens": moved})
+        self._file = open(self.tmp / new, "ab")
+
+    # -- documents -------------------------------------------------------------------------------------------
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: np.ndarray, keys: np.ndarray) -> None:
-        """Append documents: `tokens` [sum(lengths)] (each document with its BOS/EOS), `lengths`, `text_bytes`
+        """Append whole documents: `tokens` [sum(lengths)] (each document with its BOS/EOS), `lengths`, `text_bytes`
         (UTF-8 bytes of each text) and `keys` (uint32 crc32 of each name), all [documents]."""
-        self.lengths.append(np.asarray(lengths, np.int64))
-        self.text_bytes.append(np.asarray(text_bytes, np.int64))
-        self.keys.append(np.asarray(keys, np.uint32))
+        assert self._open_doc is None, "a document in pieces is still open"
+        lengths = np.asarray(lengths, np.int64)
         data = np.asarray(tokens).astype(self.dtype, copy=False)
         ends = np.cumsum(lengths)
         done_docs, done_tokens = 0, 0
@@ -102,31 +185,78 @@ class DatasetWriter:
                 continue
             fit = max(fit, 1)
             stop = int(ends[done_docs + fit - 1])
-            chunk = data[done_tokens:stop].tobytes()
-            self._file.write(chunk)
-            self._hash.update(chunk)
+            self._write(data[done_tokens:stop])
             shard["documents"] += fit
             shard["tokens"] += stop - done_tokens
             done_docs, done_tokens = done_docs + fit, stop
+        self.index.add(self.tokens + ends, text_bytes, keys)
         self.documents += len(lengths)
         self.tokens += int(ends[-1]) if len(ends) else 0
+        self.text_bytes += int(np.sum(text_bytes))
+
+    def add_pieces(
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        text_bytes: np.ndarray,
+        keys: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+    ) -> None:
+        """Append pieces of documents, in order: piece i has `lengths[i]` tokens (BOS only on a document's first
+        piece, EOS only on its last); `firsts`/`lasts` say which pieces start/end a document."""
+        whole = np.asarray(firsts, bool) & np.asarray(lasts, bool)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        k, n = 0, len(lengths)
+        while k < n:
+            if whole[k]:  # a run of whole documents, written at once
+                j = k + (int(np.argmin(whole[k:])) if not whole[k:].all() else n - k)
+                self.add(tokens[starts[k] : ends[j - 1]], lengths[k:j], text_bytes[k:j], keys[k:j])
+                k = j
+                continue
+            if firsts[k]:
+                self._begin(int(keys[k]))
+            self._extend(np.asarray(tokens[starts[k] : ends[k]]).astype(self.dtype, copy=False), int(text_bytes[k]))
+            if lasts[k]:
+                self._end()
+            k += 1
+
+    def _begin(self, key: int) -> None:
+        assert self._open_doc is None, "a document in pieces is still open"
+        if self._file is not None and self.shards[-1]["tokens"] >= self.shard_tokens:
+            self._close_shard()
+        if self._file is None:
+            self._open_shard()
+        self._open_doc = [self.shards[-1]["tokens"], 0, 0, key]
+
+    def _extend(self, tokens: np.ndarray, text_bytes: int) -> None:
+        assert self._open_doc is not None, "a document's middle piece came without its first"
+        self._write(tokens)
+        self.shards[-1]["tokens"] += len(tokens)
+        self._open_doc[1] += len(tokens)
+        self._open_doc[2] += text_bytes
+
+    def _end(self) -> None:
+        assert self._open_doc is not None
+        start, count, text_bytes, key = self._open_doc
+        self._open_doc = None
+        if start > 0 and start + count > self.shard_tokens:
+            self._move_open_document(start)
+        self.shards[-1]["documents"] += 1
+        self.index.add(np.array([self.tokens + count]), np.array([text_bytes]), np.array([key]))
+        self.documents += 1
+        self.tokens += count
+        self.text_bytes += text_bytes
+
+    # -- the end ---------------------------------------------------------------------------------------------
 
     def finish(self, info: dict[str, Any]) -> dict[str, Any]:
         """Close the last shard, write the index, the tokenizer and `dataset.json`, rename into place; returns
-        what `dataset.json` holds. `info` adds `inputs`, `options`, `skipped`, `seconds` and the like."""
+        what `dataset.json` holds. `info` adds `inputs`, `options`, `skipped` and the like."""
+        assert self._open_doc is None, "a document in pieces is still open"
         self._close_shard()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        arrays = {
-            "offsets": offsets,
-            "bytes": np.concatenate(self.text_bytes) if self.text_bytes else np.zeros(0, np.int64),
-            "keys": np.concatenate(self.keys) if self.keys else np.zeros(0, np.uint32),
-        }
-        index = {}
-        for name, array in arrays.items():
-            path = self.tmp / fmt.INDEX_FILES[name]
-            np.save(path, array)
-            index[name] = {"file": path.name, "sha256": fmt.file_sha256(str(path))}
+        index = self.index.finish(self.documents)
         self.tokenizer.save(self.tmp)
         hashes = [s["sha256"] for s in self.shards] + [index[k]["sha256"] for k in fmt.INDEX_FILES]
         meta = {
@@ -136,17 +266,16 @@ class DatasetWriter:
             "dtype": self.dtype,
             "documents": self.documents,
             "tokens": self.tokens,
-            "bytes": int(arrays["bytes"].sum()),
+            "bytes": self.text_bytes,
+            "max_token_id": self.max_token_id,
+            "chunk_tokens": self.chunk_tokens,
             "shards": self.shards,
             "index": index,
             "content_sha256": fmt.content_hash(self.dtype, self.tokenizer.sha256, hashes),
             **info,
-            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         (self.tmp / fmt.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            os.rename(self.tmp, self.out)  # atomic on one filesystem; fails if --out appeared meanwhile
-        except OSError as error:
-            self.abort()
-            raise SpmdkitError(f"could not move the dataset into --out {self.out}: {error.strerror}") from None
+        self.staging.commit()
+        if self._own_staging:
+            self.staging.__exit__(None, None, None)
         return meta

@@ -5,7 +5,11 @@ never repeat K/V; keys and values as [2 (slot), B, kv_heads, c, D]; per-row stat
 segment ids [2 (slot), B, c]. `fwd_pair` folds one key chunk into the online-softmax state (o, m, l) of one query
 chunk; `bwd_pair` adds one pair's contributions to dq, dk, dv. Keys are scanned in tiles of `key_tile`, bounding
 the scratch per pair to [heads, c, key_tile]. The math of each tile is `spmdkit.kernels.attention_block` (`fold`,
-`block_grads`): the same functions the blockwise kernel runs.
+`block_grads`): the same functions the blockwise kernel runs, with the same `scale` and `softcap`.
+
+Masks compare positions relative to the query chunk's first token (causal and window rules depend only on the
+distance between a key and a query): `offset` is the key chunk's first true position less the query chunk's, 0 on
+the diagonal pair. `window` W > 0 hides keys at or before query - W.
 """
 
 from __future__ import annotations
@@ -82,12 +86,15 @@ def merge_tiles(x: jax.Array) -> jax.Array:
     return x.transpose(1, 2, 0, 3, 4).reshape(b, hk, nt * tile, d)
 
 
-def _tile_mask(c: int, index: jax.Array, tile: int, diagonal: bool, q_seg, k_seg) -> jax.Array | None:
-    """Which keys of tile `index` each of the c queries sees: on the diagonal pair (the same chunk: local offsets
-    compare positions) keys after the query are hidden; with segment ids, keys of other documents."""
+def _tile_mask(
+    c: int, index: jax.Array, tile: int, diagonal: bool, q_seg, k_seg, window: int, offset
+) -> jax.Array | None:
+    """Which keys of tile `index` each of the c queries sees: on the diagonal pair (the same chunk) keys after the
+    query are hidden; `window` W > 0: keys W or more positions before the query (`offset`: the key chunk's first
+    position less the query chunk's); with segment ids, keys of other documents."""
     q_pos = jnp.arange(c)
-    k_pos = index * tile + jnp.arange(tile)
-    return visible(q_pos, k_pos, causal=diagonal, q_seg=q_seg, k_seg=k_seg)
+    k_pos = offset + index * tile + jnp.arange(tile)
+    return visible(q_pos, k_pos, causal=diagonal, window=window, q_seg=q_seg, k_seg=k_seg)
 
 
 def _tiles(k, v, k_seg, tile: int) -> tuple:
@@ -95,28 +102,57 @@ def _tiles(k, v, k_seg, tile: int) -> tuple:
     return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(k_seg, tile)
 
 
-def fwd_pair(q, k, v, acc, *, diagonal: bool, scale: float, key_tile: int, q_seg=None, k_seg=None):
+def fwd_pair(
+    q,
+    k,
+    v,
+    acc,
+    *,
+    diagonal: bool,
+    scale: float,
+    key_tile: int,
+    q_seg=None,
+    k_seg=None,
+    window=0,
+    offset=0,
+    softcap=0.0,
+):
     """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk, a tile at a time.
-    q_seg [B, c], k_seg [B, c]: segment ids of the query and key chunks (None: one document)."""
+    q_seg [B, c], k_seg [B, c]: segment ids of the query and key chunks (None: one document); `window`, `offset`:
+    the module doc (0: no window mask)."""
 
     def tile_step(acc, xs):
         index, kt, vt, st = xs
-        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st)
-        return fold(acc, q, kt, vt, mask, scale), None
+        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st, window, offset)
+        return fold(acc, q, kt, vt, mask, scale, softcap), None
 
     return lax.scan(tile_step, acc, _tiles(k, v, k_seg, key_tile))[0]
 
 
-def bwd_pair(rows, k, v, grads, *, diagonal: bool, scale: float, key_tile: int, q_seg=None, k_seg=None):
+def bwd_pair(
+    rows,
+    k,
+    v,
+    grads,
+    *,
+    diagonal: bool,
+    scale: float,
+    key_tile: int,
+    q_seg=None,
+    k_seg=None,
+    window=0,
+    offset=0,
+    softcap=0.0,
+):
     """Gradient contributions of one chunk pair. rows = (q, dO, lse, D) of the query chunk;
-    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk."""
+    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk; masks as `fwd_pair`."""
     q, do, lse, delta = rows
     dq, dk, dv = grads
 
     def tile_step(dq, xs):
         index, kt, vt, st = xs
-        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st)
-        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, scale)
+        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st, window, offset)
+        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, scale, softcap)
         return dq + dq_t, (dk_t, dv_t)
 
     dq, (dk_t, dv_t) = lax.scan(tile_step, dq, _tiles(k, v, k_seg, key_tile))

@@ -16,12 +16,16 @@ online softmax keeps float32 running statistics per query row:
 
 Under a causal mask a pair is computed in full (key chunk before query chunk), with a triangular mask
 (the same chunk, only at step 0) or skipped (key chunk after query chunk): `lax.switch` runs only the taken
-branch, so skipped pairs cost no FLOPs. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated.
+branch, so skipped pairs cost no FLOPs. A sliding window W (a query at true position i sees keys i - W < j <= i)
+adds two cases, from the chunks' true positions (the zigzag layout permutes chunks, never tokens within one):
+a key chunk wholly before the window of every query is skipped too, and one that crosses the window's edge is
+computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated. `scale`
+multiplies q k^T (default 1/sqrt(head_dim)); `softcap` c > 0 caps the scores to c tanh(s / c) before masking.
 
 Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device). With D = rowsum(dO * O) - dlse:
 
     P = exp(s - lse)     dV += P^T dO     dP = dO V^T     dS = P * (dP - D)
-    dQ += dS K / sqrt(head_dim)           dK += dS^T Q / sqrt(head_dim)
+    dQ += dS K * scale   dK += dS^T Q * scale    (dS times 1 - tanh(s / c)^2 under a soft cap)
 
 dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
 last step one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel
@@ -43,7 +47,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import F32, check_qkv, finish, initial_state, row_delta
+from spmdkit.kernels.attention_block import F32, check_attention_options, check_qkv, finish, initial_state, row_delta
 from spmdkit.parallel.context.chunk_pair import (
     bwd_pair,
     fwd_pair,
@@ -56,11 +60,13 @@ from spmdkit.parallel.context.chunk_pair import (
     split_seg,
 )
 from spmdkit.parallel.context.zigzag import (
+    FULL,
     causal_work_balance,
     check_load_balance,
     check_seq_len,
     from_zigzag,
     inverse_zigzag_indices,
+    pair_mode,
     slot_chunk_ids,
     to_zigzag,
     zigzag_indices,
@@ -83,6 +89,9 @@ class _Ring:
     load_balance: str  # "zigzag" or "none"
     key_tile: int
     scale: float
+    window: int = 0  # sliding window in true positions (0: unlimited)
+    softcap: float = 0.0
+    chunk: int = 0  # tokens per chunk, seq / (2N)
 
     @property
     def n(self) -> int:
@@ -119,8 +128,6 @@ def _hop(x, ring: _Ring):
 
 # ---------------------------------------------------------------- one ring step: the 4 chunk pairs
 
-_FULL, _DIAG, _SKIP = 0, 1, 2
-
 
 def _take(x: jax.Array, i) -> jax.Array:
     return lax.dynamic_index_in_dim(x, i, keepdims=False)
@@ -130,29 +137,32 @@ def _put(x: jax.Array, i, value: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(x, value, i, axis=0)
 
 
-def _pair_mode(ring: _Ring, r, t, i, j) -> jax.Array:
-    """FULL (key chunk before query chunk), DIAG (the same chunk: only at step 0) or SKIP (key chunk after),
-    from the global chunk ids of query slot i on device r and key slot j of device (r - t) mod N."""
+def _pair_mode(ring: _Ring, r, t, i, j) -> tuple[jax.Array, jax.Array]:
+    """(`pair_mode`, offset) of query slot i on device r and key slot j of device (r - t) mod N; offset: the key
+    chunk's first true position less the query chunk's."""
     ids = jnp.asarray(slot_chunk_ids(ring.n, ring.load_balance), jnp.int32)
     q_id, k_id = ids[r, i], ids[(r - t) % ring.n, j]
-    return jnp.where(k_id < q_id, _FULL, jnp.where(k_id == q_id, _DIAG, _SKIP))
+    return pair_mode(q_id, k_id, ring.chunk, ring.window), (k_id - q_id) * ring.chunk
 
 
 def _ring_step(pair_fn, state, kv, ring: _Ring, r, t):
-    """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, diagonal)` for the 4 pairs
-    (query slot i, key slot j), looped (one traced copy); under `causal`, `lax.switch` runs only the taken
-    branch of full / diagonal / skip."""
+    """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, offset, diagonal, window)` for the 4
+    pairs (query slot i, key slot j), looped (one traced copy); under `causal`, `lax.switch` runs only the taken
+    branch of full / diagonal / skip (/ window edge)."""
     branches = (
-        functools.partial(pair_fn, diagonal=False),
-        functools.partial(pair_fn, diagonal=True),
-        lambda state, kv, i, j: state,
+        functools.partial(pair_fn, diagonal=False, window=0),
+        functools.partial(pair_fn, diagonal=True, window=ring.window),
+        lambda state, kv, i, j, offset: state,
     )
+    if ring.window > 0:
+        branches += (functools.partial(pair_fn, diagonal=False, window=ring.window),)
 
     def pair(p, state):
         i, j = p // 2, p % 2
         if not ring.causal:
-            return branches[_FULL](state, kv, i, j)
-        return lax.switch(_pair_mode(ring, r, t, i, j), branches, state, kv, i, j)
+            return branches[FULL](state, kv, i, j, 0)
+        mode, offset = _pair_mode(ring, r, t, i, j)
+        return lax.switch(mode, branches, state, kv, i, j, offset)
 
     return lax.fori_loop(0, 4, pair, state)
 
@@ -190,12 +200,13 @@ def _forward_local(ring: _Ring, q, k, v, seg):
     q_seg = None if seg is None else split_seg(seg)
     state = initial_state(qs)
 
-    def pair(state, kv, i, j, diagonal):
+    def pair(state, kv, i, j, offset, diagonal, window):
         (kv, k_seg) = kv
         acc = tuple(_take(s, i) for s in state)
         new = fwd_pair(
             _take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, diagonal=diagonal, scale=ring.scale,
-            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j),
+            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j), window=window,
+            offset=offset, softcap=ring.softcap,
         )  # fmt: skip
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
@@ -214,13 +225,14 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
     q_seg = None if seg is None else split_seg(seg)
     kv = jnp.stack([split_kv(k), split_kv(v)])
 
-    def pair(state, kv, i, j, diagonal):
+    def pair(state, kv, i, j, offset, diagonal, window):
         (kv, k_seg), (dq, dk, dv) = kv, state
         grads = (_take(dq, i), _take(dk, j), _take(dv, j))
         kj, vj = _take(kv[0], j), _take(kv[1], j)
         dqi, dkj, dvj = bwd_pair(
             tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, scale=ring.scale,
-            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j),
+            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j), window=window,
+            offset=offset, softcap=ring.softcap,
         )  # fmt: skip
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
@@ -290,9 +302,12 @@ def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> N
         )
 
 
-def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile) -> _Ring:
-    """Check every user input and resolve the axes (size-1 and absent axes are dropped)."""
+def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile, options) -> _Ring:
+    """Check every user input and resolve the axes (size-1 and absent axes are dropped); options: (window, scale,
+    softcap)."""
     check_qkv(q, k, v, "ring attention")
+    window, scale, softcap = options
+    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "ring attention")
     load_balance = check_load_balance(load_balance)
     if axis_name not in mesh.shape:
         raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: pass axis_name=")
@@ -309,7 +324,10 @@ def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads
             f"key_tile={key_tile} does not divide the chunk length seq/(2 x context) = {chunk}: pick a divisor "
             f"of {chunk} or None"
         )
-    return _Ring(mesh, axis_name, batch_axes, heads_axis, causal, load_balance, key_tile, q.shape[3] ** -0.5)
+    window = window if window < q.shape[1] else 0  # a window as long as the sequence hides nothing
+    return _Ring(
+        mesh, axis_name, batch_axes, heads_axis, causal, load_balance, key_tile, scale, window, float(softcap), chunk
+    )
 
 
 def ring_attention_with_lse(
@@ -325,11 +343,15 @@ def ring_attention_with_lse(
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
     segment_ids: jax.Array | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
     """`ring_attention` that also returns lse [batch, heads, seq] float32 (the log-sum-exp of each query
     row's scaled scores, seq in the same layout as q; -inf for a row that sees no key), differentiable like
     `out`."""
-    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
+    options = (window, scale, softcap)
+    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile, options)
     return _attention(ring, q, k, v, _check_segments(segment_ids, q))
 
 
@@ -346,8 +368,11 @@ def ring_attention(
     heads_axis: str | None = "tensor",
     key_tile: int | None = None,
     segment_ids: jax.Array | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """Scaled dot-product attention (scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
+    """Scaled dot-product attention (default scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], heads a multiple of kv_heads
     (GQA: query head h uses kv head h // (heads / kv_heads)). Returns out [batch, seq, heads, head_dim] in
@@ -363,8 +388,11 @@ def ring_attention(
     `key_tile` (a divisor of seq / 2N, default the whole chunk) bounds the per-pair scratch memory.
     `segment_ids` int32 [batch, seq], in the same layout as q (they travel the ring with K/V): 0 is padding,
     1, 2, ... the documents packed in a row; a query sees only keys of its own document (padding rows see
-    nothing: output 0, no gradient). None: one document per row.
+    nothing: output 0, no gradient). None: one document per row. `window` W > 0 (causal only): a query at true
+    position i sees keys i - W < j <= i (chunk pairs wholly outside every window are skipped); `scale`: the
+    multiplier of q k^T (None: 1/sqrt(head_dim)); `softcap` c > 0: scores become c tanh(s / c) (0: off).
     Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse.
     """
-    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile)
+    options = (window, scale, softcap)
+    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile, options)
     return _attention(ring, q, k, v, _check_segments(segment_ids, q))[0]

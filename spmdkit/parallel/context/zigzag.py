@@ -100,6 +100,21 @@ def pair_is_computed(q_chunk: int, k_chunk: int, causal: bool) -> bool:
     return not causal or k_chunk <= q_chunk
 
 
+FULL, DIAG, SKIP, EDGE = 0, 1, 2, 3  # how ring attention computes a causal (query chunk, key chunk) pair
+
+
+def pair_mode(q_chunk, k_chunk, chunk: int, window: int = 0):
+    """How a causal (query chunk, key chunk) pair is computed, from the original chunk ids (ints or jax arrays) and
+    the chunk length: FULL (key chunk before the query chunk, inside every query's window), DIAG (the same chunk: a
+    triangular mask), SKIP (key chunk after, or every key at or before every query - `window`) or EDGE (before,
+    across the edge of some query's window: a window mask). window 0: unlimited."""
+    before = FULL
+    if window > 0:  # the gap between the last key and the first query; between the first key and the last query
+        gap = (q_chunk - k_chunk) * chunk
+        before = jnp.where(gap - chunk + 1 >= window, SKIP, jnp.where(gap + chunk - 1 >= window, EDGE, FULL))
+    return jnp.where(k_chunk < q_chunk, before, jnp.where(k_chunk == q_chunk, DIAG, SKIP))
+
+
 def causal_work_balance(n: int, load_balance: str | None) -> tuple[list[int], float]:
     """Causal attention work per device, counted in computed (query chunk, key chunk) pairs.
 

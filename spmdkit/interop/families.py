@@ -1,0 +1,285 @@
+"""The Hugging Face families spmdkit runs, one table: for each `model_type`, what its config keys mean as
+`TransformerConfig` fields (`read`), the keys a fresh `config.json` of the family gets (`write`), what its config
+class assumes for a key left out (`defaults`), and how its tensors are laid out (`experts`, `fused`). Pure Python.
+
+`read` returns only the family's own fields; the keys every family shares (sizes, heads, norm epsilon, RoPE, the
+activation, tied embeddings) are read by `spmdkit.interop.hf_config`. What each family computes (transformers 5):
+
+- llama, mistral, qwen2, qwen3, granite, smollm3: pre-norm blocks, SwiGLU; biases per `attention_bias` /
+  `mlp_bias` (qwen2: q/k/v always); a sliding window on every layer (mistral, phi3, mixtral, qwen3_moe) or on
+  the layers `layer_types` names (qwen2, qwen3, qwen2_moe, smollm3, gemma2, gemma3_text); per-head q/k norms
+  (qwen3, qwen3_moe, gemma3_text); SmolLM3's layers without RoPE (`no_rope_layers`); Granite's multipliers.
+- gemma, gemma2, gemma3_text: RMSNorm as (1 + w), the embedding times sqrt(hidden), tanh-GELU; gemma2/3 add norms
+  after attention and the MLP, `query_pre_attn_scalar`, soft-capping (gemma2) and local RoPE bases (gemma3).
+- olmo2: norms after attention and the MLP only, q/k norms over the whole projection.
+- phi3: fused qkv and gate-up tensors, partial RoPE.
+- mixtral, qwen3_moe, qwen2_moe: routed experts (dropless dispatch: transformers drops nothing), a gated shared
+  expert (qwen2_moe), dense layers by `decoder_sparse_step` / `mlp_only_layers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from spmdkit.interop.hf_keys import Keys, shortest_period
+from spmdkit.models.config import TransformerConfig
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One `model_type`: its class, readers and writers, and its tensor layout (`experts`: "mixtral" or "qwen"
+    names of expert tensors; `fused`: Phi-3's qkv_proj / gate_up_proj)."""
+
+    architecture: str
+    read: Callable[[Keys, int], dict[str, Any]]
+    write: Callable[[TransformerConfig], dict[str, Any]]
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    activation_key: str = "hidden_act"
+    partial_rope: bool = False
+    experts: str = ""
+    fused: bool = False
+
+
+def _types(model: TransformerConfig) -> list[str]:
+    return [SLIDING if model.window_of(i) else FULL for i in range(model.layers)]
+
+
+def _biases(keys: Keys, mlp: bool = True) -> dict[str, Any]:
+    bias = bool(keys.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(keys.get("mlp_bias", False)) and mlp}
+
+
+def _write_biases(model: TransformerConfig) -> dict[str, Any]:
+    return {"attention_bias": model.qkv_bias, "mlp_bias": model.mlp_bias}
+
+
+def _llama(keys: Keys, layers: int) -> dict[str, Any]:
+    return _biases(keys)
+
+
+def _mistral(keys: Keys, layers: int) -> dict[str, Any]:
+    return keys.window(None)
+
+
+def _write_window_everywhere(model: TransformerConfig) -> dict[str, Any]:
+    return {"sliding_window": model.sliding_window or None}
+
+
+def _qwen_window(keys: Keys, layers: int) -> dict[str, Any]:
+    """Qwen2/Qwen3: with `use_sliding_window`, the layers from `max_window_layers` on (or `layer_types`)."""
+    if not keys.get("use_sliding_window"):
+        return {}
+    first = keys.integer("max_window_layers") if not keys.get("layer_types") else 0
+    return keys.window(keys.layer_types(layers, [SLIDING if i >= first else FULL for i in range(layers)]))
+
+
+def _write_qwen_window(model: TransformerConfig) -> dict[str, Any]:
+    window = model.sliding_window
+    return {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": model.layers,
+            "layer_types": _types(model)}  # fmt: skip
+
+
+def _qwen2(keys: Keys, layers: int) -> dict[str, Any]:
+    return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, **_qwen_window(keys, layers)}
+
+
+def _qwen3(keys: Keys, layers: int) -> dict[str, Any]:
+    return {**_biases(keys, mlp=False), "qk_norm": True, **_qwen_window(keys, layers)}
+
+
+def _gemma_common(keys: Keys) -> dict[str, Any]:
+    if keys.get("use_bidirectional_attention"):
+        raise keys.refuse("use_bidirectional_attention", "is not implemented: spmdkit runs causal LMs")
+    embed = keys.integer("hidden_size")
+    return {**_biases(keys, mlp=False), "norm_plus_one": True, "embed_scale": math.sqrt(embed)}
+
+
+def _gemma(keys: Keys, layers: int) -> dict[str, Any]:
+    activation = keys.get("hidden_act", "gelu_pytorch_tanh")
+    return {**_gemma_common(keys), "activation": "gelu_pytorch_tanh" if activation == "gelu" else activation}
+
+
+def _gemma2(keys: Keys, layers: int, pattern: int = 2) -> dict[str, Any]:
+    default = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    return {
+        **_gemma_common(keys),
+        "post_norm": True,
+        "attention_scale": keys.number("query_pre_attn_scalar") ** -0.5,
+        "attention_softcap": keys.off_or_number("attn_logit_softcapping"),
+        "logit_softcap": keys.off_or_number("final_logit_softcapping"),
+        **keys.window(keys.layer_types(layers, default)),
+    }
+
+
+def _gemma3(keys: Keys, layers: int) -> dict[str, Any]:
+    period = keys.get("sliding_window_pattern", keys.get("_sliding_window_pattern", 6))
+    return {**_gemma2(keys, layers, period), "qk_norm": True}
+
+
+def _write_gemma(model: TransformerConfig) -> dict[str, Any]:
+    return {"hidden_act": model.activation, "attention_bias": model.qkv_bias}
+
+
+def _write_gemma2(model: TransformerConfig) -> dict[str, Any]:
+    scalar = round(model.attention_scale**-2, 9) if model.attention_scale else model.head_dim
+    return {
+        "hidden_activation": model.activation, "attention_bias": model.qkv_bias,
+        "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,
+        "attn_logit_softcapping": model.attention_softcap or None,
+        "final_logit_softcapping": model.logit_softcap or None,
+        "sliding_window": model.sliding_window or None, "layer_types": _types(model),
+    }  # fmt: skip
+
+
+def _olmo2(keys: Keys, layers: int) -> dict[str, Any]:
+    return {**_biases(keys, mlp=False), "pre_norm": False, "post_norm": True, "qk_norm": True,
+            "qk_norm_scope": "layer"}  # fmt: skip
+
+
+def _phi3(keys: Keys, layers: int) -> dict[str, Any]:
+    keys.zero("resid_pdrop", "embd_pdrop")
+    return keys.window(None)
+
+
+def _granite(keys: Keys, layers: int) -> dict[str, Any]:
+    return {
+        **_biases(keys),
+        "embed_scale": keys.number("embedding_multiplier", 1.0),
+        "residual_scale": keys.number("residual_multiplier", 1.0),
+        "attention_scale": keys.number("attention_multiplier", 1.0),
+        "logit_divisor": keys.number("logits_scaling", 1.0),
+    }
+
+
+def _write_granite(model: TransformerConfig) -> dict[str, Any]:
+    return {**_write_biases(model), "embedding_multiplier": model.embed_scale,
+            "residual_multiplier": model.residual_scale,
+            "attention_multiplier": model.attention_scale or model.head_dim**-0.5,
+            "logits_scaling": model.logit_divisor}  # fmt: skip
+
+
+def _smollm3(keys: Keys, layers: int) -> dict[str, Any]:
+    interval = keys.integer("no_rope_layer_interval", 4)
+    uses = keys.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(uses, list) or len(uses) != layers or set(uses) - {0, 1}:
+        raise keys.refuse("no_rope_layers", f"must list 0 or 1 for each of the {layers} layers, got {uses!r}")
+    pattern = shortest_period("".join("R" if use else "N" for use in uses))
+    fields = {**_biases(keys), "rope_pattern": "" if pattern == "R" else pattern}
+    if keys.get("use_sliding_window") and keys.get("sliding_window") is not None:
+        default = [SLIDING if not use else FULL for use in uses]
+        fields |= keys.window(keys.layer_types(layers, default))
+    return fields
+
+
+def _write_smollm3(model: TransformerConfig) -> dict[str, Any]:
+    return {**_write_biases(model), "no_rope_layers": [int(model.rope_of(i)) for i in range(model.layers)],
+            "use_sliding_window": bool(model.sliding_window), "sliding_window": model.sliding_window or None,
+            "layer_types": _types(model)}  # fmt: skip
+
+
+def _routed(keys: Keys, experts_key: str, renormalize: bool) -> dict[str, Any]:
+    experts = keys.integer(experts_key if experts_key in keys.hf else "num_local_experts")
+    top_k = keys.integer("num_experts_per_tok")
+    if top_k == 1 and renormalize:
+        raise keys.refuse("num_experts_per_tok=1", "with renormalised weights (each 1) is not implemented")
+    return {"experts": experts, "top_k": top_k, "router_renormalize": renormalize, "dispatch": "dropless"}
+
+
+def _mixtral(keys: Keys, layers: int) -> dict[str, Any]:
+    keys.zero("router_jitter_noise")
+    return {**_routed(keys, "num_local_experts", True), **keys.window(None)}
+
+
+def _write_mixtral(model: TransformerConfig) -> dict[str, Any]:
+    return {"num_local_experts": model.experts, "num_experts_per_tok": model.top_k, "router_jitter_noise": 0.0,
+            "sliding_window": model.sliding_window or None}  # fmt: skip
+
+
+def _qwen_moe(keys: Keys, layers: int) -> dict[str, Any]:
+    dense = keys.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        raise keys.refuse(f"mlp_only_layers={dense!r}", f"must list layers 0..{layers - 1}")
+    return {
+        **_routed(keys, "num_experts", bool(keys.get("norm_topk_prob"))),
+        "expert_mlp": keys.integer("moe_intermediate_size"),
+        "moe_every": keys.integer("decoder_sparse_step", 1),
+        "dense_layers": tuple(sorted(set(dense))),
+    }
+
+
+def _qwen3_moe(keys: Keys, layers: int) -> dict[str, Any]:
+    window = keys.window(None) if keys.get("use_sliding_window") else {}
+    return {**_biases(keys, mlp=False), "qk_norm": True, **_qwen_moe(keys, layers), **window}
+
+
+def _qwen2_moe(keys: Keys, layers: int) -> dict[str, Any]:
+    shared = keys.integer("shared_expert_intermediate_size")
+    fields = {"qkv_bias": bool(keys.get("qkv_bias", True)), "o_bias": False, "mlp_bias": False}
+    fields |= {**_qwen_moe(keys, layers), "shared_expert": shared > 0, "shared_expert_gate": shared > 0}
+    if shared:
+        fields["shared_expert_mlp"] = shared
+    if keys.get("use_sliding_window"):
+        first = keys.integer("max_window_layers")
+        default = [SLIDING if (i + 1) % 2 and i < first else FULL for i in range(layers)]
+        fields |= keys.window(keys.layer_types(layers, default))
+    return fields
+
+
+def _write_qwen_moe(model: TransformerConfig) -> dict[str, Any]:
+    return {
+        "num_experts": model.experts, "num_experts_per_tok": model.top_k, "norm_topk_prob": model.router_renormalize,
+        "moe_intermediate_size": model.routed_mlp, "decoder_sparse_step": model.moe_every,
+        "mlp_only_layers": list(model.dense_layers), "use_sliding_window": bool(model.sliding_window),
+        "sliding_window": model.sliding_window or None,
+    }  # fmt: skip
+
+
+def _write_qwen2_moe(model: TransformerConfig) -> dict[str, Any]:
+    shared = (model.shared_expert_mlp or model.mlp) if model.shared_expert else 0
+    return {**_write_qwen_moe(model), "qkv_bias": model.qkv_bias, "shared_expert_intermediate_size": shared,
+            "max_window_layers": model.layers, "layer_types": _types(model)}  # fmt: skip
+
+
+_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768, "num_key_value_heads": 32}
+_GEMMA = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 4096,
+          "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+_QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": []}
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", _llama, _write_biases),
+    "mistral": Family("MistralForCausalLM", _mistral, _write_window_everywhere, {"sliding_window": 4096}),
+    "qwen2": Family("Qwen2ForCausalLM", _qwen2, _write_qwen_window, _QWEN),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
+        _qwen3,
+        lambda m: {**_write_qwen_window(m), "attention_bias": m.qkv_bias},
+        _QWEN | {"head_dim": 128},
+    ),  # fmt: skip
+    "gemma": Family("GemmaForCausalLM", _gemma, _write_gemma, _GEMMA),
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        _gemma2,
+        _write_gemma2,
+        _GEMMA | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+        activation_key="hidden_activation",
+    ),  # fmt: skip
+    "gemma3_text": Family("Gemma3ForCausalLM", _gemma3, _write_gemma2, _GEMMA, activation_key="hidden_activation"),
+    "olmo2": Family("Olmo2ForCausalLM", _olmo2, lambda m: {"attention_bias": m.qkv_bias}),
+    "phi3": Family("Phi3ForCausalLM", _phi3, _write_window_everywhere, partial_rope=True, fused=True),
+    "granite": Family("GraniteForCausalLM", _granite, _write_granite),
+    "smollm3": Family("SmolLM3ForCausalLM", _smollm3, _write_smollm3),
+    "mixtral": Family("MixtralForCausalLM", _mixtral, _write_mixtral, experts="mixtral"),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM",
+        _qwen3_moe,
+        lambda m: {**_write_qwen_moe(m), "attention_bias": m.qkv_bias},
+        _QWEN_MOE | {"head_dim": 128},
+        experts="qwen",
+    ),  # fmt: skip
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN | _QWEN_MOE, experts="qwen"),
+}
