@@ -2,7 +2,8 @@
 # A 70B Llama-style model on 8 nodes x 8 H100 (64 GPUs, one JAX process per GPU), as written by
 #
 #   spmdkit launch --slurm --nodes 8 --gpus-per-node 8 --partition h100 --time 48:00:00 \
-#       --account YOUR_ACCOUNT --job-name llama70b --dry-run -- spmdkit train ...
+#       --account YOUR_ACCOUNT --job-name llama70b --env-setup 'source /shared/venvs/spmdkit/bin/activate' \
+#       --dry-run -- spmdkit train --model 70b --mesh data=2,fsdp=16,tensor=2 (the srun line's flags below)
 #
 # The layout is what `spmdkit plan --model 70b --devices 64 --device-type h100` recommends (its defaults: a
 # 256 x 4096-token batch, bfloat16; tests/test_readme.py checks the flags below against it):
@@ -11,23 +12,28 @@
 # tensor=2 is the innermost axis: SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on
 # the second, ..., so each tensor pair stays on one node's NVLink; each data-parallel replica is 4 nodes (ranks
 # 0-31, 32-63) and each FSDP group of 16 spans its replica's 4 nodes, so FSDP's and DP's traffic crosses InfiniBand.
-# The 70b vocabulary (128,256 ids) needs uint32 tokens. Edit the partition, account, paths and environment,
+# The 70b vocabulary (128,256 ids) needs uint32 tokens. Edit the partition, account, paths and the environment
+# line (`spmdkit launch --slurm` writes the activation of the environment it runs in, or --env-setup's lines),
 # then: sbatch scripts/slurm_70b_example.sh (a rerun resumes from the newest checkpoint in RUN_DIR/checkpoints).
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=8
 #SBATCH --job-name=llama70b
 #SBATCH --partition=h100
 #SBATCH --time=48:00:00
 #SBATCH --account=YOUR_ACCOUNT
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
-set -euo pipefail
-# source /path/to/venv/bin/activate       # the environment spmdkit is installed in
+set -eo pipefail
+# The environment spmdkit is installed in (`spmdkit launch --env-setup` to give other lines):
+source /shared/venvs/spmdkit/bin/activate
+set -u
+command -v spmdkit >/dev/null || { echo "spmdkit: not found after the environment set-up" >&2; exit 127; }
 
 # Every task joins the coordinator on the first node; rank and count come from SLURM_PROCID / SLURM_NTASKS.
 # A task that dies ends the others: heartbeats (SPMDKIT_HEARTBEAT_TIMEOUT s) and srun --kill-on-bad-exit.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
 export SPMDKIT_COORDINATOR="$head_node:$((20000 + SLURM_JOB_ID % 20000))"
 export SPMDKIT_HEARTBEAT_TIMEOUT=${SPMDKIT_HEARTBEAT_TIMEOUT:-30}
 
@@ -42,7 +48,8 @@ export SPMDKIT_HEARTBEAT_TIMEOUT=${SPMDKIT_HEARTBEAT_TIMEOUT:-30}
 # export XLA_PYTHON_CLIENT_MEM_FRACTION=0.90  # JAX preallocates 75% of HBM by default
 # export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap FSDP collectives with compute
 
-srun --kill-on-bad-exit=1 --cpu-bind=none spmdkit train \
+# srun's tasks get the CPUs asked for above (since SLURM 22.05 srun does not read them from sbatch itself).
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none spmdkit train \
     --model 70b --mesh data=2,fsdp=16,tensor=2 --zero 3 --sequence-parallel \
     --remat full --dtype bfloat16 \
     --batch-size 256 --seq-len 4096 \

@@ -2,7 +2,9 @@
 
 `spmdkit.load_model(path, mesh=None, rules=None, dtype=..., step=None)` and `spmdkit.save_hf(model, out_dir,
 tokenizer=...)` (from `spmdkit.interop`) and `spmdkit.generate(model, prompts, ...)` (from `spmdkit.inference`) load
-on first use, so that `import spmdkit` stays light (no JAX).
+on first use, so that `import spmdkit` stays light (no JAX). A script of your own that `spmdkit launch` (or srun, or
+mpirun) starts as several processes joins their job with `spmdkit.distributed.join()` (`import spmdkit.distributed`),
+first thing, before JAX computes anything; `spmdkit train` joins by itself.
 
 Your own Flax NNX module, sharded by logical names (`spmdkit.sharding`). It runs as written on 8 devices; on a CPU
 machine run it with `JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8`::

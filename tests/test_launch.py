@@ -13,13 +13,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from spmdkit.cli import main
 from spmdkit.distributed.initialize import detect_environment, expand_nodelist, initialize_distributed
 from spmdkit.distributed.launcher import process_environments
-from spmdkit.distributed.slurm import sbatch_script
+from spmdkit.distributed.slurm import environment_setup, sbatch_script
 from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.mesh import make_mesh, this_host
 
 BIN = str(Path(sys.executable).parent)
 TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 6 --eval-batches 2 --seq-len 32 "
@@ -229,6 +231,80 @@ def test_ctrl_c_stops_all(tmp_path):
     assert all(_gone(pid) for pid in pids)
 
 
+# Joins with the documented call, then lays data=2,fsdp=2 over 4 processes of 1 device on 2 emulated hosts.
+HOSTS = """
+import sys
+import spmdkit.distributed
+spmdkit.distributed.join()
+import jax, numpy as np
+from spmdkit.errors import SpmdkitError
+from spmdkit.sharding.mesh import MeshConfig, make_mesh, process_hosts
+mesh = make_mesh(MeshConfig.parse("data=2,fsdp=2", "data=2"))
+hosts = process_hosts()
+rows = [sorted({hosts[d.process_index] for d in row.flatten()}) for row in mesh.devices.reshape(2, 2)]
+total = jax.jit(lambda x: x.sum())(jax.device_put(np.arange(8.0), jax.NamedSharding(mesh, jax.P(("data", "fsdp")))))
+try:
+    make_mesh(MeshConfig.parse("data=4", "data=4"))
+except SpmdkitError as error:
+    refused = str(error)
+sys.stdout.write(f"rows {rows} total {float(total)} refused {refused}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_dcn_counts_hosts_not_processes(tmp_path):
+    """4 processes x 1 device, 2 per emulated host: `--dcn data=2` is the 2 hosts (each data row one host's two
+    processes); data=4 across nodes is refused, naming the 2 hosts."""
+    script = tmp_path / "hosts.py"
+    script.write_text(HOSTS)
+    launch = ["launch", "--processes", "4", "--devices-per-process", "1", "--processes-per-host", "2", "--"]
+    done = subprocess.run(
+        [f"{BIN}/spmdkit", *launch, sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    name = socket.gethostname()
+    line = re.search(r"^\[0\] .*(rows .*)$", done.stdout, re.M).group(1)
+    assert line.startswith(f"rows [['{name}/host0'], ['{name}/host1']] total 28.0 refused --dcn factors multiply to 4")
+    assert "the processes run on 2 hosts (nodes): --dcn counts nodes, not processes" in line
+
+
+def test_an_unjoined_launched_process_is_told_to_join(monkeypatch):
+    """A script that `spmdkit launch` started but that did not join: the mesh error names the call (not 'make the
+    sizes multiply to 1'); srun's variables alone (a batch step inherits them) only when the mesh does not fit."""
+    monkeypatch.setenv("SPMDKIT_NUM_PROCESSES", "4")
+    with pytest.raises(SpmdkitError, match=r"1 of 4 \(SPMDKIT_NUM_PROCESSES=4\).*call spmdkit\.distributed\.join\(\)"):
+        make_mesh("fsdp=-1")
+    monkeypatch.delenv("SPMDKIT_NUM_PROCESSES")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
+    assert make_mesh("fsdp=8").shape["fsdp"] == 8
+    with pytest.raises(SpmdkitError, match=r"1 of 16 .*spmdkit\.distributed\.join\(\) first thing"):
+        make_mesh("data=2,fsdp=16")
+    assert make_mesh("fsdp=2", jax.devices()[:2]).shape["fsdp"] == 2  # devices given: a local mesh, as asked
+
+
+def test_join_is_exported_and_documented():
+    import spmdkit
+    import spmdkit.distributed
+    from spmdkit.distributed import initialize
+
+    assert spmdkit.distributed.join is initialize.join and "spmdkit.distributed.join()" in spmdkit.__doc__
+    assert "spmdkit.distributed.join()" in (Path(__file__).parents[1] / "README.md").read_text()
+    assert initialize.initialize_distributed({}) is None  # the former name still works
+
+
+def test_host_of_a_process():
+    assert this_host({"SPMDKIT_HOST": "h1", "SLURM_PROCID": "0", "SLURMD_NODENAME": "gpu07"}) == "h1"
+    assert this_host({"SLURM_PROCID": "3", "SLURMD_NODENAME": "gpu07"}) == "gpu07"
+    assert this_host({}) == socket.gethostname()
+    envs = process_environments(4, 1, 1234, "cpu", {}, per_host=2)
+    assert [e["SPMDKIT_HOST"] for e in envs] == [f"{socket.gethostname()}/host{i}" for i in (0, 0, 1, 1)]
+    assert {e["SPMDKIT_HOST"] for e in process_environments(4, 1, 1234, "cpu", {})} == {socket.gethostname()}
+
+
 # ----------------------------------------------------------------------------------------------- environment
 
 
@@ -327,7 +403,8 @@ def test_process_environments_cpu_and_gpu():
 # ----------------------------------------------------------------------------------------------- SLURM
 
 
-def test_slurm_dry_run_prints_the_script(capsys):
+def test_slurm_dry_run_prints_the_script(capsys, monkeypatch):
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     argv = ["launch", "--slurm", "--nodes", "8", "--gpus-per-node", "8", "--partition", "h100", "--time", "2:00:00"]
     argv += ["--account", "lm", "--dry-run", "--", "spmdkit", "train", "--model", "70b", "--mesh", "fsdp=8,tensor=8"]
     assert main(argv) == 0
@@ -336,20 +413,52 @@ def test_slurm_dry_run_prints_the_script(capsys):
         "#SBATCH --nodes=8",
         "#SBATCH --ntasks-per-node=8",
         "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=8",
         "#SBATCH --partition=h100",
         "#SBATCH --time=2:00:00",
         "#SBATCH --account=lm",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"\n{environment_setup()}\n",  # not commented out: the environment this test runs in
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'export SPMDKIT_COORDINATOR="$head_node:',
         "# export NCCL_IB_HCA=",
-        "srun --kill-on-bad-exit=1 --cpu-bind=none spmdkit train --model 70b --mesh fsdp=8,tensor=8",
+        'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none spmdkit train --model 70b',
     ):
         assert line in script, line
+    assert environment_setup() == f"source {Path(sys.prefix) / 'bin' / 'activate'}"  # the tests run in a venv
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+FAKE_SLURM = {  # what the script calls, emulated: scontrol lists the nodes, srun prints what it would start
+    "scontrol": "echo node01; echo node02\n",
+    "srun": 'echo "srun $* coordinator=$SPMDKIT_COORDINATOR python=$(command -v python)"\n',
+}
+
+
+@pytest.mark.parametrize("per, tasks, cpus", [("gpu", 4, 8), ("node", 1, 32)])
+def test_slurm_script_runs_under_emulated_slurm(per, tasks, cpus, tmp_path):
+    """Both layouts: the script passes `bash -n`, then runs to srun under SLURM's variables (srun and scontrol
+    emulated) with the launcher's environment activated; a command not found there stops it before srun."""
+    for name, body in FAKE_SLURM.items():
+        (tmp_path / name).write_text("#!/bin/bash\n" + body)
+        (tmp_path / name).chmod(0o755)
+    command = ["spmdkit", "train", "--model", "1b", "--mesh", "data=2,fsdp=4", "--dcn", "data=2"]
+    script = sbatch_script(command, 2, 4, per=per)
+    assert f"#SBATCH --ntasks-per-node={tasks}\n#SBATCH --gpus-per-node=4\n#SBATCH --cpus-per-task={cpus}\n" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "42"}
+    env.update(SLURM_JOB_NODELIST="node[01-02]", SLURM_CPUS_PER_TASK=str(cpus))
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    srun = f"srun --kill-on-bad-exit=1 --cpus-per-task={cpus} --cpu-bind=none {shlex.join(command)} "
+    assert done.stdout == f"{srun}coordinator=node01:20042 python={BIN}/python\n"
+    missing = sbatch_script(["no-such-command-xyz"], 2, 4, per=per, env_setup="true")
+    done = subprocess.run(["bash", "-c", missing], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 127 and done.stdout == "", done.stdout
+    assert done.stderr == "no-such-command-xyz: not found after the environment set-up\n"
+
+
 def test_slurm_without_sbatch_writes_the_script_and_says_so(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{tmp_path}")
     path = tmp_path / "job.sbatch"
     assert main(["launch", "--slurm", "--nodes", "2", "--script", str(path), "--", "spmdkit", "train"]) == 2
     assert "sbatch not found" in capsys.readouterr().err
@@ -364,7 +473,7 @@ def test_example_script_matches_the_generator():
     command = shlex.split(body.split("--cpu-bind=none ")[1])
     assert command[:5] == ["spmdkit", "train", "--model", "70b", "--mesh"]  # the layout: tests/test_readme.py
     options = dict(job_name="llama70b", partition="h100", time="48:00:00", account="YOUR_ACCOUNT")
-    generated = sbatch_script(command, 8, 8, **options)
+    generated = sbatch_script(command, 8, 8, env_setup="source /shared/venvs/spmdkit/bin/activate", **options)
     assert body == generated[generated.index("#SBATCH --nodes") :]
 
 
@@ -387,7 +496,15 @@ def _free_port() -> int:
         (["--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], "mismatched device counts"),
         (["--slurm", "--processes", "2", "--", "spmdkit"], "--slurm takes --nodes K"),
         (["--slurm", "--nodes", "0", "--dry-run", "--", "spmdkit"], "--nodes 0 and --gpus-per-node 8 must be"),
-        (["--nodes", "2", "--", "spmdkit"], "--nodes and --dry-run go with --slurm"),
+        (["--nodes", "2", "--dry-run", "--", "spmdkit"], "--nodes and --dry-run go with --slurm"),
+        (["--cpus-per-task", "4", "--", "spmdkit"], "--cpus-per-task goes with --slurm"),
+        (["--processes", "2", "--", "spmdkit", "train", "..."], "the command has a literal '...'"),
+        (["--processes", "3", "--processes-per-host", "2", "--", "spmdkit"], "--processes-per-host 2 does not divide"),
+        (["--slurm", "--nodes", "2", "--dry-run", "--", "spmdkit", "train", "..."], "literal '...': write it whole"),
+        (["--slurm", "--nodes", "2", "--dry-run"], "no command to run"),
+        (["--slurm", "--nodes", "2", "--dry-run", "--", "no-such-command-xyz"], "'no-such-command-xyz' not found"),
+        (["--slurm", "--nodes", "2", "--cpus-per-task", "0", "--dry-run", "--", "spmdkit"], "--cpus-per-task 0 must"),
+        (["--slurm", "--nodes", "2", "--processes-per-host", "2", "--", "spmdkit"], "--slurm takes --nodes K"),
         (["--processes", "2", "--port", "99999", "--", "spmdkit", "train"], "--port 99999 is not a TCP port"),
     ],
 )

@@ -1,10 +1,14 @@
-"""Joining one JAX job from inside a process: `initialize_distributed()` (call it before JAX computes anything).
+"""Joining one JAX job from inside a process: `spmdkit.distributed.join()`, first thing in a script that
+`spmdkit launch`, srun or mpirun starts (before JAX computes anything); `spmdkit train` calls it itself. Its
+former name, `initialize_distributed`, is the same call.
 
 It reads, in order: `SPMDKIT_NUM_PROCESSES` / `SPMDKIT_PROCESS_ID` / `SPMDKIT_COORDINATOR` (what `spmdkit launch`
 sets); srun's `SLURM_PROCID` / `SLURM_NTASKS` (coordinator: `SPMDKIT_COORDINATOR`, else the first node of the node
 list); Open MPI's `OMPI_COMM_WORLD_RANK` / `_SIZE` (coordinator: `SPMDKIT_COORDINATOR`). None of them: a single
 process. `SPMDKIT_CPU_DEVICES=M` gives the process M simulated CPU devices. A process that sends no heartbeat for
-`SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status.
+`SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status. A process's host
+(what `--dcn` counts) is `SPMDKIT_HOST`, else srun's `SLURMD_NODENAME`, else the machine's name
+(`spmdkit.sharding.mesh.this_host`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import dataclasses
 import itertools
 import os
 import re
+import socket
+import time
 from collections.abc import Mapping
 
 from spmdkit.distributed.slurm import COORDINATOR
@@ -20,6 +26,7 @@ from spmdkit.errors import SpmdkitError
 
 NUM_PROCESSES, PROCESS_ID = "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID"
 CPU_DEVICES, LOCAL_DEVICE_IDS = "SPMDKIT_CPU_DEVICES", "SPMDKIT_LOCAL_DEVICE_IDS"
+HOST = "SPMDKIT_HOST"  # this process's host (node), what `--dcn` counts; read by spmdkit.sharding.mesh.this_host
 TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds)
     "SPMDKIT_INIT_TIMEOUT": ("initialization_timeout", 120),
     "SPMDKIT_HEARTBEAT_TIMEOUT": ("heartbeat_timeout_seconds", 30),
@@ -129,8 +136,28 @@ def _cpu_device_count(env: Mapping[str, str]) -> int | None:
     return count
 
 
-def initialize_distributed(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
-    """Join the job the environment describes; call before JAX computes anything. None: one process, nothing done."""
+def wait_for_coordinator(address: str, timeout: float) -> None:
+    """Until process 0's coordination service accepts connections at `address`: a process that asks JAX to connect
+    before it is up waits for JAX's retry (about a second); a TCP probe every 20 ms does not."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SpmdkitError(
+                    f"the coordinator {address} (process 0) did not answer within {timeout:g} s: is process 0 "
+                    f"running, and {COORDINATOR} its host and a free port?"
+                ) from None
+            time.sleep(0.02)
+
+
+def join(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """Join the JAX job the environment describes (`spmdkit launch`, srun, mpirun): call it first thing in your
+    script, before JAX computes anything. Returns this process's place in the job; None: one process, nothing done.
+    A launched process that skips it sees only its own devices, and `make_mesh` says to call it."""
     env = os.environ if environ is None else environ
     cpu_devices, found = _cpu_device_count(env), detect_environment(env)
     import jax
@@ -142,15 +169,23 @@ def initialize_distributed(environ: Mapping[str, str] | None = None) -> Distribu
             return found
         if cpu_devices is not None or env.get("JAX_PLATFORMS", "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        timeouts = {key: _int_var(env, var, default) for var, (key, default) in TIMEOUTS.items()}
+        if found.process_id != 0:
+            wait_for_coordinator(found.coordinator, timeouts["initialization_timeout"])
         jax.distributed.initialize(
             coordinator_address=found.coordinator,
             num_processes=found.num_processes,
             process_id=found.process_id,
             local_device_ids=list(found.local_device_ids) if found.local_device_ids else None,
             cluster_detection_method="deactivate",
-            **{key: _int_var(env, var, default) for var, (key, default) in TIMEOUTS.items()},
+            **timeouts,
         )
     except (RuntimeError, ValueError) as error:  # JaxRuntimeError is a RuntimeError
         where = f"process {found.process_id} of {found.num_processes} at {found.coordinator}" if found else "JAX"
         raise SpmdkitError(f"could not start {where}: {(str(error).strip() or repr(error)).splitlines()[0]}") from None
     return found
+
+
+def initialize_distributed(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """`join` under its former name."""
+    return join(environ)

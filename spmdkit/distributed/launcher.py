@@ -1,6 +1,7 @@
 """The parent side of a local multi-process job: `spmdkit launch --processes N` starts N processes of one JAX job
 on 127.0.0.1 (each told its place through `SPMDKIT_*` variables that `spmdkit.distributed.initialize` reads), copies
-their output prefixed `[i]`, and stops them all when one fails or on Ctrl-C.
+their output prefixed `[i]`, and stops them all when one fails or on Ctrl-C. All of them run on one host (what
+`--dcn` counts) unless `--processes-per-host K` makes each K consecutive processes an emulated host (`SPMDKIT_HOST`).
 
 The launcher owns its children: each runs in its own session (so that the launcher can signal its process group)
 and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDEATHSIG`), so a launcher killed
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
-from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, NUM_PROCESSES, PROCESS_ID
+from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
 from spmdkit.distributed.slurm import COORDINATOR
+from spmdkit.distributed.slurm import check_command as check_whole_command
 from spmdkit.errors import SpmdkitError
 
 # ----------------------------------------------------------------------------------------------- local processes
@@ -59,15 +60,33 @@ def resolve_platform(platform: str, env: Mapping[str, str]) -> str:
     return "cpu" if env.get("JAX_PLATFORMS", "").startswith("cpu") or not visible_gpus(env) else "gpu"
 
 
+def process_hosts(processes: int, per_host: int | None) -> list[str]:
+    """The host each local process says it runs on (`SPMDKIT_HOST`): this machine's name for all; with `per_host`,
+    emulated hosts of `per_host` consecutive processes each (`NAME/host0`, `NAME/host1`, ...)."""
+    if per_host is not None and (per_host < 1 or processes % per_host):
+        raise SpmdkitError(
+            f"--processes-per-host {per_host} does not divide --processes {processes}: every emulated host runs "
+            "the same number of processes"
+        )
+    name = socket.gethostname()
+    return [name if per_host is None else f"{name}/host{i // per_host}" for i in range(processes)]
+
+
 def process_environments(
-    processes: int, devices_per_process: int | None, port: int, platform: str, env: Mapping[str, str]
+    processes: int,
+    devices_per_process: int | None,
+    port: int,
+    platform: str,
+    env: Mapping[str, str],
+    per_host: int | None = None,
 ) -> list[dict[str, str]]:
-    """Each local process's environment: coordinator, count, id, and its devices (a CPU count or GPU ids)."""
+    """Each local process's environment: coordinator, count, id, host, and its devices (a CPU count or GPU ids)."""
     base = dict(env, PYTHONUNBUFFERED="1", **{COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(processes)})
+    hosts = process_hosts(processes, per_host)
     if platform == "cpu":
         xla_flags = FORCED_COUNT.sub("", base.get("XLA_FLAGS", "")).strip()
         base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, **{CPU_DEVICES: str(devices_per_process or 1)})
-        return [dict(base, **{PROCESS_ID: str(i)}) for i in range(processes)]
+        return [dict(base, **{PROCESS_ID: str(i), HOST: hosts[i]}) for i in range(processes)]
     gpus = visible_gpus(env)
     per = devices_per_process or len(gpus) // processes
     if per < 1 or per * processes > len(gpus) or (devices_per_process is None and len(gpus) % processes):
@@ -77,17 +96,17 @@ def process_environments(
             "or --platform cpu"
         )
     return [
-        dict(base, **{PROCESS_ID: str(i), "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])})
+        dict(
+            base,
+            **{PROCESS_ID: str(i), HOST: hosts[i], "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])},
+        )
         for i in range(processes)
     ]
 
 
 def check_command(command: Sequence[str]) -> None:
-    """The command exists and leaves the device count to the launcher."""
-    if not command:
-        raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --processes 2 -- spmdkit train")
-    if not shutil.which(command[0]):
-        raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
+    """The command is whole, exists, and leaves the device count to the launcher."""
+    check_whole_command(command, "spmdkit launch --processes 2 -- spmdkit train")
     if any(arg.split("=")[0] == "--cpu-devices" for arg in command):
         raise SpmdkitError("mismatched device counts: give --devices-per-process to launch, not --cpu-devices")
 
@@ -172,14 +191,16 @@ def launch_local(
     port: int | None = None,
     platform: str = "auto",
     grace: float = 60.0,
+    per_host: int | None = None,
 ) -> int:
-    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status."""
+    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status.
+    `per_host`: processes per emulated host (None: all on this one)."""
     if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
     platform = resolve_platform(platform, os.environ)
     check_command(command)
     port = free_port(port)
-    environments = process_environments(processes, devices_per_process, port, platform, os.environ)
+    environments = process_environments(processes, devices_per_process, port, platform, os.environ, per_host)
     children: list[subprocess.Popen] = []
     lock, pumps = threading.Lock(), []
     main_thread = threading.current_thread() is threading.main_thread()

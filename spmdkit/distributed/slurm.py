@@ -1,21 +1,27 @@
-"""SLURM: the sbatch script `spmdkit launch --slurm` writes (one srun task per GPU) and its submission.
+"""SLURM: the sbatch script `spmdkit launch --slurm` writes and its submission.
 
-Every task runs the same command; `spmdkit.distributed.initialize.initialize_distributed` then reads `SLURM_PROCID` /
+The script runs as written: it activates the environment the launcher ran from (a venv, a conda environment, or
+`--env-setup`), checks that the command is found there, and starts one srun task per GPU (`--process-per gpu`,
+the default) or per node (`--process-per node`, each task driving all its node's GPUs), each with
+`--cpus-per-task` CPUs. Every task runs the same command; `spmdkit.distributed.join` then reads `SLURM_PROCID` /
 `SLURM_NTASKS` and the coordinator address the script exports, so the tasks join one JAX job.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 
 from spmdkit.errors import SpmdkitError
 
 COORDINATOR = (
     "SPMDKIT_COORDINATOR"  # host:port of process 0, read by every process (spmdkit.distributed.initialize too)
 )
+CPUS_PER_GPU = 8  # --cpus-per-task's default: this many per GPU a task drives (64 for an 8-GPU node)
 
 NCCL_OPTIONS = """\
 # NCCL on H100 nodes with InfiniBand: the defaults usually work; uncomment what your cluster needs.
@@ -31,33 +37,79 @@ NCCL_OPTIONS = """\
 """
 
 
-def sbatch_script(command: Sequence[str], nodes: int, gpus_per_node: int, **options: str | None) -> str:
-    """An sbatch script: one srun task per GPU, each joining the coordinator on the allocation's first node.
+def check_command(command: Sequence[str], example: str, find: bool = True) -> None:
+    """The command is given whole (not empty, no literal '...') and, with `find`, its first word is on PATH."""
+    if not command or not command[0].strip():
+        raise SpmdkitError(f"no command to run: give it after '--', e.g. {example}")
+    if "..." in command:
+        raise SpmdkitError(f"the command has a literal '...': write it whole after '--', e.g. {example}")
+    if find and not shutil.which(command[0]):
+        raise SpmdkitError(f"command {command[0]!r} not found (not on PATH, or not executable)")
 
-    `options`: more #SBATCH options by name (job_name="x" -> --job-name=x); None leaves one out.
-    """
+
+def environment_setup(environ: Mapping[str, str] | None = None) -> str:
+    """The shell lines that activate the Python environment this process runs in: its venv, else the active
+    conda environment, else its interpreter's directory first on PATH."""
+    env = os.environ if environ is None else environ
+    venvs = [sys.prefix] if sys.prefix != sys.base_prefix else []
+    for venv in [*venvs, env.get("VIRTUAL_ENV", "")]:
+        if venv and os.path.isfile(os.path.join(venv, "bin", "activate")):
+            return f"source {shlex.quote(os.path.join(venv, 'bin', 'activate'))}"
+    if env.get("CONDA_PREFIX"):
+        return f'eval "$(conda shell.bash hook)"\nconda activate {shlex.quote(env["CONDA_PREFIX"])}'
+    return f'export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"'
+
+
+def _header(nodes: int, gpus_per_node: int, per: str, cpus_per_task: int | None, options: dict) -> str:
+    tasks = gpus_per_node if per == "gpu" else 1
+    cpus = CPUS_PER_GPU * gpus_per_node // tasks if cpus_per_task is None else cpus_per_task
+    if cpus < 1:
+        raise SpmdkitError(f"--cpus-per-task {cpus} must be at least 1")
+    sbatch: dict[str, object] = {"nodes": nodes, "ntasks-per-node": tasks, "gpus-per-node": gpus_per_node}
+    sbatch.update({"cpus-per-task": cpus, **options})
+    return "".join(f"#SBATCH --{k.replace('_', '-')}={v}\n" for k, v in sbatch.items() if v is not None)
+
+
+def sbatch_script(
+    command: Sequence[str],
+    nodes: int,
+    gpus_per_node: int,
+    per: str = "gpu",
+    cpus_per_task: int | None = None,
+    env_setup: str | None = None,
+    **options: str | None,
+) -> str:
+    """An sbatch script: one srun task per GPU (`per="gpu"`) or per node (`per="node"`), each joining the
+    coordinator on the allocation's first node. `env_setup`: the shell lines that make the command runnable
+    (default: activate this process's environment; then the command is checked here too). `cpus_per_task`:
+    default `CPUS_PER_GPU` per GPU of a task. `options`: more #SBATCH options (job_name="x" -> --job-name=x)."""
     if nodes < 1 or gpus_per_node < 1:
         raise SpmdkitError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be at least 1")
-    if not command:
-        raise SpmdkitError("no command to run: give it after '--', e.g. spmdkit launch --slurm ... -- spmdkit train")
-    sbatch: dict[str, object] = {"nodes": nodes, "ntasks-per-node": gpus_per_node, "gpus-per-node": gpus_per_node}
-    sbatch.update(options)
-    header = "".join(f"#SBATCH --{k.replace('_', '-')}={v}\n" for k, v in sbatch.items() if v is not None)
+    if per not in ("gpu", "node"):
+        raise SpmdkitError(f"--process-per {per!r}: expected gpu (one task per GPU) or node (one per node)")
+    check_command(command, "spmdkit launch --slurm --nodes 2 -- spmdkit train --mesh fsdp=16", env_setup is None)
+    layout = "one task per GPU" if per == "gpu" else f"one task per node ({gpus_per_node} GPUs each)"
+    setup = environment_setup() if env_setup is None else env_setup
+    program = shlex.quote(command[0])
     return f"""#!/bin/bash
-# Written by `spmdkit launch --slurm`: {nodes} nodes x {gpus_per_node} GPUs, one task per GPU.
-{header}#SBATCH --exclusive
+# Written by `spmdkit launch --slurm`: {nodes} nodes x {gpus_per_node} GPUs, {layout}.
+{_header(nodes, gpus_per_node, per, cpus_per_task, options)}#SBATCH --exclusive
 #SBATCH --output=%x-%j.out
-set -euo pipefail
-# source /path/to/venv/bin/activate       # the environment spmdkit is installed in
+set -eo pipefail
+# The environment spmdkit is installed in (`spmdkit launch --env-setup` to give other lines):
+{setup}
+set -u
+command -v {program} >/dev/null || {{ echo "{program}: not found after the environment set-up" >&2; exit 127; }}
 
 # Every task joins the coordinator on the first node; rank and count come from SLURM_PROCID / SLURM_NTASKS.
 # A task that dies ends the others: heartbeats (SPMDKIT_HEARTBEAT_TIMEOUT s) and srun --kill-on-bad-exit.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
 export {COORDINATOR}="$head_node:$((20000 + SLURM_JOB_ID % 20000))"
 export SPMDKIT_HEARTBEAT_TIMEOUT=${{SPMDKIT_HEARTBEAT_TIMEOUT:-30}}
 
 {NCCL_OPTIONS}
-srun --kill-on-bad-exit=1 --cpu-bind=none {shlex.join(command)}
+# srun's tasks get the CPUs asked for above (since SLURM 22.05 srun does not read them from sbatch itself).
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none {shlex.join(command)}
 """
 
 

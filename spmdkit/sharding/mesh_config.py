@@ -5,8 +5,8 @@ adjacent devices (the same NVLink domain); the outermost spans nodes. Every axis
 compiler propagates shardings from the annotations (`jax.make_mesh` would default to Explicit).
 
 Multi-node meshes are hybrid: each axis size is split into an in-node (ICI) factor and an across-node (DCN)
-factor, so the in-node axes never cross a node. With several JAX processes (one per node, or one per GPU),
-processes are the granules.
+factor, so the in-node axes never cross a node. The granules are hosts (nodes), whether each runs one JAX process
+or one per GPU: `--dcn data=2` means 2 nodes (`spmdkit.sharding.mesh` finds which process runs on which host).
 
 Pure Python (no JAX): the planner parses meshes with it too. `spmdkit.sharding.mesh.make_mesh` builds the JAX mesh.
 """
@@ -25,9 +25,9 @@ AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "context", "expert", "tenso
 class MeshConfig:
     """Sizes of the six mesh axes; at most one may be -1, meaning "all remaining devices".
 
-    `dcn` names the across-node factor of axes, e.g. `(("data", 2),)`: of `data`'s size, 2 spans nodes and
-    the rest stays inside a node. Empty `dcn` with several processes puts the processes on the outermost
-    axes that can hold them (see `split_ici_dcn`).
+    `dcn` names the across-node factor of axes, e.g. `(("data", 2),)`: of `data`'s size, 2 spans nodes (hosts,
+    however many processes each runs) and the rest stays inside a node. Empty `dcn` with several hosts puts the
+    hosts on the outermost axes that can hold them (see `split_ici_dcn`).
     """
 
     data: int = 1
@@ -109,7 +109,8 @@ def format_sizes(sizes: dict[str, int]) -> str:
 def split_ici_dcn(
     sizes: dict[str, int], num_granules: int, dcn: dict[str, int] | None = None
 ) -> tuple[list[int], list[int]]:
-    """Split each axis size into (in-node, across-node) factors whose across-node product is `num_granules`.
+    """Split each axis size into (in-node, across-node) factors whose across-node product is `num_granules` (the
+    hosts: nodes, not processes).
 
     With `dcn` given it is used as is. Otherwise granules fill the outermost axes first (data, then pipeline,
     then fsdp, ...), because the outer axes carry the least traffic per step.
@@ -124,12 +125,13 @@ def split_ici_dcn(
             left //= factor
         if left != 1:
             raise SpmdkitError(
-                f"mesh {format_sizes(sizes)} cannot be laid over {num_granules} processes/nodes: the outer axes "
-                f"must absorb the node count; pass --dcn to say which axes span nodes"
+                f"mesh {format_sizes(sizes)} cannot be laid over {num_granules} hosts: the outer axes must absorb "
+                f"the host (node) count; pass --dcn to say which axes span nodes"
             )
     if math.prod(dcn_shape) != num_granules:
         raise SpmdkitError(
-            f"--dcn factors multiply to {math.prod(dcn_shape)} but there are {num_granules} processes/nodes"
+            f"--dcn factors multiply to {math.prod(dcn_shape)} but the processes run on {num_granules} hosts (nodes): "
+            "--dcn counts nodes, not processes"
         )
     ici_shape = [sizes[axis] // factor for axis, factor in zip(AXES, dcn_shape, strict=True)]
     return ici_shape, dcn_shape
