@@ -224,7 +224,7 @@ CASES = [
     (["launch", "--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], 2, "mismatched device counts"),
     (["launch", "--processes", "2", "--grace", "-1", "--", "spmdkit", "train"], 2, "--grace -1.0 must be >= 0"),
     (["launch", "--slurm", "--processes", "2", "--", "spmdkit"], 2, "--slurm takes --nodes K"),
-    (["launch", "--nodes", "2", "--", "spmdkit"], 2, "--nodes and --dry-run go with --slurm"),
+    (["launch", "--nodes", "2", "--", "spmdkit"], 2, "--nodes goes with --slurm; a local run takes --processes N"),
     # -- bench
     (["bench", "--steps", "-1"], 2, "--steps -1 must be at least 1"),
     (["bench", "--warmup", "-1"], 2, "--warmup -1 must be at least 0"),

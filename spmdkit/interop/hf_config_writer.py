@@ -40,6 +40,8 @@ def family_for(model: TransformerConfig, preferred: str | None = None) -> str:
         misses[family] = [key for key in target if back[key] != target[key]]
         if not misses[family]:
             return family
+    if not misses:
+        raise SpmdkitError("no Hugging Face family computes this model: keep it as an spmdkit checkpoint")
     closest = min(misses, key=lambda family: len(misses[family]))
     fields = ", ".join(f"{key}={getattr(model, key)!r}" for key in misses[closest])
     raise SpmdkitError(
