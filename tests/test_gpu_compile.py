@@ -117,6 +117,14 @@ def test_local_layers_reach_cudnn_with_their_window(h100):
     assert set(windows) == {0, 16} and windows[16] == windows[0] == 4  # 2 layers each: 2 forward + 2 backward
 
 
+def test_a_soft_capped_windowed_model_compiles_the_blockwise_kernel(h100):
+    """Gemma 2's soft-capping keeps cuDNN out: the blockwise kernel runs, its window splitting the diagonal block
+    into sub-block steps (seq 128 is one block; the window 16 cuts it down to 16-position pairs)."""
+    flags = "--model.sliding-window 16 --model.window-pattern LG --model.attention-softcap 30 --model.head-dim 16"
+    _, text, _ = compile_flags(flags, h100)
+    assert attention_in_hlo(text) == "blockwise" and not attention_windows(text)
+
+
 def test_cudnn_is_refused_in_pipeline_stages(h100):
     with pytest.raises(SpmdkitError, match="pipeline stages"):
         compile_flags(STRATEGIES["pp_1f1b"][0] + " --attention cudnn", h100)

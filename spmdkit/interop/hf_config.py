@@ -32,19 +32,15 @@ RUN_FIELDS = frozenset({
 })  # fmt: skip
 
 
-def _refuse(where: str, key: str, why: str) -> SpmdkitError:
-    return SpmdkitError(f"{where}: {key} {why}")
-
-
 def family_of(hf: dict[str, Any], where: str) -> str:
     """The family (`llama`, `mistral`, `gemma3_text`, ...) of a config, from `model_type` and `architectures`."""
-    model_type = hf.get("model_type")
+    keys, model_type = Keys(hf, where), hf.get("model_type")
     if model_type not in FAMILIES:
-        raise _refuse(where, f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
+        raise keys.refuse(f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
     wanted = FAMILIES[model_type].architecture
     wrong = [a for a in hf.get("architectures") or [wanted] if a != wanted]
     if wrong:
-        raise _refuse(where, f"architectures={wrong}", f"is not {wanted}: spmdkit runs causal LMs")
+        raise keys.refuse(f"architectures={wrong}", f"is not {wanted}: spmdkit runs causal LMs")
     return model_type
 
 
@@ -59,13 +55,13 @@ def rope_block(hf: dict[str, Any]) -> dict[str, Any]:
     return block
 
 
-def _rope_fields(hf: dict[str, Any], max_positions: int, where: str, family: Family) -> dict[str, Any]:
-    block = rope_block(hf)
+def _rope_fields(keys: Keys, max_positions: int, family: Family) -> dict[str, Any]:
+    hf, block = keys.hf, rope_block(keys.hf)
     fields: dict[str, Any] = {}
     if {"full_attention", "sliding_attention"} <= set(block):  # per layer type (Gemma 3): local layers unscaled
         local = block["sliding_attention"]
         if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
-            raise _refuse(where, "rope_parameters['sliding_attention']", "must be plain (rope_type default)")
+            raise keys.refuse("rope_parameters['sliding_attention']", "must be plain (rope_type default)")
         fields["local_rope_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
         block = {"rope_theta": hf.get("rope_theta", 10_000.0), **block["full_attention"]}
         block.setdefault("rope_type", block.get("type", "default"))
@@ -73,18 +69,18 @@ def _rope_fields(hf: dict[str, Any], max_positions: int, where: str, family: Fam
         fields["local_rope_theta"] = float(hf["rope_local_base_freq"])
     nested = [k for k, v in block.items() if isinstance(v, dict)]
     if nested:
-        raise _refuse(where, f"rope_parameters[{nested[0]!r}]", "(RoPE per layer type) is not implemented")
+        raise keys.refuse(f"rope_parameters[{nested[0]!r}]", "(RoPE per layer type) is not implemented")
     rope_type = block["rope_type"]
     if rope_type not in ROPE_TYPES:
-        raise _refuse(where, f"rope_type={rope_type!r}", f"is not implemented: spmdkit has {', '.join(ROPE_TYPES)}")
+        raise keys.refuse(f"rope_type={rope_type!r}", f"is not implemented: spmdkit has {', '.join(ROPE_TYPES)}")
     fraction = block.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if fraction != 1.0 and not family.partial_rope:
-        raise _refuse(where, f"partial_rotary_factor={fraction}", "is not implemented for this family")
+        raise keys.refuse(f"partial_rotary_factor={fraction}", "is not implemented for this family")
     fields |= {"rope_theta": float(block["rope_theta"]), "rope_type": rope_type, "rope_fraction": float(fraction)}
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
     for key in needed.get(rope_type, ()):
         if not isinstance(block.get(key), (int, float)):
-            raise _refuse(where, f"rope {rope_type} scaling", f"needs a number for {key}, got {block.get(key)!r}")
+            raise keys.refuse(f"rope {rope_type} scaling", f"needs a number for {key}, got {block.get(key)!r}")
     if rope_type != "default":
         fields["rope_factor"] = float(block["factor"])
     if rope_type == "llama3":
@@ -103,7 +99,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     keys = Keys(family.defaults | hf, where)
     for key in ("auto_map", "quantization_config"):
         if keys.get(key):
-            raise _refuse(where, key, "is not supported: spmdkit loads plain (unquantised) transformers models")
+            raise keys.refuse(key, "is not supported: spmdkit loads plain (unquantised) transformers models")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         keys.integer(key)
     activation = keys.get(family.activation_key, "silu")
@@ -112,12 +108,11 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     max_positions = keys.get("max_position_embeddings") or 0
     fields = {"activation": activation, **family.read(keys, layers)}
     if fields["activation"] not in ACTIVATIONS:
-        raise _refuse(
-            where,
+        raise keys.refuse(
             f"{family.activation_key}={activation!r}",
             f"is not implemented: choose one of {', '.join(ACTIVATIONS)}",
         )
-    rope = _rope_fields(keys.hf, int(max_positions), where, family)
+    rope = _rope_fields(keys, int(max_positions), family)
     if not fields.get("sliding_window"):
         rope.pop("local_rope_theta", None)  # a local base with no local layer changes nothing
     try:
