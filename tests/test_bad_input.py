@@ -78,6 +78,9 @@ CASES = [
     ([*FRESH, "--log-every", "0"], 2, "--log-every must be at least 1"),
     ([*FRESH, "--keep", "0"], 2, "--keep must be at least 1"),
     ([*FRESH, "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
+    ([*FRESH, "--health.step-timeout", "-1"], 2, "--health.step-timeout must be >= 0"),
+    ([*FRESH, "--health.straggler-windows", "0"], 2, "--health.straggler-windows must be at least 1"),
+    ([*FRESH, "--checkpoint.local-every", "2"], 2, "--checkpoint.local-dir None and --checkpoint.local-every 2 go"),
     ([*FRESH, "--zero", "4"], 2, "invalid choice '4' for --zero/--mesh.zero: expected one of 0, 1, 2, 3"),
     ([*FRESH, "--dtype", "float8"], 2, "invalid choice 'float8' for --dtype/--model.dtype"),
     ([*FRESH, "--bogus-flag"], 2, "unrecognized arguments: --bogus-flag"),
@@ -223,6 +226,7 @@ CASES = [
     (["launch", "--processes", "2"], 2, "no command to run"),
     (["launch", "--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], 2, "mismatched device counts"),
     (["launch", "--processes", "2", "--grace", "-1", "--", "spmdkit", "train"], 2, "--grace -1.0 must be >= 0"),
+    (["launch", "--processes", "2", "--max-restarts", "-1", "--", "spmdkit"], 2, "--max-restarts -1 must be >= 0"),
     (["launch", "--slurm", "--processes", "2", "--", "spmdkit"], 2, "--slurm takes --nodes K"),
     (["launch", "--nodes", "2", "--", "spmdkit"], 2, "--nodes goes with --slurm; a local run takes --processes N"),
     # -- bench

@@ -27,6 +27,16 @@ LAUNCH_FLAGS: list[tuple[str, dict]] = [
         "--processes-per-host",
         dict(type=int, metavar="K", help="emulate hosts of K processes each, for --dcn (default: all on this one)"),
     ),
+    (
+        "--max-restarts",
+        dict(
+            type=int,
+            default=0,
+            metavar="N",
+            help="start the whole job again after a failure (it resumes from its newest checkpoint); at most N "
+            "restarts in a row at one step (default: 0, a failure ends the job)",
+        ),
+    ),
     ("--slurm", dict(action="store_true", help="write an sbatch script and submit it")),
     ("--nodes", dict(type=int, metavar="K", help="--slurm: nodes")),
     ("--gpus-per-node", dict(type=int, default=8, metavar="G", help="--slurm: GPUs per node (default: 8)")),
@@ -79,6 +89,7 @@ def _slurm(args: argparse.Namespace, command: Sequence[str]) -> int:
         partition=args.partition,
         time=args.time,
         account=args.account,
+        max_restarts=args.max_restarts,
     )
     return submit_slurm(script, args.script, args.dry_run)
 
@@ -101,5 +112,12 @@ def main(argv: Sequence[str]) -> int:
     if processes is None:
         processes = max(len(visible_gpus(os.environ)), 1) if platform == "gpu" else 1
     return launch_local(
-        command, processes, args.devices_per_process, args.port, platform, args.grace, args.processes_per_host
+        command,
+        processes,
+        args.devices_per_process,
+        args.port,
+        platform,
+        args.grace,
+        args.processes_per_host,
+        args.max_restarts,
     )

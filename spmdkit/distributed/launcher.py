@@ -7,22 +7,30 @@ The launcher owns its children: each runs in its own session (so that the launch
 and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDEATHSIG`), so a launcher killed
 with SIGKILL leaves no process behind. A child that dies ends the others: the launcher stops them, and without a
 launcher JAX's heartbeat timeout does.
+
+With `--max-restarts N` a failed job is started again, whole (all processes, a fresh coordinator port), and resumes
+from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row there
+(`spmdkit.distributed.restarts`). Ctrl-C or SIGTERM to the launcher stops the job and never restarts it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
+from spmdkit.distributed.restarts import ATTEMPT, PROGRESS_FILE, SameStep, read_step
 from spmdkit.distributed.slurm import COORDINATOR
 from spmdkit.distributed.slurm import check_command as check_whole_command
 from spmdkit.errors import SpmdkitError
@@ -164,54 +172,42 @@ def _statuses(children: Sequence[subprocess.Popen], skip: int | None = None) -> 
     return "; ".join(f"process {i} {_describe(c.returncode)}" for i, c in enumerate(children) if i != skip)
 
 
-def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str]:
-    """Wait for all children: (0, ''), or on the first failure stop the others and say who failed (status, text)."""
+def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str, str]:
+    """Wait for all children: (0, '', ''); on the first failure stop the others and say who failed (status, the
+    failure 'process 1 exited with status 1', then the others' statuses); on Ctrl-C / SIGTERM stop them all (130,
+    '', what became of each)."""
     try:
         while (codes := [c.poll() for c in children]) != [0] * len(children):
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
                 stop_all(children, grace=5.0)
-                text = f"process {failed} {_describe(codes[failed])}; then {_statuses(children, failed)}"
-                return codes[failed] if codes[failed] > 0 else 128 - codes[failed], text
+                failure = f"process {failed} {_describe(codes[failed])}"
+                code = codes[failed] if codes[failed] > 0 else 128 - codes[failed]
+                return code, failure, f"{failure}; then {_statuses(children, failed)}"
             time.sleep(0.1)
-        return 0, ""
+        return 0, "", ""
     except KeyboardInterrupt:
         print(f"spmdkit launch: stopping all processes ({grace:g} s to save; Ctrl-C again kills)", file=sys.stderr)
         try:
             stop_all(children, grace=grace)
         except KeyboardInterrupt:
             stop_all(children, grace=0)
-        return 130, f"interrupted: {_statuses(children)}"
+        return 130, "", f"interrupted: {_statuses(children)}"
 
 
-def launch_local(
-    command: Sequence[str],
-    processes: int,
-    devices_per_process: int | None = None,
-    port: int | None = None,
-    platform: str = "auto",
-    grace: float = 60.0,
-    per_host: int | None = None,
-) -> int:
-    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status.
-    `per_host`: processes per emulated host (None: all on this one)."""
-    if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
-        raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
-    platform = resolve_platform(platform, os.environ)
-    check_command(command)
-    port = free_port(port)
-    environments = process_environments(processes, devices_per_process, port, platform, os.environ, per_host)
+def run_attempt(command: Sequence[str], environments: Sequence[Mapping[str, str]], grace: float, what: str):
+    """Start one process per environment, copy their output prefixed `[i]`, and `supervise` them; whatever
+    happens, none is left running. `what`: the line that says what was started, before its pids."""
     children: list[subprocess.Popen] = []
-    lock, pumps = threading.Lock(), []
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    pumps: list[threading.Thread] = []
+    lock = threading.Lock()
     try:
         preexec = die_with_parent()
         for env in environments:  # every child before any thread starts: `preexec_fn` runs in a forked copy
             children.append(
                 subprocess.Popen(
                     list(command),
-                    env=env,
+                    env=dict(env),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
@@ -222,15 +218,89 @@ def launch_local(
             for source, sink in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
                 pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
                 pumps[-1].start()
-        pids = ", ".join(str(c.pid) for c in children)
-        print(f"spmdkit launch: {processes} process(es) at 127.0.0.1:{port} ({platform}), pids {pids}", file=sys.stderr)
-        code, text = supervise(children, grace)
+        print(f"spmdkit launch: {what}, pids {', '.join(str(c.pid) for c in children)}", file=sys.stderr)
+        return supervise(children, grace)
     finally:
         stop_all(children, grace=0)
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
         for pump in pumps:
             pump.join(timeout=2)
+
+
+def launch_local(
+    command: Sequence[str],
+    processes: int,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    platform: str = "auto",
+    grace: float = 60.0,
+    per_host: int | None = None,
+    max_restarts: int = 0,
+) -> int:
+    """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status.
+    `per_host`: processes per emulated host (None: all on this one). `max_restarts`: after a failure start the
+    whole job again, at most this many times in a row at one step (`spmdkit.distributed.restarts`)."""
+    if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
+        raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
+    if max_restarts < 0:
+        raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
+    platform = resolve_platform(platform, os.environ)
+    check_command(command)
+    job = LocalJob(command, processes, devices_per_process, platform, per_host, grace, port, max_restarts)
+    job.environments(free_port(port), 0)  # bad input is refused before anything starts
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    progress_dir = tempfile.mkdtemp(prefix="spmdkit-launch-")
+    try:
+        code, text = job.run(os.path.join(progress_dir, "progress.json"))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(progress_dir, ignore_errors=True)
     if text:
-        print(f"spmdkit launch: {'failed: ' if code != 130 else ''}{text}", file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
     return code
+
+
+@dataclasses.dataclass
+class LocalJob:
+    """A local job as `launch_local` was asked for it (`port`: the one given, None: a free one per attempt)."""
+
+    command: Sequence[str]
+    processes: int
+    devices_per_process: int | None
+    platform: str
+    per_host: int | None
+    grace: float
+    port: int | None
+    max_restarts: int
+
+    def environments(self, port: int, attempt: int, progress: str = "") -> list[dict[str, str]]:
+        """Each process's environment in attempt `attempt` (0 first), the coordinator at `port`."""
+        extra = {ATTEMPT: str(attempt), **({PROGRESS_FILE: progress} if progress else {})}
+        layout = (self.processes, self.devices_per_process, port, self.platform, os.environ, self.per_host)
+        return [dict(env, **extra) for env in process_environments(*layout)]
+
+    def run(self, progress: str) -> tuple[int, str]:
+        """Run attempts until one succeeds, is interrupted, or fails and `SameStep` says no more restarts: (exit
+        status, the last line to print). Each attempt gets a fresh free port (the same one when one was given:
+        its previous holder is gone), and its processes `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE`."""
+        rule, attempt, port = SameStep(self.max_restarts), 0, free_port(self.port)
+        try:
+            while True:
+                what = f"{self.processes} process(es) at 127.0.0.1:{port} ({self.platform})"
+                environments = self.environments(port, attempt, progress)
+                code, failure, text = run_attempt(
+                    self.command, environments, self.grace, f"attempt {attempt + 1}: {what}" if attempt else what
+                )
+                if not failure:  # success, or Ctrl-C / SIGTERM: never restarted
+                    return code, f"spmdkit launch: {text}" if text else ""
+                if not self.max_restarts:
+                    return code, f"spmdkit launch: failed: {text}"
+                step = read_step(progress)
+                if not rule.failed(step):
+                    return code, rule.give_up_line(failure, step)
+                attempt += 1
+                print(rule.restart_line(failure, step, attempt), file=sys.stderr, flush=True)
+                port = self.port or free_port()
+        except KeyboardInterrupt:  # between attempts: the processes are stopped already
+            return 130, "spmdkit launch: interrupted between attempts"

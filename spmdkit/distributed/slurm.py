@@ -4,7 +4,9 @@ The script runs as written: it activates the environment the launcher ran from (
 `--env-setup`), checks that the command is found there, and starts one srun task per GPU (`--process-per gpu`,
 the default) or per node (`--process-per node`, each task driving all its node's GPUs), each with
 `--cpus-per-task` CPUs. Every task runs the same command; `spmdkit.distributed.join` then reads `SLURM_PROCID` /
-`SLURM_NTASKS` and the coordinator address the script exports, so the tasks join one JAX job.
+`SLURM_NTASKS` and the coordinator address the script exports, so the tasks join one JAX job. With
+`--max-restarts N` srun runs in a loop (`RESTART_LOOP`) that starts a failed step again inside the allocation, under
+the same rule as the local launcher's (`spmdkit.distributed.restarts`), written in bash.
 """
 
 from __future__ import annotations
@@ -34,6 +36,43 @@ NCCL_OPTIONS = """\
 # export NCCL_CROSS_NIC=0                 # rail-optimised fabrics: keep each ring on the same NIC rail
 # export XLA_PYTHON_CLIENT_MEM_FRACTION=0.90  # JAX preallocates 75% of HBM by default
 # export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap FSDP collectives with compute
+"""
+
+RESTART_LOOP = """\
+# --max-restarts {max_restarts}: a failed step (srun --kill-on-bad-exit=1 ends all its tasks when one fails) is
+# started again, whole, in this allocation, and resumes from its newest checkpoint; at most {max_restarts} restarts
+# in a row at one step. Process 0 runs on this node (the allocation's first) and keeps the step it is in in
+# SPMDKIT_PROGRESS_FILE, a node-local file that needs no shared file system. Each attempt gets SPMDKIT_ATTEMPT
+# (0 first) and a coordinator port of its own (the last attempt's may linger). scancel or the time limit (SIGTERM)
+# never restarts.
+progress_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/spmdkit-$SLURM_JOB_ID.XXXXXX")
+trap 'rm -rf "$progress_dir"' EXIT
+trap 'stopping=1' INT TERM
+export SPMDKIT_PROGRESS_FILE="$progress_dir/progress.json"
+max_restarts={max_restarts} attempt=0 stopping=0 last_place=none failures=0
+while :; do
+    export SPMDKIT_ATTEMPT=$attempt {coordinator}="$head_node:$((20000 + (SLURM_JOB_ID + attempt) % 20000))"
+    status=0
+    {srun} || status=$?
+    if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then exit "$status"; fi
+    step=$(sed -n 's/.*"step" *: *\\([0-9][0-9]*\\).*/\\1/p' "$SPMDKIT_PROGRESS_FILE" 2>/dev/null) || step=""
+    case $step in
+        "") where="at an unknown step" ;;
+        0) where="before the first step" ;;
+        *) where="at step $step" ;;
+    esac
+    place=${{step:-0}}  # before the first step and unknown: one place
+    if [ "$place" = "$last_place" ]; then failures=$((failures + 1)); else failures=1; fi
+    last_place=$place
+    if [ "$failures" -gt "$max_restarts" ]; then
+        echo "spmdkit launch: failed: srun exited with status $status $where, $failures times in a row" \\
+            "(--max-restarts $max_restarts): not restarting" >&2
+        exit "$status"
+    fi
+    attempt=$((attempt + 1))
+    echo "spmdkit launch: srun exited with status $status $where; restarting the job (attempt $((attempt + 1));" \\
+        "$failures of $max_restarts restarts at this step)" >&2
+done
 """
 
 
@@ -77,20 +116,28 @@ def sbatch_script(
     per: str = "gpu",
     cpus_per_task: int | None = None,
     env_setup: str | None = None,
+    max_restarts: int = 0,
     **options: str | None,
 ) -> str:
     """An sbatch script: one srun task per GPU (`per="gpu"`) or per node (`per="node"`), each joining the
     coordinator on the allocation's first node. `env_setup`: the shell lines that make the command runnable
     (default: activate this process's environment; then the command is checked here too). `cpus_per_task`:
-    default `CPUS_PER_GPU` per GPU of a task. `options`: more #SBATCH options (job_name="x" -> --job-name=x)."""
+    default `CPUS_PER_GPU` per GPU of a task. `max_restarts`: run srun in a loop that starts a failed step
+    again, at most this many times in a row at one step (`RESTART_LOOP`; 0: srun once). `options`: more #SBATCH
+    options (job_name="x" -> --job-name=x)."""
     if nodes < 1 or gpus_per_node < 1:
         raise SpmdkitError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be at least 1")
     if per not in ("gpu", "node"):
         raise SpmdkitError(f"--process-per {per!r}: expected gpu (one task per GPU) or node (one per node)")
+    if max_restarts < 0:
+        raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
     check_command(command, "spmdkit launch --slurm --nodes 2 -- spmdkit train --mesh fsdp=16", env_setup is None)
     layout = "one task per GPU" if per == "gpu" else f"one task per node ({gpus_per_node} GPUs each)"
     setup = environment_setup() if env_setup is None else env_setup
     program = shlex.quote(command[0])
+    srun = f'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none {shlex.join(command)}'
+    if max_restarts:
+        srun = RESTART_LOOP.format(max_restarts=max_restarts, coordinator=COORDINATOR, srun=srun).rstrip("\n")
     return f"""#!/bin/bash
 # Written by `spmdkit launch --slurm`: {nodes} nodes x {gpus_per_node} GPUs, {layout}.
 {_header(nodes, gpus_per_node, per, cpus_per_task, options)}#SBATCH --exclusive
@@ -109,7 +156,7 @@ export SPMDKIT_HEARTBEAT_TIMEOUT=${{SPMDKIT_HEARTBEAT_TIMEOUT:-30}}
 
 {NCCL_OPTIONS}
 # srun's tasks get the CPUs asked for above (since SLURM 22.05 srun does not read them from sbatch itself).
-srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none {shlex.join(command)}
+{srun}
 """
 
 

@@ -3,7 +3,7 @@
 This module imports no JAX (nor does tyro): the CLI reads it to print defaults, and `spmdkit plan` must start fast.
 
 Sections: `model` (a preset or a model path, `init_from`, the numerics, and any field of `TransformerConfig` to
-override the shape), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`. A TOML file
+override the shape), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`, `health`. A TOML file
 (`--config`, `config_from_toml`) has one table per section; keys are the field names. "Unset" is `None` (e.g.
 `decay_steps`: the run's steps). The resolved config is saved as JSON into every run directory and every checkpoint.
 Each field is `Annotated` with a `tyro.conf.arg`: its one-line help and the short flags the command line also accepts
@@ -16,12 +16,9 @@ import dataclasses
 import json
 import math
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
-
-import tyro
 
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import resolve_source, source_tokenizer
@@ -30,58 +27,12 @@ from spmdkit.interop.sources import source_model
 from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model, resolved_settings
+from spmdkit.train.fields import arg, check_types, require
 
 __all__ = [
-    "CheckpointSettings", "DataConfig", "MeshSettings", "ModelSettings", "OptimizerConfig", "RunSettings",
-    "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json", "config_from_toml",
+    "CheckpointSettings", "DataConfig", "HealthSettings", "MeshSettings", "ModelSettings", "OptimizerConfig",
+    "RunSettings", "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json", "config_from_toml",
 ]  # fmt: skip
-
-
-def _arg(help: str, *flags: str) -> Any:
-    """A config field's `Annotated` marker: its one-line help and the short flags the command line also accepts."""
-    return tyro.conf.arg(help=help, aliases=flags or None)
-
-
-def field_docs(cls: type) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Each field of a config section -> (its help, its short flags), read from its `tyro.conf.arg` marker."""
-    docs = {}
-    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
-        arg = next((m for m in getattr(hint, "__metadata__", ()) if hasattr(m, "aliases")), None)
-        docs[name] = (arg.help or "", tuple(arg.aliases or ())) if arg else ("", ())
-    return docs
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise SpmdkitError(message)
-
-
-def _conforms(value: Any, hint: Any) -> bool:
-    """Whether `value` has the type `hint` declares (int, float, str, bool, Literal, X | None, tuple[int, ...]);
-    a bool is not an int, an int is a float; other hints are not checked."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if origin is Literal:
-        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, a) for a in args)
-    if origin is tuple:
-        return isinstance(value, tuple) and all(_conforms(v, args[0]) for v in value)
-    if hint in (int, float):
-        return isinstance(value, int | float if hint is float else int) and not isinstance(value, bool)
-    return isinstance(value, hint) if hint in (str, bool) else True
-
-
-def check_types(section: Any, name: str) -> None:
-    """SpmdkitError naming the first field of a config section whose value is not of its declared type (tyro parses
-    the command line's types itself; this guards library calls, TOML and JSON configs)."""
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if not _conforms(value, hints[f.name]):
-            wanted = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            raise SpmdkitError(f"{name}.{f.name}={value!r} must be of type {wanted}")
 
 
 # Learning-rate defaults: training from scratch, and fine-tuning weights given by --init-from (a small peak lr and
@@ -97,38 +48,38 @@ class OptimizerConfig:
     scratch (3e-3, 10) or for fine-tuning `--init-from` weights (1e-5, 0: step 1 already learns)."""
 
     lr: Annotated[
-        float | None, _arg("peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
+        float | None, arg("peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
     ] = None
     warmup_steps: Annotated[
         int | None,
-        _arg("linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"),
+        arg("linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"),
     ] = None
-    decay_steps: Annotated[int | None, _arg("steps of the cosine decay (None: the run's steps)")] = None
-    final_lr_fraction: Annotated[float, _arg("the decay ends at lr x this")] = 0.1
-    b1: Annotated[float, _arg("AdamW beta1")] = 0.9
-    b2: Annotated[float, _arg("AdamW beta2")] = 0.95
-    eps: Annotated[float, _arg("AdamW epsilon")] = 1e-8
+    decay_steps: Annotated[int | None, arg("steps of the cosine decay (None: the run's steps)")] = None
+    final_lr_fraction: Annotated[float, arg("the decay ends at lr x this")] = 0.1
+    b1: Annotated[float, arg("AdamW beta1")] = 0.9
+    b2: Annotated[float, arg("AdamW beta2")] = 0.95
+    eps: Annotated[float, arg("AdamW epsilon")] = 1e-8
     weight_decay: Annotated[
-        float, _arg("AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
+        float, arg("AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
     ] = 0.1
-    clip_norm: Annotated[
-        float | None, _arg("clip gradients to this global norm (None: no clipping)", "--clip-norm")
-    ] = 1.0
-    max_bad_steps: Annotated[int, _arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
+    clip_norm: Annotated[float | None, arg("clip gradients to this global norm (None: no clipping)", "--clip-norm")] = (
+        1.0
+    )
+    max_bad_steps: Annotated[int, arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
 
     def __post_init__(self) -> None:
         check_types(self, "optimizer")
         lr, warmup = self.lr, self.warmup_steps
-        _require(lr is None or (math.isfinite(lr) and lr > 0), f"learning rate {lr} must be a positive number")
-        _require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
-        _require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
-        _require(0 <= self.final_lr_fraction <= 1, f"final_lr_fraction {self.final_lr_fraction} must be in [0, 1]")
+        require(lr is None or (math.isfinite(lr) and lr > 0), f"learning rate {lr} must be a positive number")
+        require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
+        require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
+        require(0 <= self.final_lr_fraction <= 1, f"final_lr_fraction {self.final_lr_fraction} must be in [0, 1]")
         for name in ("b1", "b2"):
-            _require(0 <= getattr(self, name) < 1, f"AdamW {name}={getattr(self, name)} must be in [0, 1)")
-        _require(self.eps > 0, f"AdamW eps={self.eps} must be positive")
-        _require(self.weight_decay >= 0, f"--weight-decay {self.weight_decay} must be >= 0")
-        _require(self.clip_norm is None or self.clip_norm > 0, f"--clip-norm {self.clip_norm} must be positive")
-        _require(self.max_bad_steps >= 1, f"--max-bad-steps {self.max_bad_steps} must be at least 1")
+            require(0 <= getattr(self, name) < 1, f"AdamW {name}={getattr(self, name)} must be in [0, 1)")
+        require(self.eps > 0, f"AdamW eps={self.eps} must be positive")
+        require(self.weight_decay >= 0, f"--weight-decay {self.weight_decay} must be >= 0")
+        require(self.clip_norm is None or self.clip_norm > 0, f"--clip-norm {self.clip_norm} must be positive")
+        require(self.max_bad_steps >= 1, f"--max-bad-steps {self.max_bad_steps} must be at least 1")
 
     def for_run(self, fine_tuning: bool = False) -> OptimizerConfig:
         """This config with an unset `lr` / `warmup_steps` given the defaults for training from scratch or for
@@ -163,7 +114,7 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
         for f in dataclasses.fields(TransformerConfig)
         if f.name not in {name for name, *_ in own}
     ]
-    return [(name, Annotated[hint, _arg(*doc)], default) for name, hint, default, *doc in own + overrides]
+    return [(name, Annotated[hint, arg(*doc)], default) for name, hint, default, *doc in own + overrides]
 
 
 def _build(self: Any) -> TransformerConfig:
@@ -200,34 +151,32 @@ class MeshSettings:
     """The device mesh and how the state is laid out on it; with `pipeline` > 1 in the mesh, the schedule."""
 
     mesh: Annotated[
-        str, _arg("mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2' (-1: the remaining devices)", "--mesh")
+        str, arg("mesh axis sizes, e.g. 'data=2,fsdp=2,tensor=2' (-1: the remaining devices)", "--mesh")
     ] = "fsdp=-1"
     dcn: Annotated[
-        str | None, _arg("across-node factor of axes, e.g. 'data=2' (None: processes fill the outer axes)", "--dcn")
+        str | None, arg("across-node factor of axes, e.g. 'data=2' (None: processes fill the outer axes)", "--dcn")
     ] = None
     zero: Annotated[
         Literal[0, 1, 2, 3],
-        _arg("ZeRO stage over fsdp: 0 replicate, 1 optimizer, 2 +gradients, 3 +parameters", "--zero"),
+        arg("ZeRO stage over fsdp: 0 replicate, 1 optimizer, 2 +gradients, 3 +parameters", "--zero"),
     ] = 3
     sequence_parallel: Annotated[
-        bool, _arg("shard the residual stream's sequence over tensor (SP)", "--sequence-parallel")
+        bool, arg("shard the residual stream's sequence over tensor (SP)", "--sequence-parallel")
     ] = False
     pipeline_schedule: Annotated[
-        Literal["gpipe", "1f1b", "interleaved"], _arg("pipeline schedule", "--pipeline-schedule")
+        Literal["gpipe", "1f1b", "interleaved"], arg("pipeline schedule", "--pipeline-schedule")
     ] = "1f1b"
     microbatches: Annotated[
-        int | None, _arg("pipeline microbatches per step (None: twice the stages)", "--microbatches")
+        int | None, arg("pipeline microbatches per step (None: twice the stages)", "--microbatches")
     ] = None
     virtual_stages: Annotated[
-        int, _arg("layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
+        int, arg("layer chunks per pipeline stage (interleaved schedule)", "--virtual-stages")
     ] = 1
 
     def __post_init__(self) -> None:
         check_types(self, "mesh")
-        _require(
-            self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1"
-        )
-        _require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
+        require(self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1")
+        require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:
@@ -249,39 +198,39 @@ class RunSettings:
     """The loop. `batch_size` is global, in sequences; `fail_steps` poisons those steps' gradients with NaN (for
     testing the skip path)."""
 
-    steps: Annotated[int, _arg("optimizer steps", "--steps")] = 200
-    batch_size: Annotated[int, _arg("global batch, in sequences", "--batch-size")] = 16
-    seq_len: Annotated[int, _arg("tokens per sequence", "--seq-len")] = 128
-    grad_accum: Annotated[int, _arg("microbatches accumulated per optimizer step", "--grad-accum")] = 1
-    eval_every: Annotated[int, _arg("evaluate on the held-out split every N steps (0: never)", "--eval-every")] = 50
-    eval_batches: Annotated[int, _arg("batches per evaluation", "--eval-batches")] = 4
-    log_every: Annotated[int, _arg("write metrics every N steps", "--log-every")] = 10
-    seed: Annotated[int, _arg("seed for initialisation and data order", "--seed")] = 0
-    run_dir: Annotated[str, _arg("directory for config.json, metrics.jsonl, loss.png, tensorboard/", "--run-dir")] = (
+    steps: Annotated[int, arg("optimizer steps", "--steps")] = 200
+    batch_size: Annotated[int, arg("global batch, in sequences", "--batch-size")] = 16
+    seq_len: Annotated[int, arg("tokens per sequence", "--seq-len")] = 128
+    grad_accum: Annotated[int, arg("microbatches accumulated per optimizer step", "--grad-accum")] = 1
+    eval_every: Annotated[int, arg("evaluate on the held-out split every N steps (0: never)", "--eval-every")] = 50
+    eval_batches: Annotated[int, arg("batches per evaluation", "--eval-batches")] = 4
+    log_every: Annotated[int, arg("write metrics every N steps", "--log-every")] = 10
+    seed: Annotated[int, arg("seed for initialisation and data order", "--seed")] = 0
+    run_dir: Annotated[str, arg("directory for config.json, metrics.jsonl, loss.png, tensorboard/", "--run-dir")] = (
         "runs/default"
     )
     peak_tflops: Annotated[
-        float | None, _arg("peak TFLOP/s per device for MFU (None: from the device table)", "--peak-tflops")
+        float | None, arg("peak TFLOP/s per device for MFU (None: from the device table)", "--peak-tflops")
     ] = None
-    progress: Annotated[bool, _arg("show a progress bar", "--progress")] = True
-    fail_steps: Annotated[tuple[int, ...], _arg("steps whose gradients are made NaN (testing the NaN guard)")] = ()
+    progress: Annotated[bool, arg("show a progress bar", "--progress")] = True
+    fail_steps: Annotated[tuple[int, ...], arg("steps whose gradients are made NaN (testing the NaN guard)")] = ()
     profile_steps: Annotated[
         str | None,
-        _arg("write a jax.profiler trace of steps A to B (A:B, e.g. 3:5) into RUN_DIR/profile/", "--profile-steps"),
+        arg("write a jax.profiler trace of steps A to B (A:B, e.g. 3:5) into RUN_DIR/profile/", "--profile-steps"),
     ] = None
     dump_hlo: Annotated[
-        bool, _arg("write the compiled step's optimized HLO to RUN_DIR/train_step.hlo.txt", "--dump-hlo")
+        bool, arg("write the compiled step's optimized HLO to RUN_DIR/train_step.hlo.txt", "--dump-hlo")
     ] = False
 
     def __post_init__(self) -> None:
         check_types(self, "run")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
-            _require(
+            require(
                 getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})"
             )
-        _require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
-        _require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
-        _require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
+        require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
+        require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
+        require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
         parse_steps(self.profile_steps)
 
 
@@ -290,26 +239,59 @@ class CheckpointSettings:
     """Orbax checkpoints: saved every `every` steps and at the end, the newest `keep` kept; `resume` continues from
     the newest intact step found in `directory`."""
 
-    directory: Annotated[str | None, _arg("checkpoint directory (None: RUN_DIR/checkpoints)", "--checkpoint-dir")] = (
-        None
-    )
-    every: Annotated[int, _arg("save every N steps (0: only at the end)", "--checkpoint-every")] = 100
-    keep: Annotated[int, _arg("keep the newest N checkpoints", "--keep")] = 3
+    directory: Annotated[str | None, arg("checkpoint directory (None: RUN_DIR/checkpoints)", "--checkpoint-dir")] = None
+    every: Annotated[int, arg("save every N steps (0: only at the end)", "--checkpoint-every")] = 100
+    keep: Annotated[int, arg("keep the newest N checkpoints", "--keep")] = 3
     resume: Annotated[
-        bool, _arg("resume from the newest intact step (no: the directory must hold no steps)", "--resume")
+        bool, arg("resume from the newest intact step (no: the directory must hold no steps)", "--resume")
     ] = True
     allow_data_change: Annotated[
         bool,
-        _arg(
+        arg(
             "resume even if the batch size, sequence length, seed or a data setting differs from the checkpoint's",
             "--allow-data-change",
         ),
     ] = False
 
+    local_dir: Annotated[
+        str | None, arg("a node-local directory for frequent checkpoints (a fast tier beside --checkpoint-dir)")
+    ] = None
+    local_every: Annotated[int, arg("save to local_dir every N steps (needs local_dir)")] = 0
+
     def __post_init__(self) -> None:
         check_types(self, "checkpoint")
-        _require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
-        _require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
+        require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
+        require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
+        require(
+            (self.local_dir is None) == (self.local_every == 0) and self.local_every >= 0,
+            f"--checkpoint.local-dir {self.local_dir} and --checkpoint.local-every {self.local_every} go together: "
+            "give both (a directory and N >= 1) or neither",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthSettings:
+    """Watching a long job. A watchdog ends a job that waits too long in one phase: every process logs the phase
+    and the processes that have not arrived, dumps its Python stacks and exits non-zero (under `spmdkit launch
+    --max-restarts` the job restarts). A process whose own time per step (data and dispatch, not the waits for the
+    others) exceeds the others' median for `straggler_windows` logging windows in a row is named as a straggler."""
+
+    step_timeout: Annotated[
+        float, arg("seconds a training step may wait, after the first, before the job is declared hung (0: never)")
+    ] = 600.0
+    phase_timeout: Annotated[
+        float, arg("seconds a restore, compile, first step or checkpoint may wait before the job is hung (0: never)")
+    ] = 1800.0
+    straggler_threshold: Annotated[
+        float, arg("name a process whose own time per step exceeds the others' median by this fraction of a step")
+    ] = 0.2
+    straggler_windows: Annotated[int, arg("... for this many logging windows in a row")] = 3
+
+    def __post_init__(self) -> None:
+        check_types(self, "health")
+        for name in ("step_timeout", "phase_timeout", "straggler_threshold"):
+            require(getattr(self, name) >= 0, f"--health.{name.replace('_', '-')} must be >= 0")
+        require(self.straggler_windows >= 1, "--health.straggler-windows must be at least 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +304,7 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    health: HealthSettings = dataclasses.field(default_factory=HealthSettings)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

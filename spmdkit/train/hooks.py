@@ -39,14 +39,21 @@ class MetricsHook:
         trainer, run = self.trainer, self.trainer.config.run
         if not (step % run.log_every == 0 or step in (trainer.start_step + 1, run.steps)):
             return
-        fetched = jax.device_get(metrics)
-        step_time = (time.perf_counter() - self.window_start) / (step - self.window_step)
-        speed = throughput(self.tokens_per_step, step_time, self.flops_per_token, jax.device_count(), self.peak)
+        clock = trainer.clock
+        with clock.phase("wait", step):  # the step's results: the host waits for the devices
+            fetched = jax.device_get(metrics)
+        seconds, steps = time.perf_counter() - self.window_start, step - self.window_step
+        speed = throughput(self.tokens_per_step, seconds / steps, self.flops_per_token, jax.device_count(), self.peak)
         record = {"step": step, **{k: _plain(v) for k, v in fetched.items()}}
-        record.update(step_time_s=step_time, **speed)
+        record.update(step_time_s=seconds / steps, **speed)
+        with clock.phase("log", step):
+            record.update(trainer.stragglers.window(seconds, steps))  # a small collective on every process
+        trainer.goodput.window(seconds)
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-            record.update(trainer.evaluate())
+            with clock.phase("eval", step):
+                record.update(trainer.evaluate())
             self.result.eval_losses[step] = record["eval_loss"]
+        record.update(trainer.goodput.record())
         self.result.losses[step] = record["loss"]
         self.writer.write(record)
         self.progress.update(record, step)

@@ -17,8 +17,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,25 +25,30 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit.checkpoint import tiers
 from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
 from spmdkit.checkpoint.ownership import check_run_directory, lock_run_directories
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
-from spmdkit.inspect.params import parameter_rows
 from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
 from spmdkit.interop.loading import check_source
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.train.config import TrainConfig, checkpoint_directory
+from spmdkit.train.faults import Faults, attempt
+from spmdkit.train.goodput import Goodput
 from spmdkit.train.hooks import MetricsHook, closing
-from spmdkit.train.metrics import MetricsWriter, replace_text, trim_metrics
+from spmdkit.train.metrics import MetricsWriter, read_metrics, replace_text, trim_metrics
+from spmdkit.train.phases import PhaseClock
 from spmdkit.train.preemption import StopRequest
 from spmdkit.train.preflight import check_resume, check_writable
-from spmdkit.train.profiling import StepProfiler, dump_hlo, phase
+from spmdkit.train.profiling import StepProfiler, dump_hlo
 from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState, create_train_state
-from spmdkit.train.step import Batch, batch_shardings, make_eval_step
+from spmdkit.train.step import Batch, batch_shardings, check_bad_steps, make_eval_step
+from spmdkit.train.stragglers import StragglerWatch
+from spmdkit.train.watchdog import Watchdog
 
 
 @dataclasses.dataclass
@@ -81,6 +84,7 @@ class Trainer:
         # compilation, and before anything is written.
         check_writable(self.run_dir, "--run-dir")
         check_writable(checkpoint_directory(config), "--checkpoint-dir")
+        local_dir = tiers.check_local_dir(config.checkpoint.local_dir, checkpoint_directory(config), check_writable)
         check_run_directory(self.run_dir)  # a Hugging Face model or a user's files: never written into
         if config.model.init_from:  # the weights' files (shards, tensor shapes), before a state exists to fill
             check_source(config.model.init_from, self.model_config)
@@ -96,11 +100,16 @@ class Trainer:
         # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
         self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
         self.profiler = StepProfiler(run.profile_steps, self.run_dir)
+        health = config.health  # where each process is and where its time goes: watchdog, stragglers, goodput
+        self.clock = PhaseClock(health.step_timeout, health.phase_timeout, Faults(jax.process_index()))
+        self.stragglers = StragglerWatch(self.clock, health.straggler_threshold, health.straggler_windows, self.log)
+        self.goodput = Goodput(self.clock, attempt=attempt())
         self.start_step = 0
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
         # One writer per run directory, decided (on every process) before anything is written; held until `run`
         # ends (or, for a Trainer never run, until it is garbage-collected).
         self.locks = lock_run_directories(self.run_dir, checkpoint_directory(config), "spmdkit train")
+        tiers.lock_local_dir(self.locks, local_dir, self.run_dir, "spmdkit train")  # the fast tier's, if any
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
         # different orders on two processes, and gloo timed out at the first step.
         try:
@@ -117,12 +126,6 @@ class Trainer:
                 lock.release(failed)
 
     # -- reporting -----------------------------------------------------------------------------------------
-
-    def state_bytes_per_device(self) -> tuple[int, int]:
-        """(parameter bytes, optimizer-state bytes) held by one device."""
-        rows = parameter_rows(self.state.state, self.state.shardings)
-        params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
-        return params, sum(r.bytes_per_device for r in rows) - params
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -166,31 +169,26 @@ class Trainer:
     def save_tokenizer(self) -> None:
         """The data's tokenizer (`tokenizer.json`, `tokenizer_config.json`) into the checkpoint directory's `hf/`,
         beside the checkpoints, where generation, `ckpt export` and `find_tokenizer_dir` (given the run or the
-        checkpoint directory) find it; written beside and renamed into place. Weights from --init-from brought their
+        checkpoint directory) find it. Weights from --init-from brought their
         own tokenizer there: it stays."""
         tokenizer, sidecar = self.data.tokenizer, self.checkpointer.directory / SIDECAR
         if tokenizer is None or not self.is_main or (self.config.model.init_from and find_tokenizer_dir(sidecar)):
             return
-        sidecar.mkdir(parents=True, exist_ok=True)
-        staging = sidecar / f".tokenizer.tmp{os.getpid()}"
-        try:
-            tokenizer.save(staging)
-            for file in staging.iterdir():
-                os.replace(file, sidecar / file.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        tokenizer.save(sidecar)  # each file renamed into place
 
-    def _open_checkpointer(self) -> Checkpointer:
-        """The run's checkpointer; with `--no-resume` its directory must hold no steps."""
+    def _open_checkpointer(self) -> Checkpointer | tiers.TieredCheckpointer:
+        """The run's checkpointer (with `checkpoint.local_dir`, the two tiers of `checkpoint.tiers`); with
+        `--no-resume` its directories must hold no steps."""
         settings = self.config.checkpoint
-        checkpointer = Checkpointer(checkpoint_directory(self.config), every=settings.every, keep=settings.keep)
+        checkpointer = tiers.open_checkpointer(checkpoint_directory(self.config), settings)
         if not settings.resume and (steps := checkpointer.steps()):
             checkpointer.close()
             held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            local = f" or {tiers.LOCAL_FLAG} {settings.local_dir}" if settings.local_dir else ""
             raise SpmdkitError(
-                f"--no-resume, but {checkpointer.directory} already holds {held} of an "
-                "earlier run: pass a fresh --checkpoint-dir or delete that directory (checkpoints are never "
-                "overwritten)"
+                f"--no-resume, but {checkpointer.directory}{local} already holds {held} of an earlier run: pass a "
+                f"fresh --checkpoint-dir{local and ' and ' + tiers.LOCAL_FLAG} or delete that directory (checkpoints "
+                "are never overwritten)"
             )
         return checkpointer
 
@@ -198,17 +196,22 @@ class Trainer:
         """With `checkpoint.resume`: the state and data position of the newest intact step, if there is one."""
         if not self.config.checkpoint.resume:
             return
-        found = self.checkpointer.restore_latest(
-            self.state.state, self.state.shardings, self.data.iterator,
-            accept=lambda step, saved: check_resume(self.config, step, saved, self.checkpointer.directory),
-        )  # fmt: skip
-        if found is None:
-            return
-        self.start_step, self.state.state = found
-        self.checkpointer.last_saved = self.start_step
-        if self.is_main:
-            trim_metrics(self.run_dir, self.start_step)  # the resumed run writes the later records again
-        self.log(f"resumed from step {self.start_step} of {self.checkpointer.directory}")
+        with self.clock.phase("restore"):
+            found = self.checkpointer.restore_latest(
+                self.state.state, self.state.shardings, self.data.iterator,
+                accept=lambda step, saved: check_resume(self.config, step, saved, self._restoring_from()),
+            )  # fmt: skip
+        if found is not None:
+            self.start_step, self.state.state = found
+            self.checkpointer.last_saved = self.start_step
+            self.log(f"resumed from step {self.start_step} of {self._restoring_from()}")
+        if self.is_main:  # the job's time so far (a killed run before its first save too), then the records the
+            self.goodput.resume(read_metrics(self.run_dir), self.start_step)  # resumed run writes again dropped
+            trim_metrics(self.run_dir, self.start_step)
+
+    def _restoring_from(self) -> Path:
+        """The directory of the step being restored: with two tiers, the one it came from."""
+        return getattr(self.checkpointer, "restored_from", None) or self.checkpointer.directory
 
     def initialise_from(self) -> None:
         """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a
@@ -267,7 +270,9 @@ class Trainer:
         run, checkpointer = self.config.run, self.checkpointer
         self.log(describe_run(self))
         with contextlib.ExitStack() as stack:
-            stack.push(closing(checkpointer.close))
+            stack.push(closing(self._close_checkpointer))
+            watchdog = Watchdog(self.clock, jax.process_index(), jax.process_count(), attempt()).start()
+            stack.callback(watchdog.close)
             self._start()
             if self.start_step >= run.steps:
                 stack.close()
@@ -283,15 +288,18 @@ class Trainer:
             log_metrics = MetricsHook(self, writer, progress, result)
             for step, metrics in self._steps(compiled, batch):
                 log_metrics(step, metrics)
-                with phase("checkpoint"):
+                with self.clock.phase("checkpoint", step):
                     self.save(step, step == run.steps, metrics)
                 checkpointer.poll()  # a save that failed in the background stops the run now
                 if self.step_hook:
                     self.step_hook(step, self)
-                if stop.requested():
+                with self.clock.phase("wait", step):  # a small collective: every process agrees to stop, or not
+                    stopping = stop.requested()
+                if stopping:
                     result.stopped_at = step
-                    self.save(step, True, metrics)
-                    checkpointer.wait()
+                    with self.clock.phase("checkpoint", step):
+                        self.save(step, True, metrics)
+                        checkpointer.wait()
                     break
             self._check_bad_steps(metrics, step)  # the last step's counter: `_steps` checks each one before
         return self._finish(result, stop)
@@ -322,7 +330,8 @@ class Trainer:
             self.pipeline.plot(self.run_dir / "pipeline_schedule.png")
         batch = self._first_batch
         started = time.perf_counter()
-        compiled = step_fn.lower(self.state.state, batch).compile()
+        with self.clock.phase("compile"):
+            compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
         if self.config.run.dump_hlo and self.is_main:
             self.log(f"wrote the compiled step's HLO to {dump_hlo(compiled, self.run_dir)}")
@@ -341,19 +350,26 @@ class Trainer:
         """Run the steps after `start_step` (the first on `batch`), yielding each (1-based) step and its metrics,
         still on device. Each step's bad-step counter is read once the next step is running (no sync on the hot
         path): the caller checks the last one."""
-        previous = None
+        previous, clock = None, self.clock
+        self.goodput.first_step()
         for step in range(self.start_step + 1, self.config.run.steps + 1):
             with self.profiler.step(step):  # `--profile-steps`: a trace of the steps asked for, each annotated
                 if step > self.start_step + 1:
-                    with phase("data"):
+                    with clock.phase("data", step):
                         batch = self.global_batch(next(self.data))
-                with phase("step"):
+                with clock.phase("step", step):
                     self.state.state, metrics = compiled(self.state.state, batch)
+                    if previous is not None:
+                        with clock.phase("wait", step):  # the host waits for the devices (and so for the others)
+                            self._check_bad_steps(previous, step - 1)
             self.profiler.finished(step, metrics)
-            if previous is not None:
-                self._check_bad_steps(previous, step - 1)
             previous = metrics
             yield step, metrics
+
+    def _close_checkpointer(self) -> None:
+        """The checkpointer's close: the last asynchronous save finished (its barriers under the watchdog)."""
+        with self.clock.phase("checkpoint"):
+            self.checkpointer.close()
 
     def _finish(self, result: TrainResult, stop: StopRequest) -> TrainResult:
         """`result` with the skipped steps counted; the summary and, after a stop request, how to resume, logged."""
@@ -368,21 +384,10 @@ class Trainer:
         return result
 
     def _check_bad_steps(self, metrics: dict[str, jax.Array], step: int) -> None:
-        """Stop the run (SpmdkitError) at a non-finite loss (its update was skipped), or once `max_bad_steps`
-        consecutive steps up to `step` had NaN/Inf gradients."""
-        bad, loss = int(metrics["bad_steps"]), float(metrics["loss"])
-        if not math.isfinite(loss):
-            raise SpmdkitError(
-                f"the loss of step {step} is {loss}: its update was skipped and nothing of it saved (newest "
-                f"checkpoint: {self.checkpointer.newest()}); check the data (token ids must be below the vocab_size "
-                f"{self.model_config.vocab_size}), or lower --lr"
-            )
-        limit = self.config.optimizer.max_bad_steps
-        if bad >= limit:
-            raise SpmdkitError(
-                f"the gradients were NaN or Inf for {bad} consecutive steps (steps {step - bad + 1}-{step}); the "
-                f"parameters are those of step {step - bad}: lower --lr, check the data, or raise max_bad_steps"
-            )
+        """`check_bad_steps` of `step`'s metrics (a sync: they are fetched)."""
+        check_bad_steps(
+            metrics, step, self.config.optimizer.max_bad_steps, self.checkpointer.newest, self.model_config.vocab_size
+        )
 
 
 def train(config: TrainConfig) -> TrainResult:

@@ -133,7 +133,7 @@ class MetricsWriter:
             append_line(self.path, json.dumps(json_safe(record), allow_nan=False) + "\n")
         values = []
         for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
+            if key not in ("step", "time") and isinstance(value, int | float):  # time: an epoch, not a curve
                 values.append(Summary.Value(tag=key, simple_value=value))
             elif isinstance(value, list):  # per-expert load: one curve per expert, under one tag group
                 values += [Summary.Value(tag=f"{key}/{i}", simple_value=v) for i, v in enumerate(value)]

@@ -3,8 +3,8 @@
 `StepProfiler` writes a `jax.profiler` trace of steps A to B (1-based, inclusive) into RUN_DIR/profile/
 (`plugins/profile/<time>/<host>.xplane.pb`: TensorBoard's profile plugin / xprof read it, and Perfetto through
 xprof's trace viewer), every process its own host file. Each step is a `StepTraceAnnotation("train",
-step_num=N)` with the phases inside and around it named: `data` (the next batch: host read, shard, transfer),
-`step` (dispatching the compiled step), `checkpoint` (starting a save). The trace starts before step A's data
+step_num=N)` with the phases inside and around it named (`spmdkit.train.phases`: `data`, `step`, `wait`, `log`,
+`eval`, `checkpoint`). The trace starts before step A's data
 and stops after step B's outputs are ready, so it holds those steps' device work and nothing of the others; the
 annotations cost nothing measurable while no trace runs.
 """
@@ -51,11 +51,6 @@ class StepProfiler:
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()
-
-
-def phase(name: str) -> contextlib.AbstractContextManager:
-    """A named span of the trace (`data`, `step`, `checkpoint`)."""
-    return jax.profiler.TraceAnnotation(name)
 
 
 def dump_hlo(compiled: Any, run_dir: Path) -> Path:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from spmdkit.inspect.params import human_bytes
+from spmdkit.inspect.params import human_bytes, parameter_rows
 from spmdkit.models.config import loss_chunks
 from spmdkit.sharding.mesh import describe_parallelism, format_sizes
 from spmdkit.train.metrics import plot_loss_curve, read_metrics
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def describe_run(trainer: Trainer) -> str:
     """The lines a run prints before it compiles: mesh, parallelism, model, kernels, memory per device, data,
     batch."""
-    params, opt = trainer.state_bytes_per_device()
+    params, opt = state_bytes_per_device(trainer)
     cfg, run = trainer.model_config, trainer.config.run
     zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[trainer.rules.zero_stage]
     return "\n".join(
@@ -136,9 +136,33 @@ def summary(run_dir: Path, skipped_steps: int) -> str:
         ),
         f"speed: {np.median(speed):,.0f} tokens/s, {np.median([r['tflops_per_device'] for r in records]):.3g} "
         f"TFLOP/s per device, MFU " + (f"{np.median(mfus):.1%}" if mfus else "unknown (pass --peak-tflops)"),
+        *([goodput_line(last)] if "goodput" in last else []),
         f"skipped steps (NaN/Inf): {skipped_steps}",
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, tensorboard/)",
     ]
     if not math.isfinite(last["loss"]):
         lines.append("warning: the last loss is not finite")
     return "\n".join(lines)
+
+
+def goodput_line(record: dict) -> str:
+    """'goodput: 62.0% of 1.2 h (lost: start-up 310 s incl. compile 95 s, redone 120 s, ...)' from a record's
+    job totals (`spmdkit.train.goodput`)."""
+    lost = {
+        "start-up": record["lost_startup_s"], "redone steps": record["lost_redone_s"],
+        "checkpoints": record["lost_checkpoint_s"], "data": record["lost_data_s"], "eval": record["lost_eval_s"],
+        "other": record["lost_other_s"],
+    }  # fmt: skip
+    parts = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in lost.items() if seconds >= 0.05)
+    compile_s = f" (compile {record['lost_compile_s']:.3g} s of the start-up)" if record["lost_compile_s"] else ""
+    return (
+        f"goodput: {record['goodput']:.1%} of {record['wall_s']:.3g} s since the job's first start, "
+        f"{record['restarts']} restart(s); lost: {parts or 'nothing'}{compile_s}"
+    )
+
+
+def state_bytes_per_device(trainer: Trainer) -> tuple[int, int]:
+    """(parameter bytes, optimizer-state bytes) held by one device."""
+    rows = parameter_rows(trainer.state.state, trainer.state.shardings)
+    params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
+    return params, sum(r.bytes_per_device for r in rows) - params

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.data.bits import bits_per_byte, target_bytes
+from spmdkit.errors import SpmdkitError
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
@@ -157,6 +158,25 @@ def _guarded(grads: nnx.State, loss: jax.Array, opt_step: jax.Array, fail_steps:
     if fail_steps:
         poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, poison)
     return jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
+
+
+def check_bad_steps(
+    metrics: dict[str, jax.Array], step: int, limit: int, newest: Callable[[], str], vocab_size: int
+) -> None:
+    """Stop the run (SpmdkitError) at a non-finite loss of `step` (its update was skipped), or once `limit`
+    consecutive steps up to `step` had NaN/Inf gradients. `newest()` names the newest checkpoint."""
+    bad, loss = int(metrics["bad_steps"]), float(metrics["loss"])
+    if not math.isfinite(loss):
+        raise SpmdkitError(
+            f"the loss of step {step} is {loss}: its update was skipped and nothing of it saved (newest "
+            f"checkpoint: {newest()}); check the data (token ids must be below the vocab_size {vocab_size}), or "
+            "lower --lr"
+        )
+    if bad >= limit:
+        raise SpmdkitError(
+            f"the gradients were NaN or Inf for {bad} consecutive steps (steps {step - bad + 1}-{step}); the "
+            f"parameters are those of step {step - bad}: lower --lr, check the data, or raise max_bad_steps"
+        )
 
 
 def make_train_step(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -151,16 +152,22 @@ class Tokenizer:
     def save(self, directory: str | Path) -> Path:
         """Write `tokenizer.json` (the exact text this tokenizer was read from, so its hash stays) and
         `tokenizer_config.json` (the original one when there was one, else the resolved BOS/EOS) into `directory`.
-        `load_tokenizer(directory)` reads them back; so does `transformers.PreTrainedTokenizerFast.from_pretrained`."""
+        `load_tokenizer(directory)` reads them back; so does `transformers.PreTrainedTokenizerFast.from_pretrained`.
+        Each file is written beside and renamed into place: a reader (or a kill) never sees half of one."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / TOKENIZER_FILE).write_text(self.json_text)
         config = self.config or {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": None if self.bos_id is None else self.hf.id_to_token(self.bos_id),
             "eos_token": None if self.eos_id is None else self.hf.id_to_token(self.eos_id),
         }
-        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in ((TOKENIZER_FILE, self.json_text), (CONFIG_FILE, json.dumps(config, indent=2) + "\n")):
+            staging = directory / f".{name}.tmp{os.getpid()}"
+            try:
+                staging.write_text(text)
+                os.replace(staging, directory / name)
+            finally:
+                staging.unlink(missing_ok=True)
         return directory / TOKENIZER_FILE
 
     def describe(self) -> dict[str, Any]:

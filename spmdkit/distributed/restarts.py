@@ -1,0 +1,81 @@
+"""Restarting a failed job (`spmdkit launch --max-restarts N`): the progress file its process 0 keeps, and the rule
+that decides whether a failure is worth another attempt.
+
+Every attempt's processes get `SPMDKIT_ATTEMPT` (0 first, then 1, 2, ...) and `SPMDKIT_PROGRESS_FILE`: a file the
+launcher owns, where the trainer's process 0 keeps `{"step": S, "phase": ..., "attempt": k}` (S: the step it is in,
+0 before the first), written atomically. After a failure the launcher reads S: a job that fails again and again at
+the same step (a bug, bad data, a node that always dies there) is not helped by restarts, so N restarts in a row at
+one step are the most it gets; a failure after progress (a different S) starts the count again. A job that fails
+before any step (S 0, or no file: step unknown) counts as one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+ATTEMPT = "SPMDKIT_ATTEMPT"  # 0 in a job's first attempt, k in its k-th restart
+PROGRESS_FILE = "SPMDKIT_PROGRESS_FILE"  # where process 0 keeps {"step", "phase", "attempt"}
+UNKNOWN = -1  # the step when the progress file is missing or unreadable
+
+
+def read_step(path: str | os.PathLike | None) -> int:
+    """The step the progress file says the job is in; `UNKNOWN` when it is missing, unreadable or malformed."""
+    if path is None:
+        return UNKNOWN
+    try:
+        with open(path) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return UNKNOWN
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else UNKNOWN
+
+
+def write_progress(path: str | os.PathLike, step: int, phase: str, attempt: int) -> None:
+    """Write the progress file atomically (a temporary file beside it, then `os.replace`): a reader sees the old
+    record or the new one, never half of one."""
+    temporary = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump({"step": step, "phase": phase, "attempt": attempt}, f)
+    os.replace(temporary, path)
+
+
+def where(step: int) -> str:
+    """'at step 7', 'before the first step' (0) or 'at an unknown step' (no progress file)."""
+    if step == UNKNOWN:
+        return "at an unknown step"
+    return "before the first step" if step == 0 else f"at step {step}"
+
+
+@dataclass
+class SameStep:
+    """The rule: after `max_restarts` restarts in a row at one step, the next failure at that step ends the job.
+    `step`: where the last failure happened (0 and unknown are one place: before any step); `failures`: how many
+    failures in a row happened there."""
+
+    max_restarts: int
+    step: int | None = None
+    failures: int = 0
+
+    def failed(self, step: int) -> bool:
+        """Count a failure at `step`: True to restart the job, False to give up."""
+        place = max(step, 0)
+        self.failures = self.failures + 1 if place == self.step else 1
+        self.step = place
+        return self.failures <= self.max_restarts
+
+    def restart_line(self, failure: str, step: int, attempt: int) -> str:
+        """The line a restart prints: `failure` ('process 1 was killed by SIGKILL'), where, and which attempt
+        (`attempt`: the coming one's SPMDKIT_ATTEMPT; shown counting from 1)."""
+        return (
+            f"spmdkit launch: {failure} {where(step)}; restarting the job (attempt {attempt + 1}; "
+            f"{self.failures} of {self.max_restarts} restarts at this step)"
+        )
+
+    def give_up_line(self, failure: str, step: int) -> str:
+        """The line that ends the job once the rule says no more."""
+        return (
+            f"spmdkit launch: failed: {failure} {where(step)}, {self.failures} times in a row "
+            f"(--max-restarts {self.max_restarts}): not restarting"
+        )

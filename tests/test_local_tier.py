@@ -1,0 +1,191 @@
+"""The local checkpoint tier (`--checkpoint.local-dir`, `spmdkit.checkpoint.tiers`): a SIGKILL loses at most the
+steps since the last local save and the resumed run is bit-identical to an uninterrupted one; restore takes the
+newest intact step of either tier; bad local directories, and a job spanning several hosts, are refused in one line.
+
+Real Orbax on real directories throughout; the kill is the test-only fault injection of `SPMDKIT_FAULTS`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from support import flip_byte, run_spmdkit
+from test_bad_input import _files, _read_only
+from test_checkpoint import _layout, _random_state, _stream, abstract  # noqa: F401 - fixture
+
+from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
+from spmdkit.checkpoint.tiers import TieredCheckpointer
+from spmdkit.cli import main
+from spmdkit.train.config import TrainConfig
+
+STEPS = 12
+TRAIN = "train --model tiny --cpu-devices 8 --mesh fsdp=8 --seq-len 32 --batch-size 8 --eval-every 0 --no-progress"
+TIERS = ["--steps", str(STEPS), "--log-every", "1", "--checkpoint-every", "10", "--checkpoint.local-every", "2"]
+
+
+def _train(root: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`spmdkit train` of STEPS steps, persistent tier every 10 steps, local tier (`root/local`) every 2."""
+    args = [*TRAIN.split(), *TIERS, "--run-dir", str(root / "run"), "--checkpoint.local-dir", str(root / "local")]
+    return run_spmdkit(*args, env=env, timeout=240)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of RUN/metrics.jsonl (a resumed run writes the later steps again: the last record wins)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    checkpointer = Checkpointer(run_dir / "checkpoints", read_only=True)
+    try:
+        assert checkpointer.steps()[-1] == STEPS
+        tree = checkpointer.read_state(STEPS)
+    finally:
+        checkpointer.close()
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.slow
+def test_sigkill_at_step_9_resumes_from_local_step_8_bit_identically(tmp_path):
+    straight = _train(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    killed = _train(tmp_path / "killed", env={"SPMDKIT_FAULTS": "0:step=9:kill"})
+    assert killed.returncode == -9, (killed.stdout + killed.stderr)[-3000:]
+    local = tmp_path / "killed" / "local"
+    assert sorted(p.name for p in local.iterdir() if p.name.isdigit()) == ["6", "8"]  # keep 2, each complete
+    assert not [p for p in (tmp_path / "killed" / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+
+    resumed = _train(tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 8 of" in resumed.stdout  # at most 1 step lost
+    assert "Traceback" not in resumed.stdout + resumed.stderr
+    want, got = _losses(tmp_path / "straight" / "run"), _losses(tmp_path / "killed" / "run")
+    assert sorted(want) == list(range(1, STEPS + 1)) and got == want
+    params, resumed_params = _final_params(tmp_path / "straight" / "run"), _final_params(tmp_path / "killed" / "run")
+    assert resumed_params.keys() == params.keys() and params
+    for key, value in params.items():
+        np.testing.assert_array_equal(resumed_params[key], value, err_msg=key)
+
+
+def _restore(tiers: TieredCheckpointer, abstract, shardings):  # noqa: F811
+    """(step, state, directory it came from, the steps warned about as damaged) of `restore_latest`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, state = tiers.restore_latest(abstract, shardings, _stream().iterator)
+    damaged = [int(str(w.message).split()[2]) for w in caught if issubclass(w.category, CheckpointWarning)]
+    return step, state, tiers.restored_from, damaged
+
+
+def _assert_same(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa: F811
+    shardings = _layout(abstract, "fsdp=8")
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+    tiers = TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
+    stream, config, states = _stream(), json.loads(TrainConfig().to_json()), {}
+    for step in range(1, 11):
+        next(stream)
+        if tiers.due(step):
+            states[step] = _random_state(abstract, shardings, seed=step)
+            assert tiers.save(step, states[step], stream.iterator, config)
+    tiers.close()
+    # Step 10, due on both tiers, is saved once (persistent); the local tier keeps its newest 2.
+    assert sorted(states) == [2, 4, 5, 6, 8, 10]
+    assert Checkpointer(persistent).steps() == [5, 10] and Checkpointer(local).steps() == [6, 8]
+
+    def reopen():
+        return TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
+
+    step, state, where, damaged = _restore(reopen(), abstract, shardings)
+    assert (step, where, damaged) == (10, persistent, [])  # the persistent tier's newest is newer than the local's
+    _assert_same(state, states[10])
+
+    # Both tiers' newest damaged: persistent 10 falls back below local 8, local 8 to 6, which beats persistent 5.
+    flip_byte(persistent / "10" / "state", "model.embedding")
+    flip_byte(local / "8" / "state", "model.embedding")
+    step, state, where, damaged = _restore(reopen(), abstract, shardings)
+    assert (step, where, sorted(damaged)) == (6, local, [8, 10])  # each warned about once
+    _assert_same(state, states[6])
+    assert {p.name.split(".")[0] for p in [*persistent.iterdir(), *local.iterdir()] if ".damaged-" in p.name} == {
+        "8",
+        "10",
+    }  # set aside: training may save those steps again
+
+    flip_byte(local / "6" / "state", "model.embedding")  # every local step damaged: the persistent tier's 5
+    step, state, where, damaged = _restore(reopen(), abstract, shardings)
+    assert (step, where, damaged) == (5, persistent, [6])
+    _assert_same(state, states[5])
+
+
+@pytest.fixture
+def directories(tmp_path):
+    """A fixture directory: a file, a read-only directory (None when it cannot be made), someone's files."""
+    (tmp_path / "afile").write_text("not a directory\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("my own notes\n")
+    readonly = _read_only(tmp_path / "readonly")
+    yield tmp_path, readonly
+    if readonly:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(tmp_path / "readonly")], capture_output=True)
+        (tmp_path / "readonly").chmod(0o755)
+
+
+BAD = [
+    (["--checkpoint.local-dir", "{D}/local"], "go together: give both (a directory and N >= 1) or neither"),
+    (["--checkpoint.local-every", "2"], "--checkpoint.local-dir None and --checkpoint.local-every 2 go together"),
+    (["--checkpoint.local-dir", "{D}/afile", "--checkpoint.local-every", "2"], "local-dir {D}/afile is a file"),
+    (["--checkpoint.local-dir", "{D}/readonly/l", "--checkpoint.local-every", "2"], "{D}/readonly/l is not writable"),
+    (["--checkpoint.local-dir", "{D}/mine", "--checkpoint.local-every", "2"], "{D}/mine holds files that are not"),
+    (["--checkpoint.local-dir", "{D}/run/checkpoints", "--checkpoint.local-every", "2"], "overlaps the checkpoint"),
+]
+
+
+@pytest.mark.parametrize("extra, fragment", BAD, ids=[" ".join(a).replace("{D}/", "") for a, _ in BAD])
+def test_bad_local_directory_is_one_line_exit_2_nothing_written(directories, capsys, monkeypatch, extra, fragment):
+    d, readonly = directories
+    if "readonly" in " ".join(extra) and not readonly:
+        pytest.skip("cannot make a read-only directory here")
+    monkeypatch.chdir(d)
+    before = _files(d)
+    argv = [*TRAIN.split(), "--steps", "2", "--run-dir", f"{d}/run", *extra]
+    assert main([a.format(D=d) for a in argv]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("spmdkit: error: ") and fragment.format(D=d) in err, err
+    assert _files(d) == before  # nothing written
+
+
+@pytest.mark.slow
+def test_a_job_spanning_two_hosts_is_refused_in_one_line(tmp_path):
+    """Two processes on two emulated hosts (`spmdkit launch --processes-per-host 1`): one line, before anything is
+    written; processes on one host share its disk and are not refused (the other tests run one process)."""
+    launch = ["launch", "--processes", "2", "--devices-per-process", "1", "--processes-per-host", "1", "--"]
+    train = [*TRAIN.replace("--cpu-devices 8 ", "").split(), "--steps", "2", "--mesh", "fsdp=2"]
+    train += ["--run-dir", str(tmp_path / "run")]
+    local = ["--checkpoint.local-dir", str(tmp_path / "local"), "--checkpoint.local-every", "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(
+        [sys.executable, "-m", "spmdkit", *launch, "spmdkit", *train, *local],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    refused = "spmdkit: error: --checkpoint.local-dir needs the job's processes on one host, but they span 2"
+    errors = [line for line in output.splitlines() if "spmdkit: error:" in line]  # one per process ("[1] ...")
+    assert len(errors) == 2 and all(refused in line for line in errors), output[-3000:]
+    assert "Traceback" not in output
+    assert not (tmp_path / "local").exists() and not (tmp_path / "run").exists()
