@@ -169,8 +169,7 @@ class Trainer:
     def save_tokenizer(self) -> None:
         """The data's tokenizer (`tokenizer.json`, `tokenizer_config.json`) into the checkpoint directory's `hf/`,
         beside the checkpoints, where generation, `ckpt export` and `find_tokenizer_dir` (given the run or the
-        checkpoint directory) find it. Weights from --init-from brought their
-        own tokenizer there: it stays."""
+        checkpoint directory) find it. Weights from --init-from brought their own tokenizer there: it stays."""
         tokenizer, sidecar = self.data.tokenizer, self.checkpointer.directory / SIDECAR
         if tokenizer is None or not self.is_main or (self.config.model.init_from and find_tokenizer_dir(sidecar)):
             return
