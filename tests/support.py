@@ -3,6 +3,9 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+BIN = str(Path(sys.executable).parent)  # this environment's `spmdkit` and `python`
 
 
 def run_spmdkit(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -14,6 +17,13 @@ def run_spmdkit(*args: str, timeout: float = 300, env: dict[str, str] | None = N
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The test's environment for a launched job: no job variables of an outer launcher (SLURM_*, OMPI_*,
+    SPMDKIT_*), this environment's `spmdkit` on PATH, the CPU platform, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
+    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "JAX_PLATFORMS": "cpu", **extra}
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -5,16 +5,13 @@ and the summary."""
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
-from support import run_spmdkit
+from support import BIN, run_spmdkit
 
 from spmdkit.train.goodput import LOST, Goodput
 from spmdkit.train.phases import PhaseClock
 
-BIN = str(Path(sys.executable).parent)
 TRAIN = ("train", "--model", "tiny", "--cpu-devices", "8", "--mesh", "fsdp=8", "--steps", "24", "--seq-len", "64")
 TRAIN += ("--batch-size", "16", "--eval-every", "0", "--no-progress", "--log-every", "1", "--checkpoint-every", "10")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from support import BIN, job_env
 
 from spmdkit.cli import main
 from spmdkit.distributed.initialize import detect_environment, expand_nodelist, initialize_distributed
@@ -23,7 +24,6 @@ from spmdkit.distributed.slurm import environment_setup, sbatch_script
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import make_mesh, this_host
 
-BIN = str(Path(sys.executable).parent)
 TRAIN = "train --mesh fsdp=4,tensor=2 --steps 6 --log-every 1 --eval-every 6 --eval-batches 2 --seq-len 32 "
 TRAIN += "--batch-size 8 --dtype float32 --no-progress"
 # Joins the job, says so, then runs collectives ("busy") or sleeps ("idle") until it is stopped.
@@ -42,12 +42,6 @@ while True:
         multihost_utils.process_allgather(np.int32(1))
     time.sleep(0.05)
 """
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The test's environment, with no job variables of an outer launcher and this environment's spmdkit on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
-    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -71,7 +65,7 @@ def _launch_peers(tmp_path: Path, mode: str, *flags: str) -> tuple[subprocess.Po
     script.write_text(PEER)
     cmd = [f"{BIN}/spmdkit", "launch", "--processes", "2", "--devices-per-process", "2", *flags, "--"]
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([*cmd, sys.executable, str(script), mode], stdout=o, stderr=e, env=_env())
+        proc = subprocess.Popen([*cmd, sys.executable, str(script), mode], stdout=o, stderr=e, env=job_env())
     try:
         # A line of process i, prefixed "[i] ", that says it is ready. gloo logs to the same stdout from its own
         # threads and its message and newline are separate writes, so the word may follow gloo's text on that line.
@@ -120,7 +114,7 @@ def test_two_processes_train_like_one(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(),
+        env=job_env(),
     )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "FSDP over 4 devices x TP over 2" in one.stdout
@@ -147,7 +141,7 @@ def test_two_processes_train_like_one(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(),
+        env=job_env(),
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "[0] mesh         fsdp=4,tensor=2 on 8 CPU device(s), 2 process(es)" in two.stdout
@@ -197,7 +191,7 @@ def test_lost_peer_ends_the_survivor_by_heartbeat(tmp_path):
     peers, logs = [], []
     for i in range(2):
         logs.append(open(tmp_path / f"peer{i}.txt", "w+"))
-        env = _env(SPMDKIT_COORDINATOR=f"127.0.0.1:{port}", SPMDKIT_NUM_PROCESSES="2", SPMDKIT_PROCESS_ID=str(i))
+        env = job_env(SPMDKIT_COORDINATOR=f"127.0.0.1:{port}", SPMDKIT_NUM_PROCESSES="2", SPMDKIT_PROCESS_ID=str(i))
         env.update(SPMDKIT_CPU_DEVICES="2")
         peers.append(
             subprocess.Popen([sys.executable, str(script), "idle"], stdout=logs[i], stderr=subprocess.STDOUT, env=env)
@@ -263,7 +257,7 @@ def test_dcn_counts_hosts_not_processes(tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env=_env(),
+        env=job_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     name = socket.gethostname()

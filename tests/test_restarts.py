@@ -15,12 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import error_lines, run_spmdkit
+from support import BIN, error_lines, run_spmdkit
 
 from spmdkit.distributed.restarts import SameStep, read_step, write_progress
 from spmdkit.distributed.slurm import sbatch_script
 
-BIN = str(Path(sys.executable).parent)
 # Process 0 writes the progress file (when the plan gives a step) and waits to be stopped; process 1 waits until
 # that record is there, then fails as the plan says. An attempt past the plan's end succeeds.
 CHILD = """

@@ -4,28 +4,21 @@ process slowed by an injected delay is named as the straggler, and without the d
 `SPMDKIT_FAULTS` (spmdkit/train/faults.py), the test-only hook."""
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support import BIN, job_env
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.train.faults import Fault, Faults, parse_fault
 from spmdkit.train.phases import PhaseClock
 from spmdkit.train.watchdog import HUNG, describe_laggards
 
-BIN = str(Path(sys.executable).parent)
 TIMEOUT = 8  # --health.step-timeout and --health.phase-timeout of the hang tests
 TRAIN = "train --model tiny --mesh fsdp=4 --seq-len 32 --batch-size 8 --eval-every 0 --no-progress --log-every 2"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
-    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _launch(run_dir: Path, *train: str, faults: str = "") -> tuple[subprocess.CompletedProcess, float]:
@@ -34,7 +27,7 @@ def _launch(run_dir: Path, *train: str, faults: str = "") -> tuple[subprocess.Co
     command = [f"{BIN}/spmdkit", "launch", "--processes", "2", "--devices-per-process", "2", "--", "spmdkit"]
     command += [*TRAIN.split(), "--run-dir", str(run_dir), *train]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(SPMDKIT_FAULTS=faults)
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(SPMDKIT_FAULTS=faults)
     )
     lines, frozen_at = [], None
     for line in process.stdout:
