@@ -99,7 +99,8 @@ def unwritable_disk(where: Path, kind: str):
         if mounted.returncode == 0:
 
             def fill() -> None:
-                with open(where / "filler", "wb") as f, contextlib.suppress(OSError):
+                # The run's own saves may have filled the disk first: then opening the filler fails, as wanted.
+                with contextlib.suppress(OSError), open(where / "filler", "wb") as f:
                     while True:
                         f.write(b"\0" * 2**20)
                         f.flush()
