@@ -4,10 +4,11 @@ compile's).
 
 Rows: `1b` on 1 x H100 at seq 8192; `llama3-8b` on 8 x H100 at seq 8192 with fsdp=8 and fsdp=4,tensor=2;
 `llama3-8b` at seq 32768 with context=4,fsdp=2; `llama3-70b` on 64 x H100 (8 hosts x 8) with the layout
-`spmdkit plan` recommends for it. Each with every remat policy. Prints a Markdown table and writes
-results/gpu_compile.json.
+`spmdkit plan` recommends for it. Each with every remat policy. Prints a Markdown table (with the speed levers'
+marks: FP8 GEMMs and windowed-einsum hops per step) and writes results/gpu_compile.json; `--extra` adds flags to
+every row (a lever on: `--extra=--overlap-tp`).
 
-    python scripts/bench_gpu_compile.py [--remat none full ...] [--out results]
+    python scripts/bench_gpu_compile.py [--remat none full ...] [--extra FLAGS] [--out results]
 """
 
 from __future__ import annotations
@@ -61,14 +62,20 @@ def compile_row(flags: list[str], remat: str) -> dict:
     return json.loads(done.stdout)
 
 
+def levers(report: dict) -> str:
+    """FP8 GEMMs and the hops of decomposed collective matmuls, per call of the step (loops multiplied)."""
+    fp8, windowed = report.get("fp8_gemms") or {}, report.get("windowed_einsums") or {}
+    return f"{fp8.get('executions', 0)} / {windowed.get('executions', 0)}"
+
+
 def cell(report: dict) -> list[str]:
     if "error" in report:
-        return ["error: " + report["error"][:60], "", "", "", "", "", ""]
+        return ["error: " + report["error"][:60], "", "", "", "", "", "", ""]
     gb = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     coll = ", ".join(f"{op} {t['asynchronous']}/{t['instructions']}" for op, t in report["collectives"].items())
     return [
         gb(report["per_device_bytes"]["total"]), gb(report["planner_bytes"]), f"{report['planner_ratio']:.2f}",
-        "yes" if report["fits"] else "no", report["attention_kernel"], coll,
+        "yes" if report["fits"] else "no", report["attention_kernel"], coll, levers(report),
         f"{report['compile_seconds']:.0f} s / {report['peak_rss_bytes'] / 1e9:.1f} GB",
     ]  # fmt: skip
 
@@ -77,14 +84,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--remat", nargs="+", default=list(REMATS))
     parser.add_argument("--out", default="results")
+    parser.add_argument("--extra", default="", help="flags added to every row, e.g. --extra=--overlap-tp")
     args = parser.parse_args()
     print(
         "| layout | remat | XLA:GPU GB/device | planner GB | planner / XLA | fits 80 GB | attention | collectives "
-        "(async/all) | compile / peak RSS |"
+        "(async/all) | FP8 GEMMs / windowed-einsum hops | compile / peak RSS |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for name, flags in rows():
+        flags = [*flags, *args.extra.split()]
         for remat in args.remat:
             report = compile_row(flags, remat)
             results.append({"layout": name, "flags": flags, "remat": remat, **report})

@@ -12,7 +12,8 @@ EXPECTED = {
         "init_sharded", "logical_to_spec", "make_mesh", "make_rules", "preset", "state_shardings", "use_rules",
     ],
     "spmdkit.parallel": [
-        "ExpertWeights", "Schedule", "capacity", "deinterleave_layers", "dense_moe", "expert_ffn",
+        "ExpertWeights", "Schedule", "all_gather_matmul", "capacity", "deinterleave_layers", "dense_moe", "expert_ffn",
+        "matmul_reduce_scatter",
         "from_microbatches", "from_zigzag", "interleave_layers", "make_schedule", "pipeline_value_and_grad",
         "ring_attention", "to_microbatches", "to_zigzag", "zigzag_batch", "zigzag_indices",
     ],

@@ -133,13 +133,18 @@ def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[st
     """'model/embedding' -> (checksum as 16 hex digits, count of NaN/Inf values) of every array of `tree`.
 
     Accelerator arrays are summed on their devices (one compiled program, any mesh; `on_device=True` does that
-    for CPU arrays too); CPU and host arrays on the host, shard by shard. With several JAX processes the partial
-    sums are added across them (a collective: every process must call this).
+    for CPU arrays too); CPU and host arrays (numpy, or jax.Arrays in host memory) on the host, shard by shard.
+    With several JAX processes the partial sums are added across them (a collective: every process must call this).
     """
     flat = jax.tree_util.tree_leaves_with_path(tree)
     leaves = [x for _, x in flat]
-    if on_device is None:
-        on_device_each = [isinstance(x, jax.Array) and next(iter(x.devices())).platform != "cpu" for x in leaves]
+    if on_device is None:  # arrays in host memory (`--optimizer.offload`'s pinned_host) are summed on the host
+        on_device_each = [
+            isinstance(x, jax.Array)
+            and next(iter(x.devices())).platform != "cpu"
+            and x.sharding.memory_kind in (None, "device")
+            for x in leaves
+        ]
     else:
         on_device_each = [on_device and isinstance(x, jax.Array) for x in leaves]
     results: list[tuple[int, int, int]] = [(0, 0, 0)] * len(leaves)

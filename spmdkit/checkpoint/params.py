@@ -2,9 +2,10 @@
 
 Every reader of "the model of step N" (`--init-from`, generation, evaluation, `ckpt export`, `spmdkit.load_model`)
 calls `read_params`: the caller passes the parameters it wants as a pure dict of `jax.ShapeDtypeStruct`s (shape,
-dtype, sharding: any mesh, any device count). Only the step's `state/model` arrays are read (never the optimizer
-state). A name or shape that differs from the target is one line naming it; an array that does not read back as
-saved (checksum, NaN/Inf: `spmdkit.checkpoint.integrity`) makes the step a `DamagedStep`.
+dtype, sharding: any mesh, any device count). Only the step's `state/model` parameters are read (never the optimizer
+state, nor an FP8 run's scales: `spmdkit.models.fp8.is_fp8_state`). A name or shape that differs from the target is
+one line naming it; an array that does not read back as saved (checksum, NaN/Inf: `spmdkit.checkpoint.integrity`)
+makes the step a `DamagedStep`.
 
 How, and why not Orbax's own restore: Orbax stores each array in TensorStore (zarr over OCDBT) and its restore
 stages every array on the host before handing it to the device, which held a 1B model 1.5 times. Here each
@@ -43,6 +44,7 @@ from spmdkit.checkpoint.integrity import (
 from spmdkit.checkpoint.manager import DamagedStep, NonFiniteState
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.fp8 import is_fp8_state
 
 PureTree = dict[str, Any]
 
@@ -58,7 +60,7 @@ def _flat(tree: Any) -> dict[str, Any]:
 def _check_names(step: int, directory: Path, saved: dict[str, tuple], target: PureTree) -> None:
     """SpmdkitError naming the first parameter whose name or shape differs between the step and `target`."""
     wanted = {f"model/{name}": tuple(leaf.shape) for name, leaf in _flat(target).items()}
-    found = {name: shape for name, (shape, _) in saved.items() if name.startswith("model/")}
+    found = {name: shape for name, (shape, _) in saved.items() if _is_param(name)}
     for name in sorted(wanted.keys() | found.keys()):
         if found.get(name) != wanted.get(name):
             there = "missing" if name not in found else f"{list(found[name])}"
@@ -69,6 +71,11 @@ def _check_names(step: int, directory: Path, saved: dict[str, tuple], target: Pu
             )
 
 
+def _is_param(name: str) -> bool:
+    """A saved array of the model that is a parameter: not the optimizer's, not an FP8 run's scales."""
+    return name.startswith("model/") and not is_fp8_state(name)
+
+
 def host_target(saved: dict[str, tuple]) -> PureTree:
     """The saved parameters as ShapeDtypeStructs whole on the host CPU, in their saved dtypes (`read_params`'
     target for a tool that writes them out as numpy)."""
@@ -76,7 +83,7 @@ def host_target(saved: dict[str, tuple]) -> PureTree:
     target: PureTree = {}
     for name, (shape, dtype) in saved.items():
         keys = name.split("/")
-        if keys[0] != "model":
+        if not _is_param(name):
             continue
         node = target
         for key in keys[1:-1]:

@@ -18,7 +18,7 @@ from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_TYPES, Device, make_device, parse_mesh
-from spmdkit.plan.estimate import estimate
+from spmdkit.plan.estimate import REMAT_ORDER, estimate
 from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
 from spmdkit.plan.report import explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
@@ -54,9 +54,15 @@ def parser() -> ArgumentParser:
     add("--dtype", default="bfloat16", help="compute dtype: bfloat16, float16, float32 (default: bfloat16)")
     add("--mesh", help="evaluate this mesh, e.g. 'fsdp=8,tensor=8' (default: search)")
     add("--zero", type=int, help="ZeRO stage 0-3 over fsdp (default: search 2 and 3)")
-    add("--remat", help="none, full, dots_saveable, dots_with_no_batch_dims_saveable (default: search)")
+    add(
+        "--remat",
+        help="a remat preset or save:/offload: names, as --model.remat of train (default: search "
+        f"{', '.join(REMAT_ORDER)})",
+    )
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, help="SP with TP (default: on when tensor > 1)")
     add("--microbatches", type=int, help="gradient-accumulation / pipeline microbatches (default: search)")
+    add("--fp8", action="store_true", help="the blocks' matmuls in FP8 at the FP8 peak (train's --model.fp8)")
+    add("--optimizer-offload", action="store_true", help="optimizer state in host memory (train's --optimizer.offload)")
     add("--pipeline-schedule", help=f"{', '.join(SCHEDULES)} (default: search 1f1b and interleaved)")
     add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
     add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
@@ -122,7 +128,9 @@ def inference(args: argparse.Namespace, dev: Device) -> int:
 def main(argv: Sequence[str]) -> int:
     """`spmdkit plan`: print the table (or JSON), the chosen layout's details and why."""
     args = parse(argv)
-    model = build_model({"name": args.model}, source_model).replace(dtype=args.dtype, remat=args.remat or "none")
+    model = build_model({"name": args.model}, source_model).replace(
+        dtype=args.dtype, remat=args.remat or "none", fp8=args.fp8
+    )
     dev = make_device(
         args.device_type,
         hbm_gb=args.hbm_gb,
@@ -145,12 +153,13 @@ def main(argv: Sequence[str]) -> int:
     fitting, smallest = search(
         model, meshes, dev, batch, args.seq_len, zero=args.zero, sequence_parallel=args.sequence_parallel,
         remat=args.remat, microbatches=args.microbatches, schedule=args.pipeline_schedule,
-        virtual_stages=args.virtual_stages, efficiency=args.efficiency,
+        virtual_stages=args.virtual_stages, offload=args.optimizer_offload, efficiency=args.efficiency,
     )  # fmt: skip
     if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
         estimate(model, meshes[0], device=dev, batch_size=batch, seq_len=args.seq_len, zero=3 if args.zero is None
                  else args.zero, sequence_parallel=bool(args.sequence_parallel), microbatches=args.microbatches,
-                 schedule=args.pipeline_schedule or "1f1b", virtual_stages=args.virtual_stages or 1)  # fmt: skip
+                 schedule=args.pipeline_schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+                 offload=args.optimizer_offload)  # fmt: skip
     if not fitting and not (args.mesh and smallest):
         raise SpmdkitError(
             f"no layout of {args.devices} x {dev.name} fits {args.model} with batch {batch} x {args.seq_len}"

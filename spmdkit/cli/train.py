@@ -62,9 +62,20 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, int | None]:
     return parse_flags(rest, config_from_toml(known.config) if known.config else TrainConfig()), known.cpu_devices
 
 
+def add_run_flags(config: TrainConfig) -> bool:
+    """On a GPU host, the XLA flags the config asks for (`--overlap-tp`: windowed einsum) into `XLA_FLAGS`, beside
+    the ones every command adds; XLA reads them when its backend starts, which is still ahead. On the CPU they
+    would change nothing, and nothing is added. Returns whether flags were added."""
+    from spmdkit.distributed.platform import gpu_present
+    from spmdkit.targets.flags import OVERLAP_TP_FLAGS, add_xla_flags
+
+    return bool(config.mesh.overlap_tp and gpu_present() and add_xla_flags(OVERLAP_TP_FLAGS))
+
+
 def main(argv: Sequence[str]) -> int:
     config, cpu_devices = parse(argv)
     use_cpu_devices(cpu_devices)
+    add_run_flags(config)
     from spmdkit.distributed.initialize import initialize_distributed
 
     initialize_distributed()  # joins a multi-process job (spmdkit launch, SLURM, Open MPI) before JAX computes

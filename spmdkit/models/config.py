@@ -17,15 +17,18 @@ import typing
 from typing import Any, Literal
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.remat import HELP as REMAT_HELP
+from spmdkit.models.remat import PRESETS as REMAT_PRESETS
+from spmdkit.models.remat import check_remat
 
-Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
+Remat = str  # a preset of `spmdkit.models.remat.PRESETS` or save:/offload: names (`parse_remat` checks it)
 Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring"]
 Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 QkNormScope = Literal["head", "layer"]
 RopeType = Literal["default", "linear", "llama3"]
-REMAT_POLICIES: tuple[str, ...] = typing.get_args(Remat)
+REMAT_POLICIES: tuple[str, ...] = REMAT_PRESETS
 ATTENTION_KINDS: tuple[str, ...] = typing.get_args(Attention)
 DISPATCH_KINDS: tuple[str, ...] = typing.get_args(Dispatch)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -70,7 +73,7 @@ class TransformerConfig:
     norm_eps: float = _field(1e-5, "RMSNorm epsilon")
     dtype: Dtype = _field("bfloat16", "compute dtype (parameters stay param_dtype)")
     param_dtype: Dtype = _field("float32", "dtype the parameters are stored and updated in")
-    remat: Remat = _field("none", "what the backward pass recomputes")
+    remat: Remat = _field("none", REMAT_HELP)
     attention: Attention = _field(
         "auto",
         "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot (the "
@@ -124,6 +127,9 @@ class TransformerConfig:
     shared_expert_gate: bool = _field(False, "mixture of experts: the shared expert's output times sigmoid(x w)")
     router_renormalize: bool = _field(True, "mixture of experts: top-k weights (k > 1) rescaled to sum to 1")
     dense_layers: tuple[int, ...] = _field((), "mixture of experts: 0-based layers that keep the dense MLP")
+    fp8: bool = _field(
+        False, "the blocks' dense matmuls (q, k, v, o, gate, up, down) in FP8 with delayed per-tensor scaling"
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # the types the fields declare: layers=2.5 is not a model
@@ -139,8 +145,9 @@ class TransformerConfig:
                 raise SpmdkitError(f"model {name}={getattr(self, name)} must be positive")
         if self.heads % self.kv_heads:
             raise SpmdkitError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        check_remat(self.remat)
         for name, value, choices in (
-            ("remat policy", self.remat, REMAT_POLICIES), ("attention", self.attention, ATTENTION_KINDS),
+            ("attention", self.attention, ATTENTION_KINDS),
             ("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
             ("activation", self.activation, ACTIVATIONS), ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES),
         ):  # fmt: skip
@@ -154,6 +161,10 @@ class TransformerConfig:
             self._check_experts()
         elif self.dense_layers:
             raise SpmdkitError("dense_layers names layers of a mixture-of-experts model: set experts, or drop it")
+        if self.fp8 and self.experts:
+            raise SpmdkitError(
+                "fp8 covers dense models: the routed experts' grouped matmuls have no FP8 form yet; drop --model.fp8"
+            )
         self._check_rope()
         self._check_scales()
 
@@ -289,6 +300,12 @@ class TransformerConfig:
             full = seq_len / 2 if causal else seq_len
             keys += window - window * window / (2 * seq_len) if 0 < window < seq_len else full
         return 6 * matmul_params + 12 * self.heads * self.head_dim * keys
+
+    def fp8_flops_per_token(self) -> float:
+        """The share of `flops_per_token` that runs in FP8 under `fp8`: 6 x the blocks' projection weights (q, k,
+        v, o, gate, up, down); the attention scores, the LM head and the norms stay in the compute dtype."""
+        projections = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 3 * self.embed * self.mlp
+        return 6.0 * self.layers * projections if self.fp8 else 0.0
 
 
 def loss_chunks(seq_len: int, chunk: int, shards: int = 1) -> int:

@@ -19,7 +19,10 @@ from flax import nnx
 
 from spmdkit.models.attention import attend
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.fp8 import Fp8Scales, project
 from spmdkit.models.layer_plan import LayerKind, layer_kind
+from spmdkit.models.remat_policy import named
+from spmdkit.parallel.collective_matmul import column_parallel, ring_mesh, row_parallel
 from spmdkit.sharding.logical import constrain
 
 # Activation layouts, by logical name. The residual stream carries `act_seq` (sequence parallelism shards it
@@ -147,6 +150,8 @@ class Attention(nnx.Module):
         elif c.qk_norm:
             self.q_norm = RMSNorm(c, (c.heads, c.head_dim), ("heads", "head_dim"))
             self.k_norm = RMSNorm(c, (c.kv_heads, c.head_dim), ("kv_heads", "head_dim"))
+        if c.fp8:  # each projection's delayed FP8 scales (`spmdkit.models.fp8`)
+            self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (Fp8Scales() for _ in range(4))
         self.config = config
 
     def qkv(
@@ -156,15 +161,20 @@ class Attention(nnx.Module):
         the rotary embedding of `positions` [batch, seq] applied to q and k where the layer's `kind` rotates
         (None: layer 0's kind); heads split over `tensor` under TP."""
         c, dt = self.config, self.config.dtype
-        x = constrain(x, HIDDEN)
+        ring = not c.fp8 and ring_mesh() is not None  # --overlap-tp: x stays sequence-sharded, the ring gathers it
+        x = constrain(x, RESIDUAL if ring else HIDDEN)
 
-        def project(name: str, heads: str) -> jax.Array:
-            y = jnp.einsum("bse,ehd->bshd", x, getattr(self, name)[...].astype(dt))
+        def projected(name: str, heads: str) -> jax.Array:
+            w = getattr(self, name)[...].astype(dt)
+            if ring:
+                y = column_parallel(x, w, ("embed", heads, "head_dim"))
+            else:
+                y = project("bse,ehd->bshd", x, w, getattr(self, f"{name}_fp8", None))
             if c.qkv_bias:  # the bias comes before the rotation, as in Hugging Face's q_proj/k_proj
                 y = y + getattr(self, f"{name}_bias")[...].astype(dt)
-            return constrain(y, ("batch", "seq", heads, None))
+            return named(constrain(y, ("batch", "seq", heads, None)), f"{name}_proj")
 
-        q, k, v = project("q", "heads"), project("k", "kv_heads"), project("v", "kv_heads")
+        q, k, v = projected("q", "heads"), projected("k", "kv_heads"), projected("v", "kv_heads")
         if c.qk_norm:  # normalised after the projection, before the rotation (Qwen3, OLMo 2, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
         kind = kind or layer_kind(c, 0)
@@ -176,11 +186,15 @@ class Attention(nnx.Module):
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
         dt = self.config.dtype
-        attended = constrain(attended, ("batch", "seq", "heads", None))
-        y = jnp.einsum("bshd,hde->bse", attended, self.o[...].astype(dt))
+        attended = named(constrain(attended, ("batch", "seq", "heads", None)), "context")
+        w = self.o[...].astype(dt)
+        if not self.config.fp8 and ring_mesh() is not None:  # --overlap-tp: the sum reduce-scattered in a ring
+            y = row_parallel(attended, w, ("heads", "head_dim", "embed"))
+        else:
+            y = project("bshd,hde->bse", attended, w, getattr(self, "o_fp8", None))
         if self.config.o_bias:
             y = y + self.o_bias[...].astype(dt)
-        return constrain(y, RESIDUAL)
+        return named(constrain(y, RESIDUAL), "out_proj")
 
     def scores_options(self, kind: LayerKind | None = None) -> dict:
         """The keyword arguments every attention kernel takes for this layer, those it sets: window, scale,
@@ -226,21 +240,32 @@ class MLP(nnx.Module):
             self.gate_bias = zeros_param((f,), ("mlp",), pd)
             self.up_bias = zeros_param((f,), ("mlp",), pd)
             self.down_bias = zeros_param((c.embed,), ("embed",), pd)
+        if c.fp8:  # each projection's delayed FP8 scales (`spmdkit.models.fp8`)
+            self.gate_fp8, self.up_fp8, self.down_fp8 = (Fp8Scales() for _ in range(3))
         self.dtype, self.activation, self.bias = config.dtype, config.activation, config.mlp_bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]; the hidden [batch, seq, mlp] is split over `mlp`."""
         dt = self.dtype
-        x = constrain(x, HIDDEN)
-        gate = jnp.einsum("bse,em->bsm", x, self.gate[...].astype(dt))
-        up = jnp.einsum("bse,em->bsm", x, self.up[...].astype(dt))
+        ring = not hasattr(self, "up_fp8") and ring_mesh() is not None  # --overlap-tp (`Attention.qkv`)
+        x = constrain(x, RESIDUAL if ring else HIDDEN)
+
+        def projected(name: str, equation: str, names: tuple[str, str], h: jax.Array) -> jax.Array:
+            w = getattr(self, name)[...].astype(dt)
+            if ring:
+                return (column_parallel if name != "down" else row_parallel)(h, w, names)
+            return project(equation, h, w, getattr(self, f"{name}_fp8", None))
+
+        gate = projected("gate", "bse,em->bsm", ("embed", "mlp"), x)
+        up = projected("up", "bse,em->bsm", ("embed", "mlp"), x)
         if self.bias:
             gate, up = gate + self.gate_bias[...].astype(dt), up + self.up_bias[...].astype(dt)
-        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        y = jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dt))
+        gate, up = named(gate, "mlp_gate"), named(up, "mlp_up")
+        hidden = named(constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
+        y = projected("down", "bsm,me->bse", ("mlp", "embed"), hidden)
         if self.bias:
             y = y + self.down_bias[...].astype(dt)
-        return constrain(y, RESIDUAL)
+        return named(constrain(y, RESIDUAL), "mlp_down")
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str, scale: float = 1.0) -> jax.Array:

@@ -22,6 +22,7 @@ from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_token
 from spmdkit.models.loss import HeadSpec, lm_loss
 from spmdkit.models.loss import head_logits as loss_head_logits
 from spmdkit.models.moe import MoE
+from spmdkit.models.remat_policy import checkpoint_policy, naming
 from spmdkit.sharding.logical import constrain
 
 
@@ -77,14 +78,6 @@ class Block(nnx.Module):
         kind: the layer's static kind (window, RoPE; None: layer 0's)."""
         attended = self.attention(self.attention_input(x), positions, segment_ids, kind)
         return self.mlp_half(self.add(x, attended, "attention_post_norm"))
-
-
-def _remat_policy(name: str):
-    return {
-        "full": None,
-        "dots_saveable": jax.checkpoint_policies.dots_saveable,
-        "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    }[name]
 
 
 class Transformer(nnx.Module):
@@ -243,14 +236,15 @@ def scan_blocks(
         return block(x, positions, segment_ids, kind)
 
     if remat != "none":
-        body = nnx.remat(body, policy=_remat_policy(remat))
+        body = nnx.remat(body, policy=checkpoint_policy(remat))
     scan = nnx.scan(
         body,
         in_axes=(nnx.Carry, 0, None, None),
         out_axes=(nnx.Carry, 0),
         transform_metadata={nnx.PARTITION_NAME: "layers"},
     )
-    return scan(x, blocks, positions, segment_ids)
+    with naming(remat):  # the activations carry their names under a named policy only
+        return scan(x, blocks, positions, segment_ids)
 
 
 def head_logits(x: jax.Array, norm_scale: jax.Array, lm_head: jax.Array, config: TransformerConfig) -> jax.Array:

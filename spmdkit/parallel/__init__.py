@@ -7,6 +7,8 @@
   (`to_microbatches`, `from_microbatches`, `interleave_layers`, `deinterleave_layers`).
 - Expert parallelism (`spmdkit.parallel.experts`): `expert_ffn` sends routed tokens to their experts with
   all-to-alls (`ExpertWeights`, the slot count `capacity`, the dense reference `dense_moe`).
+- Tensor parallelism (`spmdkit.parallel.collective_matmul`): `all_gather_matmul` and `matmul_reduce_scatter`,
+  the ring (collective matmul) that overlaps TP's all-gather / reduce-scatter with the GEMMs.
 
 Names load on first use (PEP 562): `from spmdkit.parallel.pipeline.schedule import make_schedule` stays JAX-free.
 """
@@ -20,6 +22,8 @@ _EXPORTS = {
     "dense_moe": "spmdkit.parallel.experts",
     "expert_ffn": "spmdkit.parallel.experts",
     "capacity": "spmdkit.parallel.capacity",
+    "all_gather_matmul": "spmdkit.parallel.collective_matmul",
+    "matmul_reduce_scatter": "spmdkit.parallel.collective_matmul",
     "ring_attention": "spmdkit.parallel.context.ring_attention",
     "from_zigzag": "spmdkit.parallel.context.zigzag",
     "to_zigzag": "spmdkit.parallel.context.zigzag",

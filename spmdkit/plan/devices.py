@@ -37,6 +37,19 @@ class Device:
     hbm_bw: float = 0.0  # HBM bytes/s (nominal): decode reads every weight and the KV cache per token from it
     link_latency: float = 10e-6  # seconds of one small collective in a node (latency-bound: decode's all-reduces)
     compute_capability: int = 0  # the GPU's major version (9: Hopper): what cuDNN attention may run there
+    # host <-> device bytes/s per direction, effective (what `--optimizer.offload` moves the moments over): PCIe Gen4
+    # x16 is 31.5 GB/s raw per direction (16 GT/s x 16 lanes, 128b/130b), ~25 GB/s in pinned-memory copies
+    host_bw: float = 25e9
+    # dense FP8 tensor-core FLOP/s (0: none, FP8 runs at the bf16 peak): H100/H200 SXM 1,979 TFLOP/s (3,958 with
+    # sparsity, NVIDIA's H100 datasheet), B200 4.5 PFLOP/s, GB200 5 PFLOP/s, L40S 733 TFLOP/s (half the sparse figures)
+    fp8_peak_flops: float = 0.0
+
+
+def mixed_peak(device: Device, fp8_share: float = 0.0) -> float:
+    """The peak FLOP/s of a step whose FLOPs run `fp8_share` in FP8 and the rest in bf16: every FLOP at its own
+    peak, 1 / (share / fp8_peak + (1 - share) / peak) (the bf16 peak without FP8 tensor cores)."""
+    fp8 = device.fp8_peak_flops or device.peak_flops
+    return 1.0 / (fp8_share / fp8 + (1.0 - fp8_share) / device.peak_flops)
 
 
 DEVICES: dict[str, Device] = {
@@ -44,6 +57,8 @@ DEVICES: dict[str, Device] = {
     # B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
     # (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
     # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
+    # host_bw: PCIe Gen5 x16, 63 GB/s raw per direction (32 GT/s x 16 lanes, 128b/130b; PCI-SIG PCIe 5.0 base
+    # specification), ~50 GB/s effective in pinned host <-> device copies (H200, B200: the same link).
     "h100": Device(
         "h100",
         80e9,
@@ -54,6 +69,8 @@ DEVICES: dict[str, Device] = {
         hbm_bw=3.35e12,
         link_latency=8e-6,
         compute_capability=9,
+        host_bw=50e9,
+        fp8_peak_flops=1979e12,
     ),
     "h200": Device(
         "h200",
@@ -65,6 +82,8 @@ DEVICES: dict[str, Device] = {
         hbm_bw=4.8e12,
         link_latency=8e-6,
         compute_capability=9,
+        host_bw=50e9,
+        fp8_peak_flops=1979e12,
     ),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
     "a100": Device(
@@ -80,15 +99,43 @@ DEVICES: dict[str, Device] = {
     ),
     # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
     "l40s": Device(
-        "l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",), hbm_bw=0.864e12, link_latency=20e-6, compute_capability=8
+        "l40s",
+        48e9,
+        362e12,
+        32e9,
+        25e9,
+        kinds=("L40S",),
+        hbm_bw=0.864e12,
+        link_latency=20e-6,
+        compute_capability=8,
+        fp8_peak_flops=733e12,
     ),
     # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
     "b200": Device(
-        "b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",), hbm_bw=8e12, link_latency=8e-6, compute_capability=10
+        "b200",
+        180e9,
+        2250e12,
+        900e9,
+        50e9,
+        kinds=("B200",),
+        hbm_bw=8e12,
+        link_latency=8e-6,
+        compute_capability=10,
+        host_bw=50e9,
+        fp8_peak_flops=4500e12,
     ),
     # GB200 NVL72: 186 GB usable, 2.5 PFLOP/s dense bf16, NVLink5 1.8 TB/s in a 72-GPU domain.
     "gb200": Device(
-        "gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",), hbm_bw=8e12, compute_capability=10
+        "gb200",
+        186e9,
+        2500e12,
+        900e9,
+        50e9,
+        gpus_per_node=72,
+        kinds=("GB200",),
+        hbm_bw=8e12,
+        compute_capability=10,
+        fp8_peak_flops=5000e12,
     ),
     # TPU v4: 32 GB HBM, 275 TFLOP/s; ICI ~ 2 x 45 GB/s per link, 6 links. TPU v5e: 16 GB, 197 TFLOP/s.
     "tpu-v4": Device(

@@ -51,7 +51,9 @@ forward; MoE: expert FLOPs on Q slots per sequence instead of top_k S tokens, th
 at half the bf16 peak (TF32). Gradient and parameter traffic overlaps compute
 (exposed: the excess over compute, at least one layer's share); activation traffic (TP/SP, PP) is exposed. Bubble
 b = (P-1)/(M+P-1), interleaved (P-1)/(vM+P-1), adds (compute + exposed) b/(1-b). Step = compute + exposed +
-bubble; tokens/s = B S / step; MFU = model FLOPs / (step x devices x peak bf16).
+bubble; tokens/s = B S / step; MFU = model FLOPs / (step x devices x peak bf16). With `fp8` the blocks' projections
+(their share of the FLOPs, `TransformerConfig.fp8_flops_per_token`) count at the FP8 peak, in compute and in MFU's
+peak (`mixed_peak`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
-from spmdkit.plan.devices import Device, make_device, node_local_axes, parse_mesh, wire_bytes
+from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, parse_mesh, wire_bytes
 from spmdkit.plan.layout import BATCH_AXES, Layout, check_layout
 from spmdkit.plan.memory import (
     activation_bytes,
@@ -73,14 +75,15 @@ from spmdkit.plan.memory import (
     attention_scratch,
     manual_region,
     memory,
+    optimizer_bytes,
     pipeline_schedule,
 )
+from spmdkit.plan.remat_cost import REMAT_ORDER, forward_sums, host_kept_bytes, named_recompute_flops
 
 __all__ = [
     "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "attention_kernel", "attention_scratch",
     "collectives", "estimate", "evaluate", "manual_region", "memory", "pipeline_schedule", "planner_platform",
 ]  # fmt: skip
-REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")  # least recompute first
 
 
 @dataclasses.dataclass
@@ -110,6 +113,9 @@ class Estimate:
     step_s: float
     tokens_per_s: float
     mfu: float
+    host_bytes: float = 0.0  # per device: the activations the remat policy offloads to pinned host memory
+    # and, with `--optimizer.offload`, the optimizer state (then 0 in `memory`), moved in and out every step:
+    offload_s: float = 0.0  # seconds per step of that move, 2 x its bytes over the host link (in `step_s`)
 
     @property
     def total_memory(self) -> float:
@@ -187,7 +193,7 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
             add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
     if T > 1:
         layers, ends = s.stage_layers, 1 if P > 1 else 2  # ends: embedding forward, LM-head input grad backward
-        forward = 2 * layers * (2 if m.remat == "full" else 1)  # full remat repeats the forward's collectives
+        forward = layers * forward_sums(m.remat)  # 2 per layer, and those remat repeats (spmdkit.plan.remat_cost)
         # Backward: each block sums the partial input gradients of its column-parallel projections (q, k, v;
         # gate, up). GPU/TPU XLA sums before reducing (AllReduceReassociate; under SP, ReduceScatterCreator then
         # makes it a reduce-scatter): one per block. XLA:CPU has neither pass: one all-reduce per projection.
@@ -226,6 +232,7 @@ def estimate(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     virtual_stages: int = 1,
+    offload: bool = False,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
 ) -> Estimate:
@@ -233,8 +240,9 @@ def estimate(
 
     `mesh`: axis sizes or a string like "data=2,tensor=4" (`devices` fills a -1); `batch_size` in sequences
     (default: about 1M tokens, a multiple of data x fsdp); `microbatches` (default: 1, or with a pipeline one
-    sequence per data-parallel rank per microbatch); `efficiency`: achieved share of peak FLOP/s;
-    `comm_efficiency`: achieved share of link bandwidth.
+    sequence per data-parallel rank per microbatch); `offload`: the optimizer state in host memory between steps
+    (`--optimizer.offload`); `efficiency`: achieved share of peak FLOP/s; `comm_efficiency`: achieved share of link
+    bandwidth.
     """
     m = model_preset(model) if isinstance(model, str) else model
     dev = make_device(device) if isinstance(device, str) else device
@@ -249,7 +257,9 @@ def estimate(
     if microbatches is None:
         microbatches = batch_size // replicas if sizes["pipeline"] > 1 else 1
     mesh_items = tuple(sizes.items())
-    layout = Layout(m, mesh_items, batch_size, seq_len, zero, sequence_parallel, microbatches, schedule, virtual_stages)
+    layout = Layout(
+        m, mesh_items, batch_size, seq_len, zero, sequence_parallel, microbatches, schedule, virtual_stages, offload
+    )
     check_layout(layout)
     return evaluate(layout, dev, efficiency, comm_efficiency)
 
@@ -276,6 +286,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
     extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
+    extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
     if attention_kernel(m, sizes["context"], planner_platform(dev), manual_region(s), dev.compute_capability) != "dot":
@@ -283,12 +294,18 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
-    compute = (model_flops + extra) / devices / (peak * efficiency)
+    # --model.fp8: the blocks' projections (forward, backward, and the forward again under full remat) at FP8's peak
+    fp8 = m.fp8_flops_per_token() * s.batch_size * s.seq_len * (4 / 3 if m.remat == "full" else 1.0)
+    fp8_peak = dev.fp8_peak_flops or peak
+    compute = ((model_flops + extra - fp8) / peak + fp8 / fp8_peak) / devices / efficiency
     exposed = blocking + max(hidden - compute, hidden / s.stage_layers)
     P = sizes["pipeline"]
     bubble = pipeline_schedule(s.schedule, P, s.microbatches, s.virtual_stages).bubble_fraction() if P > 1 else 0.0
     bubble_s = (compute + exposed) * bubble / (1 - bubble)
-    step = compute + exposed + bubble_s
+    moments = optimizer_bytes(s) if s.offload else 0.0  # host -> device before the update, back after it
+    offload_s = 2 * moments / dev.host_bw
+    step = compute + exposed + bubble_s + offload_s
+    host = s.stage_layers * s.tokens / s.microbatches * host_kept_bytes(m, sizes["tensor"], s.sequence_parallel)
     return Estimate(
         model=model_name(m), mesh=sizes, device=dev.name, batch_size=s.batch_size, seq_len=s.seq_len,
         dtype=m.dtype, remat=m.remat, zero=s.zero, sequence_parallel=s.sequence_parallel and sizes["tensor"] > 1,
@@ -296,7 +313,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         memory=memory(s, planner_platform(dev), dev.compute_capability),
         hbm_bytes=dev.hbm_bytes, collective_bytes=by_opcode, traffic=traffic, bubble=bubble, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble_s, step_s=step, tokens_per_s=s.batch_size * s.seq_len / step,
-        mfu=model_flops / (step * devices * dev.peak_flops),
+        mfu=model_flops / (step * devices * mixed_peak(dev, m.fp8_flops_per_token() / m.flops_per_token(s.seq_len))),
+        host_bytes=host + moments, offload_s=offload_s,
     )  # fmt: skip
 
 

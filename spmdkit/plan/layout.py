@@ -173,7 +173,8 @@ def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A step's layout: the model (with its compute dtype and remat policy), mesh sizes, batch, ZeRO stage, SP,
-    microbatches (gradient accumulation, or pipeline microbatches when pipeline > 1) and pipeline schedule."""
+    microbatches (gradient accumulation, or pipeline microbatches when pipeline > 1) and pipeline schedule;
+    `offload`: the optimizer state in host memory between steps (`--optimizer.offload`)."""
 
     model: TransformerConfig
     mesh: tuple[tuple[str, int], ...]
@@ -184,6 +185,7 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    offload: bool = False
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:

@@ -23,6 +23,8 @@ compares it with the residuals of the step's vjp):
         4HS + aHd; blockwise: every block pair's float32 scores and P V, pairs x b (b + d) x 4H / S; ring: every
         step's and chunk pair's (skipped pairs kept as zeros), 4HS (1 + d / tile); cudnn: none (a custom call).
   full: the block input aEs.
+  named policies (minimal, save_qkv_proj, ..., save:NAMES; `spmdkit.plan.remat_cost`): the block input and the
+        names they save; names they offload are host bytes (`Estimate.host_bytes`), not counted here.
 Transient: the largest of three phases, each on top of the persistent part.
   forward:  the attention kernel's scratch (blockwise: 3 float32 scores of its widest step, `attention_scratch`;
             ring: `ring_scratch`; ring and blockwise under dots_saveable: two more copies of one layer's kept
@@ -50,6 +52,7 @@ from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, loss_chunks
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
 from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout
+from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 __all__ = [
     "MEMORY_KEYS", "RING_KEY_TILE", "activation_bytes", "attention_kernel", "attention_scratch", "manual_region",
@@ -143,7 +146,8 @@ def activation_bytes(
         "dots_with_no_batch_dims_saveable": dots,
         "dots_saveable": dots + kernel_scores(m, kernel, T, C, seq),
         "full": a * E * s,
-    }[m.remat]
+    }
+    kept = kept[m.remat] if m.remat in kept else named_kept_bytes(m, T, sp)  # named policies: spmdkit.plan.remat_cost
     return kept, none - kept
 
 
@@ -174,6 +178,9 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     shared = (m.shared_expert_mlp or m.mlp) / T if m.shared_expert else 0.0
 
     def mlp(width: float, remat: str) -> float:  # a dense MLP's kept bytes per token (activation_bytes' terms)
+        named = mlp_named_bytes(remat, a, width)
+        if named is not None:
+            return named
         return {"none": MLP_KEPT * a * width}.get(remat, 0.0 if remat == "full" else 2 * a * width)
 
     # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer
@@ -260,6 +267,11 @@ def _loss_phase(s: Layout) -> dict[str, float]:
     }
 
 
+def optimizer_bytes(s: Layout) -> float:
+    """Per device: AdamW's two float32 moments, sharded as the optimizer table says (ZeRO >= 1 over fsdp)."""
+    return 2 * sum(s.local(p, "optimizer") for p in s.params)
+
+
 def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[str, float]:
     """Per-device bytes by component at the step's peak: the persistent terms and the largest transient phase
     (module docstring); `platform` decides what attention "auto" runs (None: an O(seq) kernel)."""
@@ -269,7 +281,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     stacked = sum(s.local(p, "params") for p in s.params if p.stacked)
     persistent = {
         "parameters": sum(s.local(p, "params") for p in s.params),
-        "optimizer": 2 * sum(s.local(p, "optimizer") for p in s.params),  # AdamW's two float32 moments
+        "optimizer": 0.0 if s.offload else optimizer_bytes(s),  # offloaded: host memory (Estimate.host_bytes)
         "compute_copies": (stacked * a / 4 if m.remat == "none" and a != 4 else 0.0) + _relayouts(s),
         "activations": _residuals(s, kept),
     }

@@ -69,7 +69,7 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
 
 def format_table(estimates: list[Estimate]) -> str:
     """One row per layout: mesh, settings, memory against HBM, step time and its parts, tokens/s, MFU."""
-    head = f"{'#':>2} {'mesh':<34}{'zero':>5}{'sp':>4} {'remat':<14}{'M':>5} {'schedule':<12}{'mem/HBM GB':>13}"
+    head = f"{'#':>2} {'mesh':<34}{'zero':>5}{'sp':>4} {'remat':<20}{'M':>5} {'schedule':<12}{'mem/HBM GB':>13}"
     head += f"{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'tokens/s':>11}{'MFU':>6}"
     rows = [head]
     for i, e in enumerate(estimates, 1):
@@ -78,7 +78,7 @@ def format_table(estimates: list[Estimate]) -> str:
         )
         rows.append(
             f"{i:>2} {format_sizes(e.mesh):<34}{e.zero if e.mesh['fsdp'] > 1 else '-':>5}"
-            f"{'y' if e.sequence_parallel else 'n':>4} {e.remat.replace('with_no_batch_dims_saveable', 'no_batch'):<14}"
+            f"{'y' if e.sequence_parallel else 'n':>4} {e.remat.replace('with_no_batch_dims_saveable', 'no_batch'):<20}"
             f"{e.microbatches:>5} {sched:<12}{f'{e.total_memory / 1e9:.1f}/{e.hbm_bytes / 1e9:.0f}':>13}"
             f"{e.step_s:>9.3g}{e.compute_s:>9.3g}{e.exposed_comm_s:>8.3g}{e.bubble_s:>8.3g}{e.tokens_per_s:>11,.0f}"
             f"{e.mfu:>6.1%}"
@@ -91,6 +91,9 @@ def format_details(e: Estimate) -> str:
     lines = [f"memory per device ({'fits' if e.fits else 'does NOT fit'}: {e.margin / 1e9:+.1f} GB of margin)"]
     lines += [f"  {k:<16}{v / 1e9:>10.2f} GB" for k, v in e.memory.items()]
     lines.append(f"  {'total':<16}{e.total_memory / 1e9:>10.2f} GB of {e.hbm_bytes / 1e9:.0f} GB")
+    if e.host_bytes:
+        moved = f", optimizer state moved in and out in {e.offload_s * 1e3:.1f} ms per step" if e.offload_s else ""
+        lines.append(f"  {'host memory':<16}{e.host_bytes / 1e9:>10.2f} GB (pinned, not in the total){moved}")
     lines.append("traffic per step per device (ring formulas)")
     lines += [
         f"  {axes:<22}{r['link']:<12}{float(r['wire_bytes']) / 1e9:>10.3f} GB{float(r['seconds']) * 1e3:>10.1f} ms"

@@ -4,6 +4,7 @@ fit, rank them by estimated step time. The arithmetic of one layout is `spmdkit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -87,13 +88,15 @@ def search(
     microbatches: int | None = None,
     schedule: str | None = None,
     virtual_stages: int | None = None,
+    offload: bool = False,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
 ) -> tuple[list[Estimate], Estimate | None]:
     """(the layouts that fit, fastest first; the smallest one that does not fit, or None).
 
     Per mesh and per (ZeRO stage, schedule) of `_variants`: the least-recompute remat policy that fits, with its
-    fastest microbatch count. Layouts spmdkit cannot run (indivisible sizes) are skipped."""
+    fastest microbatch count. Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout
+    keeps the optimizer state in host memory (`--optimizer.offload`)."""
     fitting, smallest = [], (math.inf, None)
     settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages)
     for mesh in meshes:
@@ -101,6 +104,7 @@ def search(
             for layouts in by_policy:
                 fit = []
                 for layout in layouts:
+                    layout = dataclasses.replace(layout, offload=offload)
                     try:
                         check_layout(layout)
                     except SpmdkitError:

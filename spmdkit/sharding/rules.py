@@ -55,6 +55,7 @@ class Rules:
     gradients_like_optimizer: bool = False
     zero_stage: int = 3
     sequence_parallel: bool = False
+    overlap_tp: bool = False  # SP's projections as collective matmuls (`spmdkit.parallel.collective_matmul`)
 
     def to_flax(self, table: str = "params") -> tuple[tuple[str, FlaxAxes], ...]:
         """The `params` (or `"optimizer"`) table as Flax's logical axis rules: `(("batch", ("data", "fsdp",
@@ -118,8 +119,10 @@ def make_rules(
     sequence_parallel: bool = False,
     *,
     extra: Mapping[str, FlaxAxes] | Iterable[tuple[str, FlaxAxes]] | None = None,
+    overlap_tp: bool = False,
 ) -> Rules:
-    """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP.
+    """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP; `overlap_tp`: under
+    SP, the projections run as collective matmuls (`--overlap-tp`).
 
     `extra` adds your own logical names, or overrides spmdkit's, in both tables: a mapping or Flax-style pairs,
     each name -> a mesh axis, a tuple of them, or None (replicated): `extra={"patch": None, "channels": "tensor"}`.
@@ -151,6 +154,7 @@ def make_rules(
         gradients_like_optimizer=zero_stage == 2,
         zero_stage=zero_stage,
         sequence_parallel=sequence_parallel,
+        overlap_tp=overlap_tp,
     )
 
 

@@ -27,6 +27,29 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_enable_all_gather_combine_by_dim=false",
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
 )
+# `--overlap-tp`: XLA:GPU's windowed einsum (collective matmul). The SPMD partitioner turns a tensor-parallel
+# all-gather + matmul (and matmul + reduce-scatter) into a loop of collective-permutes overlapping partial matmuls
+# when the gathered (or scattered) operand is at least the threshold. 32 MiB: on 8-way TP each ring hop then
+# moves >= 4 MiB, ~10 us at an H100's ~450 GB/s NVLink per direction, above the ~5 us a permute and a GEMM launch
+# cost, so the split hides more than it adds; smaller operands keep one all-gather + GEMM (XLA's default,
+# 100000 MiB, never splits). Multi-streamed windowed einsum stays off: with jaxlib 0.10.2 it fails XLA's HLO
+# verifier when a per-device matmul dimension exceeds ~1024 (jax-ml/jax#39200); the latency-hiding scheduler still
+# overlaps the loop's async collective-permutes with its GEMMs. Local permutes go by copy engine (no SMs taken
+# from the GEMMs). XLA 0.10.2 also caps the loop's iterations at a value its deviceless path
+# (`GpuCompiler::CompileAheadOfTime`) leaves 0 and no flag reaches (VLOG "Set SPMD max windowed einsum iteration
+# to 0"), so `spmdkit compile` never shows the loops; a GPU host's compile is where they appear
+# (docs/benchmarks.md says how to check).
+OVERLAP_TP_THRESHOLD_MIB = 32
+OVERLAP_TP_FLAGS = (
+    f"--xla_gpu_threshold_for_windowed_einsum_mib={OVERLAP_TP_THRESHOLD_MIB}",
+    "--xla_gpu_multi_streamed_windowed_einsum=false",
+    "--xla_gpu_use_memcpy_local_p2p=true",
+)
+
+
+def run_flags(overlap_tp: bool = False) -> tuple[str, ...]:
+    """The XLA:GPU flags of a run: spmdkit's own, plus the windowed-einsum ones with `--overlap-tp`."""
+    return GPU_XLA_FLAGS + (OVERLAP_TP_FLAGS if overlap_tp else ())
 
 
 def gpu_compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool | int | str]:

@@ -4,8 +4,9 @@
 same mesh, rules, kernel and schedule `spmdkit train` uses) over compile-only devices of the target, lowers the
 train step on `ShapeDtypeStruct`s (nothing is allocated, no weight exists), compiles it with spmdkit's XLA:GPU
 flags and returns a report: per-device bytes against the target's HBM, the attention kernel found in the compiled
-program, the collectives (kind, count, bytes, async), the FLOPs with loop trip counts multiplied, and the
-planner's prediction of the same layout.
+program, the collectives (kind, count, bytes, async), the FLOPs with loop trip counts multiplied, the speed
+levers' marks (FP8 GEMMs, windowed einsums: `spmdkit.inspect.levers`) and the planner's prediction of the same
+layout. With `--overlap-tp` the compile takes the windowed-einsum flags too (`spmdkit.targets.flags.run_flags`).
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ import jax
 
 from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
+from spmdkit.inspect.levers import fp8_gemms, windowed_einsums
 from spmdkit.models.device_facts import cudnn_checks_for
-from spmdkit.plan.estimate import estimate
+from spmdkit.plan.estimate import REMAT_ORDER, estimate  # least recompute first: tried after the run's own
 from spmdkit.sharding.mesh_config import format_sizes
 from spmdkit.targets import gpu_target, target_devices
-from spmdkit.targets.flags import compile_with_options, gpu_compiler_options
+from spmdkit.targets.flags import compile_with_options, gpu_compiler_options, run_flags
 from spmdkit.targets.topology import host_count
+from spmdkit.tools.host_memory import annotate_host_arrays, host_positions
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import TrainProgram, build_program
 
 CACHE_SCORES = "btkgd,bskd->bkgts"  # generation's attention over the KV cache (`spmdkit.inference.attention`)
 BLOCK_SCORES = "...hgqd,...hkd->...hgqk"  # the score einsum of `spmdkit.kernels.attention_block`
 DOT_SCORES = "bqkgd,bskd->bkgqs"  # the score einsum of `spmdkit.models.attention.dot_attention`
-# least recomputation (most memory) first: a layout that does not fit tries the policies after its own
-REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
 USABLE_HBM = 0.95  # of the device's memory: the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers take the rest
 
 
@@ -62,7 +63,9 @@ def attention_windows(text: str) -> dict[int, int]:
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:
-    """Per-device bytes of the compiled step; `total` = arguments + outputs - aliased (donated) + temporaries."""
+    """Per-device bytes of the compiled step; `total` = arguments + outputs - aliased (donated) + temporaries, in the
+    device's memory only: XLA counts arrays in host memory (`--optimizer.offload`) apart, in its host_* sizes, and
+    `host` is their total the same way (host arguments + outputs - aliased + temporaries)."""
     m = compiled.memory_analysis()
     out = {
         "argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
@@ -70,6 +73,8 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
         "host_temp": m.host_temp_size_in_bytes,
     }  # fmt: skip
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
+    host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
+    out["host"] = host + m.host_temp_size_in_bytes
     return out
 
 
@@ -79,7 +84,7 @@ def planner_estimate(program: TrainProgram, target: str) -> Any:
     return estimate(
         layout.model, layout.sizes, device=target, batch_size=layout.batch_size, seq_len=layout.seq_len,
         zero=layout.zero, sequence_parallel=layout.sequence_parallel, microbatches=layout.microbatches,
-        schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+        schedule=layout.schedule, virtual_stages=layout.virtual_stages, offload=layout.offload,
     )  # fmt: skip
 
 
@@ -93,7 +98,8 @@ def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_
     lighter = REMAT_ORDER[REMAT_ORDER.index(current) + 1 :] if current in REMAT_ORDER else REMAT_ORDER
     for policy in lighter:
         trial = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
-        compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices)), gpu_compiler_options())
+        options = gpu_compiler_options(run_flags(config.mesh.overlap_tp))
+        compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices)), options)
         if memory_bytes(compiled)["total"] <= usable:
             return policy
     return None
@@ -131,7 +137,11 @@ def lower_train_step(program: TrainProgram) -> Any:
     cuDNN checks answering for the target GPU (`cudnn_checks_for`: they run while the whole step is traced)."""
     state, keys = program.abstract_state(), program.batch_keys()
     with cudnn_checks_for(program.mesh.devices.flat[0]):
-        return program.train_step(state, keys).lower(state.state, program.abstract_batch(keys))
+        lowered = program.train_step(state, keys).lower(state.state, program.abstract_batch(keys))
+    if program.config.optimizer.offload:  # compile-only devices drop memory kinds: put them back (host_memory)
+        kept = lowered._lowering.compile_args["kept_var_idx"]
+        annotate_host_arrays(lowered, *host_positions(state.state, len(keys), kept))
+    return lowered
 
 
 def collectives_table(compiled: Any) -> dict[str, dict[str, int]]:
@@ -189,8 +199,10 @@ def base_report(
         "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": host_count(devices, per_host),
         "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name, "batch_size": config.run.batch_size,
         "seq_len": config.run.seq_len, "fits": memory["total"] <= usable, "per_device_bytes": memory,
+        "host_bytes": memory["host"],
         "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable, "attention_kernel": attention_in_hlo(text, context),
-        "attention_windows": attention_windows(text),
+        "attention_windows": attention_windows(text), "fp8_gemms": fp8_gemms(text),
+        "windowed_einsums": windowed_einsums(text),
         "collectives": collectives_table(compiled), "flops_per_device": hlo_flops(text), "planner_bytes": total,
         "planner_memory": dict(planned), "planner_ratio": total / memory["total"] if memory["total"] else None,
         "remat_that_fits": None, "compile_seconds": round(seconds, 2),
@@ -213,7 +225,8 @@ def compile_for_target(
     gpus = target_devices(target, devices, per_host)
     program = build_program(config, gpus)
     started = time.perf_counter()
-    compiled, dropped = compile_with_options(lower_train_step(program), gpu_compiler_options())
+    options = gpu_compiler_options(run_flags(config.mesh.overlap_tp))  # --overlap-tp: windowed einsum flags too
+    compiled, dropped = compile_with_options(lower_train_step(program), options)
     seconds = time.perf_counter() - started
     plan = planner_estimate(program, target)
     report = base_report(
@@ -246,7 +259,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"target       {r['devices']} x {r['device_kind']} ({r['hosts']} host(s)), mesh {r['mesh']}",
         f"program      {r['model']} {layout}, batch {r['batch_size']} x {r['seq_len']}",
         f"memory       per device {_gb(m['total'])}: arguments {_gb(m['argument'])} + outputs {_gb(m['output'])} "
-        f"- aliased {_gb(m['alias'])} + temporaries {_gb(m['temp'])}",
+        f"- aliased {_gb(m['alias'])} + temporaries {_gb(m['temp'])}"
+        + (f"; host memory {_gb(m['host'])} (not in the total)" if m.get("host") else ""),
         f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
         f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
         f"attention    {r['attention_kernel']} (found in the compiled program)" + _windows_text(r),
@@ -256,6 +270,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async, {_gb(t['operand_bytes'])})"
             for op, t in r["collectives"].items()
         ) or "none"),
+        _levers_text(r),
         f"compile      {r['compile_seconds']:.1f} s",
     ]  # fmt: skip
     if r["remat_that_fits"]:
@@ -265,6 +280,17 @@ def format_report(report: dict[str, Any]) -> str:
             f"hint         the planner's fastest layout that fits: {r['planner_layout']} (compile it to check)"
         )
     return "\n".join(lines)
+
+
+def _levers_text(report: dict[str, Any]) -> str:
+    """The speed levers' marks in the compiled program: FP8 GEMMs, windowed einsums, bytes kept in host memory."""
+    fp8, windowed = report.get("fp8_gemms") or {}, report.get("windowed_einsums") or {}
+    text = (
+        f"levers       FP8 GEMMs {fp8.get('instructions', 0)} (x{fp8.get('executions', 0)} per call), windowed "
+        f"einsums {windowed.get('loops', 0)} loops ({windowed.get('collective_permutes', 0)} collective-permutes)"
+    )
+    host = report.get("host_bytes")
+    return text + (f", host memory {_gb(host)}" if host is not None else "")
 
 
 def _windows_text(report: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import source_model
 from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
 from spmdkit.models.presets import PRESETS
+from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.resolve import build_model, resolved_settings
 from spmdkit.train.fields import arg, check_types, require
 
@@ -66,6 +67,10 @@ class OptimizerConfig:
         1.0
     )
     max_bad_steps: Annotated[int, arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
+    offload: Annotated[
+        bool,
+        arg("keep the AdamW moments in pinned host memory between steps (moved to the device for the update)"),
+    ] = False
 
     def __post_init__(self) -> None:
         check_types(self, "optimizer")
@@ -103,7 +108,7 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
          "index JSON) or an spmdkit checkpoint or run directory; its shape is the model's and the optimizer starts "
          "fresh (ignored once the run has checkpoints: they resume it)", "--init-from"),
         ("dtype", Dtype, "bfloat16", "compute dtype (parameters stay float32)", "--dtype"),
-        ("remat", Remat, "none", "what the backward pass recomputes", "--remat"),
+        ("remat", Remat, "none", REMAT_HELP, "--remat"),
         ("attention", Attention, "auto", "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, "
          "else blockwise), dot, blockwise, cudnn or ring", "--attention"),
     ]  # fmt: skip
@@ -162,6 +167,14 @@ class MeshSettings:
     ] = 3
     sequence_parallel: Annotated[
         bool, arg("shard the residual stream's sequence over tensor (SP)", "--sequence-parallel")
+    ] = False
+    overlap_tp: Annotated[
+        bool,
+        arg(
+            "overlap TP collectives with the matmuls: XLA:GPU's windowed einsum, and with --sequence-parallel the "
+            "blocks' projections as collective matmuls (a ring of collective-permutes)",
+            "--overlap-tp",
+        ),
     ] = False
     pipeline_schedule: Annotated[
         Literal["gpipe", "1f1b", "interleaved"], arg("pipeline schedule", "--pipeline-schedule")

@@ -29,8 +29,9 @@ class MetricsHook:
     def __init__(self, trainer: Trainer, writer: MetricsWriter, progress: Progress, result: TrainResult):
         run = trainer.config.run
         self.trainer, self.writer, self.progress, self.result = trainer, writer, progress, result
-        self.peak = peak_flops(override_tflops=run.peak_tflops)
         self.flops_per_token = trainer.model_config.flops_per_token(run.seq_len)
+        fp8_share = trainer.model_config.fp8_flops_per_token() / self.flops_per_token
+        self.peak = peak_flops(override_tflops=run.peak_tflops, fp8_share=fp8_share)
         self.tokens_per_step = run.batch_size * run.seq_len
         self.window_start, self.window_step = time.perf_counter(), trainer.start_step
 

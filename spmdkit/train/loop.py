@@ -96,7 +96,9 @@ class Trainer:
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
         self.tx, self.lr_schedule = program.tx, program.lr_schedule
-        self.state = create_train_state(self.model_config, self.tx, self.mesh, self.rules, run.seed)
+        self.state = create_train_state(
+            self.model_config, self.tx, self.mesh, self.rules, run.seed, config.optimizer.offload
+        )
         # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
         self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
         self.profiler = StepProfiler(run.profile_steps, self.run_dir)

@@ -21,16 +21,19 @@ from typing import Any
 import jax
 
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
-from spmdkit.plan.devices import device_for_kind
+from spmdkit.plan.devices import device_for_kind, mixed_peak
 
 
-def peak_flops(device: jax.Device | None = None, override_tflops: float | None = None) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the first) from the planner's device table, or None when unknown
-    (e.g. CPU)."""
+def peak_flops(
+    device: jax.Device | None = None, override_tflops: float | None = None, fp8_share: float = 0.0
+) -> float | None:
+    """Peak FLOP/s of `device` (default: the first) from the planner's device table, bf16, or mixed with FP8's
+    peak for the `fp8_share` of the FLOPs an FP8 model runs in FP8 (`spmdkit.plan.devices.mixed_peak`); None
+    when unknown (e.g. CPU)."""
     if override_tflops:
         return override_tflops * 1e12
     known = device_for_kind((device or jax.devices()[0]).device_kind)
-    return known.peak_flops if known else None
+    return mixed_peak(known, fp8_share) if known else None
 
 
 def throughput(

@@ -34,10 +34,11 @@ def describe_run(trainer: Trainer) -> str:
             + ("; sequence parallel" if trainer.rules.sequence_parallel else "")
             + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
             f"model        {_model_name(trainer)}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
-            f"compute {cfg.dtype}, remat {cfg.remat}",
+            f"compute {cfg.dtype}{' (dense matmuls in FP8)' if cfg.fp8 else ''}, remat {cfg.remat}",
             _describe_kernels(trainer),
             *([_describe_experts(trainer)] if cfg.experts else []),
-            f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}",
+            f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}"
+            + (" (in pinned host memory: --optimizer.offload)" if trainer.config.optimizer.offload else ""),
             _describe_data(trainer),
             f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
             *([_describe_pipeline(trainer)] if trainer.pipeline else []),

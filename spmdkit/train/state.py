@@ -1,7 +1,10 @@
 """The train state: model parameters and optimizer state, born sharded, each under its own table.
 
 Parameters follow `rules.params`; the optimizer's moments follow `rules.optimizer` (ZeRO-1/2 shard them over
-`fsdp` while parameters stay replicated); scalars (step counts) are replicated.
+`fsdp` while parameters stay replicated); scalars (step counts) are replicated. With `--optimizer.offload` the
+moments live in pinned host memory (the JAX memory kind `pinned_host`) between steps: the optimizer brings them to
+the device for its update and back (`spmdkit.train.optimizer.host_offloaded`), the train step's out_shardings keep
+them there.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.sharding.partition import abstract_state, state_shardings
 from spmdkit.sharding.rules import Rules
 
+HOST = "pinned_host"  # the memory kind of offloaded optimizer state (`--optimizer.offload`)
+
 
 @dataclasses.dataclass
 class TrainState:
@@ -26,7 +31,7 @@ class TrainState:
 
     graphdef: nnx.GraphDef
     state: nnx.State
-    shardings: Any  # tree of NamedSharding matching `state`
+    shardings: Any  # tree of NamedSharding matching `state` (memory kind `pinned_host` for offloaded moments)
     grad_shardings: Any  # tree of NamedSharding matching the parameters' gradients
 
     @property
@@ -49,17 +54,38 @@ def train_state_maker(
     return make
 
 
-def train_state_shardings(abstract: nnx.State, mesh: Mesh, rules: Rules) -> Any:
-    """Model part under the parameter table, optimizer part under the optimizer table."""
-    return state_shardings(abstract, mesh, lambda path: rules.params if path[0].key == 0 else rules.optimizer)
+def train_state_shardings(abstract: nnx.State, mesh: Mesh, rules: Rules, offload: bool = False) -> Any:
+    """Model part under the parameter table, optimizer part under the optimizer table; with `offload`, the
+    optimizer's arrays (the AdamW moments; not its scalars, the step counts) in pinned host memory."""
+    shardings = state_shardings(abstract, mesh, lambda path: rules.params if path[0].key == 0 else rules.optimizer)
+    if not offload:
+        return shardings
+    place = lambda sharding, host: sharding.with_memory_kind(HOST) if host else sharding  # noqa: E731
+    return jax.tree.map(place, shardings, offloaded(abstract))
+
+
+def offloaded(abstract: nnx.State) -> Any:
+    """A tree like `abstract` (the train state) with True for the arrays `--optimizer.offload` keeps on the host:
+    the optimizer's arrays of rank >= 1 (the AdamW moments); its scalars (step counts) stay on the device."""
+
+    def host(path: tuple[Any, ...], variable: Any) -> bool:
+        return path[0].key == 1 and len(variable.shape) > 0
+
+    return jax.tree_util.tree_map_with_path(host, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def abstract_train_state(
-    config: TransformerConfig, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules, seed: int = 0
+    config: TransformerConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    seed: int = 0,
+    offload: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State, Any]:
-    """(graphdef, abstract state, shardings) of model + optimizer on `mesh`; nothing is allocated."""
+    """(graphdef, abstract state, shardings) of model + optimizer on `mesh` (the moments on the host with
+    `offload`); nothing is allocated."""
     graphdef, abstract = abstract_state(train_state_maker(config, tx, seed))
-    return graphdef, abstract, train_state_shardings(abstract, mesh, rules)
+    return graphdef, abstract, train_state_shardings(abstract, mesh, rules, offload)
 
 
 def gradient_shardings(graphdef: nnx.GraphDef, abstract: nnx.State, mesh: Mesh, rules: Rules) -> Any:
@@ -71,11 +97,17 @@ def gradient_shardings(graphdef: nnx.GraphDef, abstract: nnx.State, mesh: Mesh, 
 
 
 def create_train_state(
-    config: TransformerConfig, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules, seed: int = 0
+    config: TransformerConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    seed: int = 0,
+    offload: bool = False,
 ) -> TrainState:
-    """Initialise model + optimizer inside `jax.jit` with sharded outputs (no full copy on any device)."""
+    """Initialise model + optimizer inside `jax.jit` with sharded outputs (no full copy on any device; with
+    `offload` the moments are written to pinned host memory)."""
     make = train_state_maker(config, tx, seed)
-    graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed)
+    graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed, offload)
     grad_shardings = gradient_shardings(graphdef, abstract, mesh, rules)
 
     def create() -> nnx.State:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.data.bits import bits_per_byte, target_bytes
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.fp8 import Fp8Meta
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
@@ -34,6 +35,7 @@ from spmdkit.train.state import TrainState
 # and loss_mask (0/1 weights of the tokens the loss counts), both [batch, seq]
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "positions")  # what windows of tokens give; packed documents add the two above
+Trainable = tuple[nnx.State, nnx.State]  # (parameters, FP8 scales and amax histories), or their gradients
 StepFn = Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]
 
 
@@ -93,53 +95,75 @@ def objective(
 
 
 def _accumulate(
-    grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int, denominator: jax.Array
-) -> tuple[dict, nnx.State]:
-    """Mean of `grad_fn` (-> ((objective, metrics), grads)) over the microbatches of `batch`: a `lax.scan` that
-    sums the gradients in its carry and stacks each microbatch's metrics, averaged after the loop. `denominator`:
-    the scored tokens per microbatch on average (see the module docstring)."""
+    grad_fn: Callable, trainable: Trainable, batch: Batch, grad_accum: int, denominator: jax.Array
+) -> tuple[dict, Trainable]:
+    """Mean of `grad_fn` (-> ((objective, metrics), (grads, fp8 meta))) over the microbatches of `batch`: a
+    `lax.scan` that sums the gradients in its carry and stacks each microbatch's metrics, averaged after the loop.
+    The FP8 scales and amax histories (`spmdkit.models.fp8`: their "gradients" are their new values) keep the
+    elementwise max over the microbatches: the newest amax is the whole batch's. `denominator`: the scored tokens
+    per microbatch on average (see the module docstring)."""
 
-    def step(grads: nnx.State, mb: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
-        (_, metrics), mb_grads = grad_fn(params, mb, denominator)
-        return jax.tree.map(jnp.add, grads, mb_grads), metrics
+    def step(total: Trainable, mb: Batch) -> tuple[Trainable, dict[str, jax.Array]]:
+        (_, metrics), (grads, meta) = grad_fn(trainable, mb, denominator)
+        return (jax.tree.map(jnp.add, total[0], grads), jax.tree.map(jnp.maximum, total[1], meta)), metrics
 
-    grads, metrics = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), _microbatches(batch, grad_accum))
-    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), jax.tree.map(lambda g: g / grad_accum, grads)
+    (grads, meta), metrics = jax.lax.scan(
+        step, jax.tree.map(jnp.zeros_like, trainable), _microbatches(batch, grad_accum)
+    )
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), (jax.tree.map(lambda g: g / grad_accum, grads), meta)
 
 
 def loss_and_grads(
     model: nnx.Module, batch: Batch, grad_accum: int = 1, mesh: Mesh | None = None, rules: Rules | None = None
 ) -> tuple[dict[str, jax.Array], nnx.State]:
     """Metrics of the batch (`loss`: mean cross-entropy; see `objective`) and the float32 gradients of the
-    objective w.r.t. the model's `nnx.Param`s.
+    objective w.r.t. the model's `nnx.Param`s, with an FP8 model's new scales and amax histories (`Fp8Meta`, the
+    values the train step writes over the old ones) merged in.
 
     With `grad_accum` > 1 on a mesh with replica axes, the microbatch loop runs inside a `shard_map` that is
     manual over those axes: each device sums its own microbatch gradients (the parameters are made varying
     there, so autodiff inserts no per-microbatch all-reduce) and one `psum` after the loop reduces them. The
     other axes (tensor, context, fsdp under ZeRO-3) stay automatic.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, meta, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
 
-    def objective_of(params: nnx.State, mb: Batch, denominator: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return objective(nnx.merge(graphdef, params, rest), mb, denominator)
+    def objective_of(trainable: Trainable, mb: Batch, denominator: jax.Array) -> tuple[jax.Array, dict]:
+        return objective(nnx.merge(graphdef, *trainable, rest), mb, denominator)
 
     grad_fn = jax.value_and_grad(objective_of, has_aux=True)
     total = scored_tokens(batch)  # of the whole batch: every piece divides by its share of it
+    metrics, (grads, meta) = _grads(grad_fn, model, (params, meta), batch, total, grad_accum, mesh, rules)
+    return metrics, nnx.merge_state(grads, meta)
+
+
+def _grads(
+    grad_fn: Callable,
+    model: nnx.Module,
+    trainable: Trainable,
+    batch: Batch,
+    total: jax.Array,
+    grad_accum: int,
+    mesh: Mesh | None,
+    rules: Rules | None,
+) -> tuple[dict[str, jax.Array], Trainable]:
+    """`loss_and_grads`' metrics and (gradients, FP8 meta): one pass, the microbatch loop, or that loop under a
+    shard_map manual over the replica axes (its docstring)."""
     if grad_accum == 1:
-        (_, metrics), grads = grad_fn(params, batch, None)
+        (_, metrics), grads = grad_fn(trainable, batch, None)
         return metrics, grads
     axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
     # A mixture-of-experts model runs its own shard_map over every batch axis (tokens travel to their experts),
     # which cannot nest in this one: it accumulates under automatic sharding (a reduction per microbatch).
     if not axes or getattr(model, "config", None) and model.config.experts:
-        return _accumulate(grad_fn, params, batch, grad_accum, total / grad_accum)
+        return _accumulate(grad_fn, trainable, batch, grad_accum, total / grad_accum)
     replicas = math.prod(mesh.shape[a] for a in axes)
 
-    def local(params: nnx.State, batch: Batch, total: jax.Array) -> tuple[dict[str, jax.Array], nnx.State]:
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        metrics, grads = _accumulate(grad_fn, params, batch, grad_accum, total / (grad_accum * replicas))
+    def local(trainable: Trainable, batch: Batch, total: jax.Array) -> tuple[dict[str, jax.Array], Trainable]:
+        trainable = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), trainable)
+        metrics, (grads, meta) = _accumulate(grad_fn, trainable, batch, grad_accum, total / (grad_accum * replicas))
         mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
-        return jax.tree.map(mean, metrics), jax.tree.map(mean, grads)
+        largest = lambda x: jax.lax.pmax(x, axes)  # noqa: E731  (FP8 meta: the whole batch's amax)
+        return jax.tree.map(mean, metrics), (jax.tree.map(mean, grads), jax.tree.map(largest, meta))
 
     rows = PartitionSpec(axes)
     return jax.shard_map(
@@ -148,7 +172,7 @@ def loss_and_grads(
         in_specs=(PartitionSpec(), {k: rows for k in batch}, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec()),
         axis_names=set(axes),
-    )(params, batch, total)
+    )(trainable, batch, total)
 
 
 def _guarded(grads: nnx.State, loss: jax.Array, opt_step: jax.Array, fail_steps: tuple[int, ...]) -> nnx.State:
@@ -158,6 +182,13 @@ def _guarded(grads: nnx.State, loss: jax.Array, opt_step: jax.Array, fail_steps:
     if fail_steps:
         poison = jnp.where(jnp.isin(opt_step, jnp.asarray(fail_steps)), jnp.nan, poison)
     return jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
+
+
+def _overwrite_fp8_meta(model: nnx.Module, new: nnx.State, finite: jax.Array) -> None:
+    """An FP8 model's scales and amax histories take their new values (`spmdkit.models.fp8`), except on a step
+    whose update is skipped (non-finite gradients): that step's amaxes would poison the history."""
+    old = nnx.state(model, Fp8Meta)
+    nnx.update(model, jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old))
 
 
 def check_bad_steps(
@@ -212,11 +243,13 @@ def make_train_step(
 
                 loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
                 model_metrics = {"loss": loss}
+            grads, fp8_meta = nnx.split_state(grads, nnx.Param, Fp8Meta)
             opt_step = optimizer.step[...]
             grads = _guarded(grads, model_metrics["loss"], opt_step, fail_steps)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             grad_norm = optax.tree.norm(grads)
             optimizer.update(model, grads)
+            _overwrite_fp8_meta(model, fp8_meta, jnp.isfinite(grad_norm))
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
         if token_bytes is not None:

@@ -1,0 +1,59 @@
+"""The JAX side of `spmdkit.models.remat`: the `jax.checkpoint` policy of a `--model.remat` value, and `named`, which
+marks an activation with one of `ACTIVATION_NAMES` (`jax.ad_checkpoint.checkpoint_name`) for the policies to find.
+
+Names are set only while a named policy is in force (`naming`, around the blocks' scan): without remat a named
+value is a second variable beside the unnamed one, and autodiff keeps both where both are read (attention's
+output: the kernel's backward reads the one, the output projection's the other), a copy of [b, s, H, d] per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from spmdkit.models.remat import ACTIVATION_NAMES, parse_remat
+
+
+def checkpoint_policy(text: str) -> Any:
+    """The `jax.checkpoint` policy of `text` (None: recompute everything, `full`); not for `none` (no remat)."""
+    policy = parse_remat(text)
+    if policy.kind != "names":
+        return {
+            "full": None,
+            "dots_saveable": jax.checkpoint_policies.dots_saveable,
+            "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        }[policy.kind]
+    if not policy.offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*sorted(policy.saved))
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=sorted(policy.saved),
+        names_which_can_be_offloaded=sorted(policy.offloaded),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+_NAMING = contextvars.ContextVar("spmdkit_remat_naming", default=False)
+
+
+@contextlib.contextmanager
+def naming(remat: str) -> Iterator[None]:
+    """`named` names activations inside this block when `remat` is a named policy (and only then)."""
+    token = _NAMING.set(parse_remat(remat).kind == "names")
+    try:
+        yield
+    finally:
+        _NAMING.reset(token)
+
+
+def named(x: Any, label: str) -> Any:
+    """x (an array of any shape), named `label` (one of `ACTIVATION_NAMES`) for the remat policies while `naming`
+    says so; else x itself."""
+    if label not in ACTIVATION_NAMES:
+        raise ValueError(f"{label!r} is not one of ACTIVATION_NAMES")
+    return checkpoint_name(x, label) if _NAMING.get() else x

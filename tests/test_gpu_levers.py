@@ -1,0 +1,228 @@
+"""The speed levers' marks in programs compiled for H100 by XLA:GPU on this machine without a GPU (deviceless).
+
+- FP8: one FP8 einsum (Flax's `fp8_scaled_dot_general`: e4m3 forward, e5m2 gradients), forward and gradients,
+  holds 3 FP8 GEMMs: Triton GEMM fusions by default, cuBLASLt `__cublas$lt$matmul$f8` calls with Triton GEMMs
+  off; `fp8_gemms` counts both forms. A bf16 training step holds none.
+- Overlapped TP: `--overlap-tp`'s windowed-einsum flags go into `XLA_FLAGS` on a GPU host only (on the CPU they
+  would do nothing: a CPU run's losses are the same with the switch as without), all exist in this XLA and reach
+  the compile, but XLA 0.10.2 emits no windowed-einsum loop deviceless, even at threshold 0 (it caps the loop at 0
+  iterations without a device); the TP step keeps its all-gathers. `windowed_einsums` reads XLA's loops by their
+  body names (a hand-written module in XLA's form) and spmdkit's shard_map ring (`spmdkit.parallel.
+  collective_matmul`), which does compile: 2 x (n - 1) hops.
+- `spmdkit compile --json` reports the keys. Small shapes: each compile takes seconds, once per test.
+"""
+
+import functools
+import importlib.metadata
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import run_spmdkit
+
+from spmdkit.cli.train import add_run_flags, parse_flags
+from spmdkit.inspect import levers
+from spmdkit.inspect.hlo import collective_report
+from spmdkit.inspect.levers import fp8_gemms, windowed_einsums
+from spmdkit.parallel import collective_matmul
+from spmdkit.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from spmdkit.targets import target_devices
+from spmdkit.targets.flags import (
+    OVERLAP_TP_FLAGS,
+    OVERLAP_TP_THRESHOLD_MIB,
+    VERIFIED_JAXLIB,
+    compile_with_options,
+    gpu_compiler_options,
+    run_flags,
+)
+from spmdkit.tools.gpu_compile import compile_for_target, format_report, lower_train_step
+from spmdkit.train.config import TrainConfig
+from spmdkit.train.program import build_program
+
+SMALL = "--model tiny --seq-len 128 --batch-size 16"
+
+
+def _fp8_loss(x, w, scales, histories):
+    dot_general = functools.partial(
+        fp8_ops.fp8_scaled_dot_general, lhs_scale=scales[0], rhs_scale=scales[1], grad_scale=scales[2],
+        lhs_amax_history=histories[0], rhs_amax_history=histories[1], grad_amax_history=histories[2],
+        quantize_compute_type=jnp.bfloat16,
+    )  # fmt: skip
+    y = jnp.einsum("bse,ehd->bshd", x, w, _dot_general=dot_general, preferred_element_type=jnp.bfloat16)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+
+@pytest.fixture(scope="module")
+def fp8_step():
+    """Forward and gradients of one FP8 einsum, lowered for one H100."""
+    mesh = Mesh(np.array(target_devices("h100", 1, 1)), ("data",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    args = (
+        spec((2, 64, 128), jnp.bfloat16), spec((128, 4, 32), jnp.bfloat16),
+        [spec((1,), jnp.float32)] * 3, [spec((16,), jnp.float32)] * 3,
+    )  # fmt: skip
+    return jax.jit(jax.grad(_fp8_loss, argnums=(0, 1))).lower(*args)
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton-fusions", "cublaslt-calls"])
+def test_fp8_gemms_are_counted_in_both_gemm_forms(fp8_step, triton):
+    compiled = fp8_step.compile({**gpu_compiler_options(), "xla_gpu_enable_triton_gemm": triton})
+    found = fp8_gemms(compiled)
+    assert found["instructions"] == found["executions"] == 3, found  # forward, and the gradients of x and w
+    assert found["fusions" if triton else "cublas"] == 3, found
+    assert (levers.CUBLAS_FP8 in compiled.as_text()) is not triton
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu-host", "cpu-host"])
+def test_overlap_tp_puts_its_flags_in_xla_flags_on_a_gpu_host_only(monkeypatch, gpu):
+    monkeypatch.setattr("spmdkit.distributed.platform.gpu_present", lambda: gpu)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_use_memcpy_local_p2p=false")  # the user's setting wins
+    added = gpu and importlib.metadata.version("jaxlib") in VERIFIED_JAXLIB  # XLA_FLAGS only where checked
+    assert add_run_flags(parse_flags(["--mesh", "fsdp=4,tensor=2"], TrainConfig())) is False
+    assert add_run_flags(parse_flags(["--overlap-tp"], TrainConfig())) is added
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_gpu_use_memcpy_local_p2p=false" and len(flags) == (3 if added else 1), flags
+    assert set(flags[1:]) == ({*OVERLAP_TP_FLAGS} - {"--xla_gpu_use_memcpy_local_p2p=true"} if added else set())
+
+
+@pytest.fixture(scope="module")
+def tp_report() -> dict:
+    """`spmdkit compile --json` of the small fsdp=4,tensor=2 step, without `--overlap-tp`."""
+    result = run_spmdkit("compile", *f"{SMALL} --mesh fsdp=4,tensor=2 --json".split())
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_overlap_tp_flags_reach_the_compile_and_xla_emits_no_windowed_loop_deviceless(tp_report):
+    config = parse_flags(f"{SMALL} --mesh fsdp=4,tensor=2 --overlap-tp".split(), TrainConfig())
+    lowered = lower_train_step(build_program(config, target_devices("h100")))
+    # --overlap-tp's flags, the threshold lowered to 0 MiB so that every TP matmul qualifies
+    forced = {**gpu_compiler_options(run_flags(config.mesh.overlap_tp)), "xla_gpu_threshold_for_windowed_einsum_mib": 0}
+    overlapped, dropped = compile_with_options(lowered, forced)
+    assert dropped == [] and len(OVERLAP_TP_FLAGS) == 3  # every windowed-einsum flag exists in this XLA
+    assert windowed_einsums(overlapped) == {"loops": 0, "collective_permutes": 0, "executions": 0}
+    assert tp_report["windowed_einsums"] == windowed_einsums(overlapped)  # the switch off: none either
+    assert collective_report(overlapped).by_opcode() == tp_report["collectives"]  # the same collectives as off
+    assert tp_report["collectives"]["all-gather"]["instructions"] > 0  # TP's gathers stay whole
+
+
+def test_spmdkit_compile_compiles_with_the_overlap_flags(monkeypatch):
+    seen = []
+
+    def stop(lowered, options):
+        seen.append(options)
+        raise StopIteration
+
+    monkeypatch.setattr("spmdkit.tools.gpu_compile.compile_with_options", stop)
+    for flags in ("--mesh fsdp=4,tensor=2", "--mesh fsdp=4,tensor=2 --overlap-tp"):
+        with pytest.raises(StopIteration):
+            compile_for_target(parse_flags(f"{SMALL} {flags}".split(), TrainConfig()))
+    assert seen[0] == gpu_compiler_options() and seen[1] == gpu_compiler_options(run_flags(overlap_tp=True))
+    assert seen[1]["xla_gpu_threshold_for_windowed_einsum_mib"] == OVERLAP_TP_THRESHOLD_MIB
+
+
+def test_the_shard_map_ring_is_found_as_collective_matmuls_and_plain_tp_has_none():
+    assert levers.RING_SCOPE == collective_matmul.RING_SCOPE
+    mesh = Mesh(np.array(target_devices("h100")).reshape(1, 8), ("fsdp", "tensor"))
+    seq, up, down, mlp = P("fsdp", "tensor", None), P(None, "tensor"), P("tensor", None), P("fsdp", None, "tensor")
+
+    def ring(x, w_up, w_down):
+        ag = jax.shard_map(lambda x, w: all_gather_matmul(x, w, "tensor"), mesh=mesh, in_specs=(seq, up), out_specs=mlp)
+        rs = jax.shard_map(
+            lambda h, w: matmul_reduce_scatter(h, w, "tensor"), mesh=mesh, in_specs=(mlp, down), out_specs=seq
+        )
+        return rs(ag(x, w_up), w_down)
+
+    def plain(x, w_up, w_down):
+        hidden = jax.lax.with_sharding_constraint(x @ w_up, NamedSharding(mesh, mlp))
+        return jax.lax.with_sharding_constraint(hidden @ w_down, NamedSharding(mesh, seq))
+
+    spec = lambda shape, s: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, s))  # noqa: E731
+    args = (spec((8, 256, 128), seq), spec((128, 512), up), spec((512, 128), down))
+    found = windowed_einsums(jax.jit(ring).lower(*args).compile(gpu_compiler_options()))
+    assert found["executions"] == 2 * (8 - 1) and 0 < found["collective_permutes"] <= found["executions"], found
+    assert windowed_einsums(jax.jit(plain).lower(*args).compile(gpu_compiler_options()))["executions"] == 0
+
+
+# XLA's windowed-einsum loops as its SPMD partitioner names them (the form of XLA's windowed_einsum_handler tests),
+# inside a 3-step layer loop: 2 loops, their 2 collective-permutes, each run 3 times. $T: the loops' state.
+XLA_WINDOWED = """HloModule windowed, num_partitions=2
+
+%windowed_dot_general_body_ag.1 (param: $T) -> $T {
+  %param = $T parameter(0)
+  %gte = bf16[8,4]{1,0} get-tuple-element(%param), index=0
+  %cp-start = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) collective-permute-start(%gte), source_target_pairs={{0,1},{1,0}}
+  %cp-done = bf16[8,4]{1,0} collective-permute-done(%cp-start)
+  %dot.2 = bf16[8,8]{1,0} dot(%gte, %gte), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %gte.1 = u32[] get-tuple-element(%param), index=1
+  ROOT %tuple = $T tuple(%cp-done, %gte.1)
+}
+
+%unrolled_windowed_dot_general_body_rs (param.1: $T) -> $T {
+  %param.1 = $T parameter(0)
+  %gte.3 = bf16[8,4]{1,0} get-tuple-element(%param.1), index=0
+  %cp.1 = bf16[8,4]{1,0} collective-permute(%gte.3), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %gte.4 = u32[] get-tuple-element(%param.1), index=1
+  ROOT %tuple.1 = $T tuple(%cp.1, %gte.4)
+}
+
+%layer (p: $T) -> $T {
+  %p = $T parameter(0)
+  %while.ag = $T while(%p), condition=%cond, body=%windowed_dot_general_body_ag.1
+  ROOT %while.rs = $T while(%while.ag), condition=%cond, body=%unrolled_windowed_dot_general_body_rs
+}
+
+ENTRY %main (a: $T) -> $T {
+  %a = $T parameter(0)
+  ROOT %layers = $T while(%a), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+}
+""".replace("$T", "(bf16[8,4]{1,0}, u32[])")
+
+
+def test_xla_windowed_einsum_loops_are_counted_by_their_body_names():
+    assert windowed_einsums(XLA_WINDOWED) == {"loops": 2, "collective_permutes": 2, "executions": 6}
+    assert windowed_einsums(XLA_WINDOWED.replace("windowed_dot_general_body", "scan_body"))["loops"] == 0
+
+
+def test_compile_json_reports_the_levers(tp_report):
+    assert tp_report["fp8_gemms"] == {"instructions": 0, "executions": 0, "cublas": 0, "fusions": 0}  # a bf16 step
+    assert tp_report["windowed_einsums"] == {"loops": 0, "collective_permutes": 0, "executions": 0}
+    assert "levers       FP8 GEMMs 0 (x0 per call), windowed einsums 0 loops" in format_report(tp_report)
+
+
+SP = f"{SMALL} --mesh fsdp=4,tensor=2 --sequence-parallel"
+
+
+def test_overlap_tp_under_sequence_parallelism_runs_every_projection_as_a_ring():
+    """fsdp=4,tensor=2 with SP compiled for 8 x H100: with `--overlap-tp` the 7 projections of a block (5 column-,
+    2 row-parallel) run as spmdkit's collective matmuls, forward and backward (one hop each over 2 devices); off,
+    there is none."""
+    found = {}
+    for extra in ("", " --overlap-tp"):
+        program = build_program(parse_flags(f"{SP}{extra}".split(), TrainConfig()), target_devices("h100"))
+        compiled = lower_train_step(program).compile(compiler_options=gpu_compiler_options())
+        found[extra] = windowed_einsums(compiled)
+    assert found[""]["collective_permutes"] == 0
+    assert found[" --overlap-tp"]["collective_permutes"] >= 3 * 7, found  # forward, and two per backward
+
+
+def test_overlap_tp_gives_the_losses_of_plain_sequence_parallelism_on_cpu(tmp_path):
+    """The same 3 float32 steps with and without the rings: equal to float32 rounding (a ring sums its partials in
+    another order than XLA's reduce-scatter)."""
+    from spmdkit.train.loop import train
+
+    losses = []
+    for extra in ("", " --overlap-tp"):
+        flags = f"{SP}{extra} --dtype float32 --seq-len 64 --batch-size 8 --steps 3 --log-every 1 --eval-every 0"
+        config = parse_flags([*flags.split(), "--run-dir", str(tmp_path / str(len(losses))), "--no-progress"],
+                             TrainConfig())  # fmt: skip
+        losses.append(train(config).losses)
+    assert losses[0].keys() == losses[1].keys() == {1, 2, 3}
+    for step in losses[0]:
+        assert losses[1][step] == pytest.approx(losses[0][step], rel=1e-5)
