@@ -242,12 +242,12 @@ class MLP(nnx.Module):
             self.down_bias = zeros_param((c.embed,), ("embed",), pd)
         if c.fp8:  # each projection's delayed FP8 scales (`spmdkit.models.fp8`)
             self.gate_fp8, self.up_fp8, self.down_fp8 = (Fp8Scales() for _ in range(3))
-        self.dtype, self.activation, self.bias = config.dtype, config.activation, config.mlp_bias
+        self.dtype, self.activation, self.bias, self.fp8 = config.dtype, config.activation, config.mlp_bias, c.fp8
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]; the hidden [batch, seq, mlp] is split over `mlp`."""
         dt = self.dtype
-        ring = not hasattr(self, "up_fp8") and ring_mesh() is not None  # --overlap-tp (`Attention.qkv`)
+        ring = not self.fp8 and ring_mesh() is not None  # --overlap-tp (`Attention.qkv`)
         x = constrain(x, RESIDUAL if ring else HIDDEN)
 
         def projected(name: str, equation: str, names: tuple[str, str], h: jax.Array) -> jax.Array:
