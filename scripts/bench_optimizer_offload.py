@@ -52,15 +52,12 @@ def cpu(args: argparse.Namespace) -> None:
     from spmdkit.cli.train import parse_flags
     from spmdkit.train.config import TrainConfig
     from spmdkit.train.program import build_program
-    from spmdkit.train.state import create_train_state
 
     for offload in (False, True, False, True):
         flags = f"--model {args.model} --mesh fsdp=4,tensor=2 --seq-len 128 --batch-size 16"
         program = build_program(parse_flags((flags + " --optimizer.offload" * offload).split(), TrainConfig()))
-        config, keys = program.config, program.batch_keys()
-        state = create_train_state(
-            program.model_config, program.tx, program.mesh, program.rules, 0, config.optimizer.offload
-        )
+        keys = program.batch_keys()
+        state = program.create_state()
         step, batch = program.train_step(state, keys), program.abstract_batch(keys)
         tokens = np.random.default_rng(0).integers(0, program.model_config.vocab_size, (16, 129), dtype=np.int32)
         values = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(128), (16, 1))}

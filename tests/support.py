@@ -63,3 +63,27 @@ def flip_byte(state_dir, array: str) -> None:
         byte = f.read(1)[0]
         f.seek(offset + length // 2)
         f.write(bytes([byte ^ 0x04]))
+
+
+def autodiff_kept_bytes(config, batch: int = 3, seq: int = 256) -> tuple[float, list]:
+    """(bytes per token and layer, the arrays) of the residuals JAX's autodiff keeps for `config`'s scanned blocks:
+    those of the train objective's vjp (shapes only, nothing runs) that carry the [layers] and batch dims. `batch`
+    should be no weight's dim (3 by default), so that the batch dim marks the activations."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from spmdkit.models import Transformer
+    from spmdkit.train.step import objective
+
+    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+
+    def residuals(params, tokens):
+        data = {"inputs": tokens, "targets": tokens, "positions": positions}
+        return jax.vjp(lambda p: objective(nnx.merge(graphdef, p, rest), data)[0], params)[1]
+
+    saved = jax.tree.leaves(jax.eval_shape(residuals, params, tokens))
+    per_layer = [x for x in saved if x.shape[:1] == (config.layers,) and batch in x.shape[1:3]]
+    return sum(x.size * x.dtype.itemsize for x in per_layer) / (config.layers * batch * seq), per_layer

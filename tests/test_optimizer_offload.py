@@ -19,7 +19,6 @@ from spmdkit.plan.estimate import estimate
 from spmdkit.train.config import MeshSettings, ModelSettings, OptimizerConfig, RunSettings, TrainConfig
 from spmdkit.train.loop import Trainer
 from spmdkit.train.program import build_program
-from spmdkit.train.state import create_train_state
 
 STEPS = 4
 
@@ -99,10 +98,8 @@ def _two_steps(flags: str) -> tuple[list[float], dict[str, set]]:
     program = build_program(
         parse_flags(f"--model.dtype float32 --seq-len 32 --batch-size 16 {flags}".split(), TrainConfig())
     )
-    config, keys = program.config, program.batch_keys()
-    state = create_train_state(
-        program.model_config, program.tx, program.mesh, program.rules, 0, config.optimizer.offload
-    )
+    keys = program.batch_keys()
+    state = program.create_state()
     step, shapes = program.train_step(state, keys), program.abstract_batch(keys)
     tokens = np.random.default_rng(0).integers(0, program.model_config.vocab_size, (16, 33), dtype=np.int32)
     values = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(32), (16, 1))}

@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from support import autodiff_kept_bytes
 
 from spmdkit.cli.plan import main as plan_main
 from spmdkit.errors import SpmdkitError
@@ -325,26 +326,12 @@ def test_planner_keeps_what_autodiff_saves_per_layer_and_token(remat):
     inputs and x/rms(x), six [mlp] arrays, ...) are those JAX's autodiff saves for the scanned blocks of a bfloat16
     model: the residuals of the step's vjp (shapes only, nothing runs) that carry the [layers] and batch dims. On
     CPU the kernel is the blockwise one, whose block scores dots_saveable keeps."""
-    from flax import nnx
-
-    from spmdkit.models import Transformer
     from spmdkit.models.attention import KEY_TILE
     from spmdkit.plan.memory import RING_KEY_TILE, activation_bytes
-    from spmdkit.train.step import objective
 
     assert RING_KEY_TILE == KEY_TILE
-    layers, batch, seq = 2, 3, 256  # batch 3: no weight dim is 3, so the batch dim marks the activations
-    config = TransformerConfig(dtype="bfloat16", embed=128, layers=layers, heads=8, kv_heads=2, head_dim=16, mlp=384)
+    seq = 256
+    config = TransformerConfig(dtype="bfloat16", embed=128, layers=2, heads=8, kv_heads=2, head_dim=16, mlp=384)
     config = config.replace(vocab_size=512, remat=remat)
-    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-
-    def residuals(params, tokens):
-        data = {"inputs": tokens, "targets": tokens, "positions": positions}
-        return jax.vjp(lambda p: objective(nnx.merge(graphdef, p, rest), data)[0], params)[1]
-
-    saved = jax.tree.leaves(jax.eval_shape(residuals, params, tokens))
-    per_layer = [x for x in saved if x.shape[:1] == (layers,) and batch in x.shape[1:3]]
-    kept = sum(x.size * x.dtype.itemsize for x in per_layer) / (layers * batch * seq)
+    kept, per_layer = autodiff_kept_bytes(config, seq=seq)
     assert kept == activation_bytes(config, 1, False, 1, seq, "cpu")[0], sorted(map(str, per_layer))

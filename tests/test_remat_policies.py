@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support import autodiff_kept_bytes
 
 from spmdkit.cli import main
 from spmdkit.cli.train import parse_flags
@@ -95,21 +96,11 @@ def test_a_sharded_train_step_with_an_offload_policy_loses_what_full_loses():
 def test_planner_keeps_what_autodiff_saves_under_a_named_policy(remat):
     """The residuals of the step's vjp (shapes only) that carry the [layers] and batch dims, per token and layer:
     the planner's device bytes (`activation_bytes`) plus its host bytes (offloaded names)."""
-    layers, batch, seq = 2, 3, 256  # batch 3: no weight dim is 3, so the batch dim marks the activations
+    seq = 256
     config = TransformerConfig(
-        dtype="bfloat16", embed=128, layers=layers, heads=8, kv_heads=2, head_dim=16, mlp=384, vocab_size=512
+        dtype="bfloat16", embed=128, layers=2, heads=8, kv_heads=2, head_dim=16, mlp=384, vocab_size=512
     ).replace(remat=remat)
-    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-
-    def residuals(params, tokens):
-        data = {"inputs": tokens, "targets": tokens, "positions": positions}
-        return jax.vjp(lambda p: objective(nnx.merge(graphdef, p, rest), data)[0], params)[1]
-
-    saved = jax.tree.leaves(jax.eval_shape(residuals, params, tokens))
-    per_layer = [x for x in saved if x.shape[:1] == (layers,) and batch in x.shape[1:3]]
-    kept = sum(x.size * x.dtype.itemsize for x in per_layer) / (layers * batch * seq)
+    kept, per_layer = autodiff_kept_bytes(config, seq=seq)
     device = activation_bytes(config, 1, False, 1, seq, "cpu")[0]
     assert kept == device + host_kept_bytes(config, 1, False), sorted(map(str, per_layer))
     assert (host_kept_bytes(config, 1, False) > 0) == bool(parse_remat(remat).offloaded)

@@ -16,11 +16,14 @@ compiled program. Both are differentiable (the transpose of a `ppermute` is the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from spmdkit.sharding.logical import active_rules, logical_to_spec
+from spmdkit.sharding.rules import Rules
 
 RING_SCOPE = "collective_matmul"  # spmdkit.inspect.levers.RING_SCOPE reads the compiled program by this name
 
@@ -71,6 +74,12 @@ def matmul_reduce_scatter(h: jax.Array, w: jax.Array, axis: str) -> jax.Array:
         return jax.lax.fori_loop(1, size, hop, partial(jnp.asarray(0)))
 
 
+def rings(rules: Rules, sizes: Mapping[str, int]) -> bool:
+    """Do the rules ask for the projections' rings (`--overlap-tp` under sequence parallelism) on a mesh of these
+    axis sizes with more than one tensor device?"""
+    return rules.overlap_tp and rules.sequence_parallel and sizes.get("tensor", 1) > 1
+
+
 def ring_mesh() -> Mesh | AbstractMesh | None:
     """The mesh whose `tensor` axis the model's projections ring over while it is traced: with rules that ask for
     it (`--overlap-tp`) under sequence parallelism, on more than one tensor device, outside a region already
@@ -79,7 +88,7 @@ def ring_mesh() -> Mesh | AbstractMesh | None:
     if active is None:
         return None
     rules, mesh = active
-    if not (rules.overlap_tp and rules.sequence_parallel and mesh.shape.get("tensor", 1) > 1):
+    if not rings(rules, mesh.shape):
         return None
     context = jax.sharding.get_abstract_mesh()
     if {"tensor", "pipeline"} & set(context.manual_axes):  # Shardy cannot nest the ring in a pipeline stage

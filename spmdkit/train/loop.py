@@ -45,7 +45,7 @@ from spmdkit.train.preflight import check_resume, check_writable
 from spmdkit.train.profiling import StepProfiler, dump_hlo
 from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
-from spmdkit.train.state import TrainState, create_train_state
+from spmdkit.train.state import TrainState
 from spmdkit.train.step import Batch, batch_shardings, check_bad_steps, make_eval_step
 from spmdkit.train.stragglers import StragglerWatch
 from spmdkit.train.watchdog import Watchdog
@@ -96,9 +96,7 @@ class Trainer:
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
         self.tx, self.lr_schedule = program.tx, program.lr_schedule
-        self.state = create_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, run.seed, config.optimizer.offload
-        )
+        self.state = program.create_state()
         # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
         self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
         self.profiler = StepProfiler(run.profile_steps, self.run_dir)

@@ -23,6 +23,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.device_facts import compute_capability, device_platform
+from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.plan.memory import manual_region
@@ -31,7 +32,7 @@ from spmdkit.sharding.rules import Rules, make_rules
 from spmdkit.train.config import TrainConfig, with_data_vocab
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
-from spmdkit.train.state import TrainState, abstract_train_state, gradient_shardings
+from spmdkit.train.state import TrainState, abstract_train_state, create_train_state, gradient_shardings
 from spmdkit.train.step import StepFn, batch_shardings, make_train_step
 
 
@@ -77,6 +78,13 @@ class TrainProgram:
         grads = gradient_shardings(graphdef, abstract, self.mesh, self.rules)
         return TrainState(graphdef, shapes, shardings, grads)
 
+    def create_state(self) -> TrainState:
+        """The train state of this program, initialised on its devices (the moments in host memory under
+        `--optimizer.offload`): what `abstract_state` describes."""
+        return create_train_state(
+            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload
+        )
+
     def abstract_batch(self, keys: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
         """int32 [batch, seq] `ShapeDtypeStruct`s named by `keys`, sharded as the step takes them."""
         run = self.config.run
@@ -119,10 +127,10 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
 
 def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
     """Refuse the speed levers' combinations that have no implementation yet, in one line each."""
-    rings = rules.overlap_tp and rules.sequence_parallel and mesh.shape["tensor"] > 1
-    if model.fp8 and rings:
+    ring = rings(rules, mesh.shape)
+    if model.fp8 and ring:
         raise SpmdkitError("--overlap-tp's collective matmuls have no FP8 form yet: drop --model.fp8 or --overlap-tp")
-    if rings and mesh.shape["pipeline"] > 1:  # Shardy cannot nest the rings' shard_map in a pipeline stage
+    if ring and mesh.shape["pipeline"] > 1:  # Shardy cannot nest the rings' shard_map in a pipeline stage
         raise SpmdkitError("--overlap-tp's collective matmuls do not run inside pipeline stages yet: drop one")
     if model.fp8 and mesh.shape["pipeline"] > 1:  # the pipeline's own backward has no path for the FP8 scales
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
