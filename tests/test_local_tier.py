@@ -1,12 +1,14 @@
 """The local checkpoint tier (`--checkpoint.local-dir`, `spmdkit.checkpoint.tiers`): a SIGKILL loses at most the
 steps since the last local save and the resumed run is bit-identical to an uninterrupted one; restore takes the
-newest intact step of either tier; bad local directories, and a job spanning several hosts, are refused in one line.
+newest intact step of either tier; bad local directories are refused in one line. A job on two (emulated) hosts keeps
+each process's local steps apart, resumes from the newest step both hold, and refuses in one line when none is.
 
 Real Orbax on real directories throughout; the kill is the test-only fault injection of `SPMDKIT_FAULTS`.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -15,13 +17,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import flip_byte, run_spmdkit
+from support import flip_byte, job_env, run_spmdkit
 from test_bad_input import _files, _read_only
 from test_checkpoint import _layout, _random_state, _stream, abstract  # noqa: F401 - fixture
 
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
+from spmdkit.checkpoint.process_tier import ProcessCheckpointer, process_directory
 from spmdkit.checkpoint.tiers import TieredCheckpointer
 from spmdkit.cli import main
+from spmdkit.errors import SpmdkitError
 from spmdkit.train.config import TrainConfig
 
 STEPS = 12
@@ -127,6 +131,48 @@ def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa
     _assert_same(state, states[5])
 
 
+def test_a_local_tier_per_process_checks_its_own_part_and_its_layout(tmp_path, abstract):  # noqa: F811
+    """`ProcessCheckpointer` (the local tier of a job on several hosts), in one process: its steps restore with
+    this process's checksums (a damaged one falls back); a step of another mesh is not read: with no persistent step
+    the run is refused in one line, else it resumes from the persistent step and sets the newer local one aside."""
+    shardings = _layout(abstract, "fsdp=8")
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+
+    def tiers():
+        local_tier = ProcessCheckpointer(process_directory(local), every=2, keep=2)
+        return TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), local_tier)
+
+    saving, stream, config, states = tiers(), _stream(), json.loads(TrainConfig().to_json()), {}
+    for step in range(1, 9):
+        next(stream)
+        if saving.due(step):
+            states[step] = _random_state(abstract, shardings, seed=step)
+            assert saving.save(step, states[step], stream.iterator, config)
+    saving.close()
+    assert _steps(local / "process-0") == ["6", "8"] and _steps(persistent) == ["5"]
+    step, state, where, damaged = _restore(tiers(), abstract, shardings)
+    assert (step, where, damaged) == (8, local / "process-0", [])
+    _assert_same(state, states[8])
+
+    flip_byte(local / "process-0" / "8" / "state", "model.embedding")
+    step, state, where, damaged = _restore(tiers(), abstract, shardings)
+    assert (step, where, damaged) == (6, local / "process-0", [8])
+    _assert_same(state, states[6])
+
+    other = _layout(abstract, "fsdp=4,tensor=2")  # another mesh: not read; with no persistent step, refused
+    persistent.rename(tmp_path / "elsewhere")
+    with pytest.raises(SpmdkitError, match="step 6, the newest all hold, was saved on another mesh") as refused:
+        _restore(tiers(), abstract, other)
+    assert "\n" not in str(refused.value) and f"{persistent} holds none" in str(refused.value)
+    assert _steps(local / "process-0") == ["6"]  # left as they are
+
+    (tmp_path / "elsewhere").rename(persistent)  # the persistent step, read onto the other mesh
+    step, state, where, _ = _restore(tiers(), abstract, other)
+    assert (step, where) == (5, persistent)
+    _assert_same(state, states[5])
+    assert not _steps(local / "process-0") and list((local / "process-0").glob("6.unmatched-*"))  # set aside
+
+
 @pytest.fixture
 def directories(tmp_path):
     """A fixture directory: a file, a read-only directory (None when it cannot be made), someone's files."""
@@ -165,27 +211,70 @@ def test_bad_local_directory_is_one_line_exit_2_nothing_written(directories, cap
     assert _files(d) == before  # nothing written
 
 
-@pytest.mark.slow
-def test_a_job_spanning_two_hosts_is_refused_in_one_line(tmp_path):
-    """Two processes on two emulated hosts (`spmdkit launch --processes-per-host 1`): one line, before anything is
-    written; processes on one host share its disk and are not refused (the other tests run one process)."""
-    launch = ["launch", "--processes", "2", "--devices-per-process", "1", "--processes-per-host", "1", "--"]
-    train = [*TRAIN.replace("--cpu-devices 8 ", "").split(), "--steps", "2", "--mesh", "fsdp=2"]
-    train += ["--run-dir", str(tmp_path / "run")]
-    local = ["--checkpoint.local-dir", str(tmp_path / "local"), "--checkpoint.local-every", "2"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "SPMDKIT_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    done = subprocess.run(
-        [sys.executable, "-m", "spmdkit", *launch, "spmdkit", *train, *local],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
+LAUNCH = ["launch", "--processes", "2", "--devices-per-process", "1", "--processes-per-host", "1", "--", "spmdkit"]
+TWO_HOSTS = [*TRAIN.replace("--cpu-devices 8 --mesh fsdp=8", "--mesh fsdp=2").split(), *TIERS]
+
+
+def _launch(root: Path, **env: str) -> subprocess.CompletedProcess:
+    """`_train` as a job of two processes on two emulated hosts (`spmdkit launch --processes-per-host 1`), mesh
+    fsdp=2: each process keeps its local steps in `root/local/process-<i>/`."""
+    args = [*LAUNCH, *TWO_HOSTS, "--run-dir", str(root / "run"), "--checkpoint.local-dir", str(root / "local")]
+    return subprocess.run(
+        [sys.executable, "-m", "spmdkit", *args], capture_output=True, text=True, timeout=240, env=job_env(**env)
     )
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output[-3000:]
-    refused = "spmdkit: error: --checkpoint.local-dir needs the job's processes on one host, but they span 2"
+
+
+def _steps(directory: Path) -> list[str]:
+    return sorted((p.name for p in directory.iterdir() if p.name.isdigit()), key=int)
+
+
+@pytest.fixture(scope="module")
+def killed_two_hosts(tmp_path_factory) -> Path:
+    """A two-host job (`_launch`) killed (SIGKILL, every process) as step 9 starts: local steps 6 and 8 on each
+    process, no persistent step. Tests copy it before running it again."""
+    root = tmp_path_factory.mktemp("two-hosts") / "killed"
+    killed = _launch(root, SPMDKIT_FAULTS="*:step=9:kill")
+    output = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and "killed by SIGKILL" in output, output[-3000:]
+    assert sorted(p.name for p in (root / "local").iterdir() if p.is_dir()) == ["process-0", "process-1"]
+    for process in ("process-0", "process-1"):  # each process's own steps, each complete (keep 2)
+        assert _steps(root / "local" / process) == ["6", "8"]
+        assert (root / "local" / process / "8" / "data" / f"process_{process[-1]}-of-2.json").is_file()
+    assert not _steps(root / "run" / "checkpoints")
+    return root
+
+
+@pytest.mark.slow
+def test_two_hosts_keep_local_steps_per_process_and_resume_from_step_8_bit_identically(tmp_path, killed_two_hosts):
+    """The local tier of a job on two hosts: SIGKILL at step 9, rerun, resumed from the local step 8 that both
+    processes hold; losses and final parameters equal an uninterrupted two-process run's bit for bit."""
+    straight = _launch(tmp_path / "straight")
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    shutil.copytree(killed_two_hosts, tmp_path / "killed")
+    resumed = _launch(tmp_path / "killed")
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert f"resumed from step 8 of {tmp_path / 'killed' / 'local' / 'process-0'}" in output
+    assert "Traceback" not in output and "unmatched" not in output
+    want, got = _losses(tmp_path / "straight" / "run"), _losses(tmp_path / "killed" / "run")
+    assert sorted(want) == list(range(1, STEPS + 1)) and got == want
+    params, resumed_params = _final_params(tmp_path / "straight" / "run"), _final_params(tmp_path / "killed" / "run")
+    assert resumed_params.keys() == params.keys() and params
+    for key, value in params.items():
+        np.testing.assert_array_equal(resumed_params[key], value, err_msg=key)
+
+
+@pytest.mark.slow
+def test_two_hosts_one_process_lost_its_local_steps_and_no_persistent_step_is_refused(tmp_path, killed_two_hosts):
+    """Process 1's node replaced (its local directory gone): no step both hold, none persistent; the job is refused
+    in one line per process, naming what each holds, and process 0's steps are left in place."""
+    shutil.copytree(killed_two_hosts, tmp_path / "lost")
+    shutil.rmtree(tmp_path / "lost" / "local" / "process-1")
+    refused = _launch(tmp_path / "lost")
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0, output[-3000:]
     errors = [line for line in output.splitlines() if "spmdkit: error:" in line]  # one per process ("[1] ...")
-    assert len(errors) == 2 and all(refused in line for line in errors), output[-3000:]
+    fragment = "holds no step that every process holds intact on this mesh (process 0: steps 6, 8; process 1: none)"
+    assert len(errors) == 2 and all(fragment in line and "holds none" in line for line in errors), output[-3000:]
     assert "Traceback" not in output
-    assert not (tmp_path / "local").exists() and not (tmp_path / "run").exists()
+    assert _steps(tmp_path / "lost" / "local" / "process-0") == ["6", "8"]

@@ -3,20 +3,28 @@ often, so that a killed node loses at most `local_every` steps instead of `every
 
 `TieredCheckpointer` has the interface the Trainer uses of a `Checkpointer`, and is made of two of them: every step of
 either tier is an ordinary checkpoint step (atomic, checksummed, its data position and config included), and restore
-goes through `Checkpointer.restore_latest`, with its checks. A step due on both tiers is saved once, to the persistent
-one (it survives the node). A local save is waited for before training goes on: a kill right after it must find it
-complete (a local disk is fast; the persistent tier stays asynchronous). The local tier needs every process of the
-job on one host: Orbax has process 0 write a step's metadata and commit marker, which a node-local directory of
-another host would lack.
+goes through `restore_latest`, with its checks. A step due on both tiers is saved once, to the persistent one (it
+survives the node). A local save is waited for before training goes on: a kill right after it must find it complete
+(a local disk is fast; the persistent tier stays asynchronous).
+
+With every process of the job on one host, the local tier is one ordinary `Checkpointer` of the directory. A job
+spanning several hosts cannot do that (Orbax has process 0 write a step's metadata and commit marker, which another
+host's local disk would lack): each process keeps its own steps in `<local-dir>/process-<i>/`
+(`process_tier.ProcessCheckpointer`), and a restore reads the newest step that every process holds intact, onto the
+same mesh and processes. A step some processes lack (a replaced node), or one of another layout, falls back to the
+newest step all hold or to the persistent tier; with neither, the run is refused in one line (the local steps would
+be lost). Steps newer than where the run resumes are set aside as `<step>.unmatched-<time>`: the steps saved from
+there must not meet them.
 
 Orbax's own multi-tier checkpointing (`orbax.checkpoint.experimental.emergency`) is experimental ("do not use without
 specific approval"), built around slices replicated along a mesh axis, and saves a single `state` item. It is not
-used: our steps also hold the data iterator's position, the config and the checksums, and restore onto any mesh,
-which two ordinary `Checkpointer`s keep as they are.
+used, only its mechanism for per-process local saves: our steps also hold the data iterator's position, the config
+and the checksums, which our `Checkpointer`s keep.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,8 +32,9 @@ from typing import Any
 import grain
 from flax import nnx
 
-from spmdkit.checkpoint.manager import Checkpointer
+from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
 from spmdkit.checkpoint.ownership import enclosing_run
+from spmdkit.checkpoint.process_tier import PREFIX, LayoutMismatch, ProcessCheckpointer, process_directory
 from spmdkit.checkpoint.run_lock import LOCK_FILE, RunLock, lock_run
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh import process_hosts
@@ -51,20 +60,12 @@ def check_local_dir(
     local_dir: str | None, persistent_dir: Path, check_writable: Callable[[Path, str], None]
 ) -> Path | None:
     """The local tier's directory (absolute; None without one); SpmdkitError when `check_writable` (the trainer's
-    check of its directories) refuses it, when the job spans several hosts, when it is, holds or lies in the
-    persistent directory, or when it holds files other than checkpoint steps. Nothing is created."""
+    check of its directories) refuses it, when it is, holds or lies in the persistent directory, or when it holds
+    files other than checkpoint steps (and the processes' `process-<i>/` directories). Nothing is created."""
     if not local_dir:
         return None
     path = Path(local_dir).expanduser().absolute()
     check_writable(path, LOCAL_FLAG)
-    hosts = sorted(set(process_hosts()))
-    if len(hosts) > 1:
-        raise SpmdkitError(
-            f"{LOCAL_FLAG} needs the job's processes on one host, but they span {len(hosts)} ({', '.join(hosts[:3])}"
-            f"{', ...' if len(hosts) > 3 else ''}): a node-local directory of another host would lack the step "
-            "metadata process 0 writes; drop it and save to the shared --checkpoint-dir more often "
-            "(--checkpoint-every)"
-        )
     persistent = Path(persistent_dir).expanduser().absolute()
     if path == persistent or path.is_relative_to(persistent) or persistent.is_relative_to(path):
         raise SpmdkitError(
@@ -72,7 +73,7 @@ def check_local_dir(
             "(on a node-local disk)"
         )
     if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if not (p.name[:1].isdigit() or p.name == LOCK_FILE))
+        foreign = sorted(p.name for p in path.iterdir() if not _ours(p.name))
         if foreign:
             listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise SpmdkitError(
@@ -80,6 +81,11 @@ def check_local_dir(
                 "among them; pass a new or empty directory, or the local directory of an earlier run"
             )
     return path
+
+
+def _ours(name: str) -> bool:
+    """Whether a name in the local directory is the tier's: a step, the lock, a process's directory."""
+    return name[:1].isdigit() or name == LOCK_FILE or (name.startswith(PREFIX) and name[len(PREFIX) :].isdigit())
 
 
 def lock_local_dir(held: list[RunLock | None], local_dir: Path | None, run_dir: Path, command: str) -> None:
@@ -104,12 +110,18 @@ def lock_local_dir(held: list[RunLock | None], local_dir: Path | None, run_dir: 
 
 def open_checkpointer(directory: Path, settings: Any) -> Checkpointer | TieredCheckpointer:
     """The run's checkpointer: a `Checkpointer` of `directory`, or with `settings.local_dir` the two tiers
-    (`settings`: the run's `CheckpointSettings`: every, keep, local_dir, local_every)."""
+    (`settings`: the run's `CheckpointSettings`: every, keep, local_dir, local_every); the local tier is this
+    process's own (`process-<i>/`) when the job spans several hosts."""
     persistent = Checkpointer(directory, every=settings.every, keep=settings.keep)
     if not settings.local_dir:
         return persistent
     try:
-        local = Checkpointer(settings.local_dir, every=settings.local_every, keep=LOCAL_KEEP)
+        if len(set(process_hosts())) > 1:
+            local: Checkpointer = ProcessCheckpointer(
+                process_directory(Path(settings.local_dir)), every=settings.local_every, keep=LOCAL_KEEP
+            )
+        else:
+            local = Checkpointer(settings.local_dir, every=settings.local_every, keep=LOCAL_KEEP)
     except BaseException:
         persistent.close()
         raise
@@ -211,12 +223,56 @@ class TieredCheckpointer:
         accept: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> tuple[int, nnx.State] | None:
         """`Checkpointer.restore_latest` of the newest intact step of either tier (a tie goes to the persistent one),
-        or None when neither holds a step. The tier with the newest step is read first, refusing (`_Older`) to go
-        below the other tier's newest step; the steps it found damaged on the way are set aside, and the choice made
-        again. `restored_from` says which tier's directory the step came from."""
+        or None when neither holds a step; `restored_from` says which tier's directory the step came from. With a
+        local tier per process (several hosts; a collective): a newest local step of another layout falls back to
+        the persistent tier, local steps that cannot be resumed from with no persistent step are refused in one
+        line, and the local steps above the one resumed from are set aside (see the module docstring)."""
+        per_process, why = isinstance(self.local, ProcessCheckpointer), ""
+        try:
+            found = self._restore_newest(state, shardings, data, accept)
+        except LayoutMismatch as mismatch:  # only a local tier per process raises it
+            found, why = None, f"; {mismatch}"
+            if self.persistent.steps():
+                self.restored_from = self.persistent.directory
+                found = self.persistent.restore_latest(state, shardings, data, accept)
+        root = self.local.directory.parent if per_process else self.local.directory
+        held = self.local.held() if isinstance(self.local, ProcessCheckpointer) else []
+        others = [p for p in root.glob("*" if per_process else f"{PREFIX}*/*") if p.name.isdigit()]
+        if found is None and (any(held) or others):
+            what = "; ".join(f"process {i}: {_listed(steps)}" for i, steps in enumerate(held[:4]))
+            if others:  # steps of a run with the other layout (one host / several hosts)
+                what = f"it holds {len(others)} step(s) of a job on {'one host' if per_process else 'several hosts'}"
+            raise SpmdkitError(
+                f"{LOCAL_FLAG} {root} holds no step that every process holds intact on this mesh ({what}"
+                f"{'; ...' if len(held) > 4 else ''}{why}), and {self.persistent.directory} holds none: resume with "
+                "the processes, hosts and mesh that saved them, their local directories in place, or delete the "
+                "local directories to start afresh"
+            )
+        if isinstance(self.local, ProcessCheckpointer) and (
+            unmatched := self.local.set_aside_above(found[0] if found else 0)
+        ):
+            warnings.warn(
+                f"local {_listed(unmatched)} in {self.local.directory}: not held by every process, of another "
+                f"layout, or newer than where the run resumes ({f'step {found[0]}' if found else 'scratch'}): set "
+                "aside as <step>.unmatched-<time>",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        return found
+
+    def _restore_newest(
+        self,
+        state: nnx.State,
+        shardings: Any,
+        data: grain.DatasetIterator | None,
+        accept: Callable[[int, dict[str, Any] | None], None] | None,
+    ) -> tuple[int, nnx.State] | None:
+        """The newest intact step of either tier: the tier with the newest step is read first, refusing (`_Older`)
+        to go below the other tier's newest step; the steps it found damaged on the way are set aside, and the
+        choice made again."""
         self.restored_from = None
         while True:
-            listed = {id(tier): tier.steps() for tier in self.tiers}
+            listed = {id(t): t.agreed_steps() if isinstance(t, ProcessCheckpointer) else t.steps() for t in self.tiers}
             first, other = sorted(self.tiers, key=lambda t: (listed[id(t)][-1:], t is self.persistent), reverse=True)
             bound = listed[id(other)][-1] if listed[id(other)] else -1
             self.restored_from = first.directory  # what `accept` is asked about is in it
@@ -246,6 +302,11 @@ def _bounded(
             accept(step, config)
 
     return check
+
+
+def _listed(steps: list[int]) -> str:
+    """'steps 6, 8', 'step 8' or 'none'."""
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "none"
 
 
 def _all_damaged(error: SpmdkitError, tier: Checkpointer) -> bool:

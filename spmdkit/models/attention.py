@@ -39,6 +39,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import check_attention_options, visible
 from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.cpu_layout import mesh_device
 from spmdkit.models.device_facts import compute_capability, device_platform
 from spmdkit.parallel.context.ring_attention import ring_attention
 from spmdkit.sharding.logical import active_rules
@@ -98,15 +99,9 @@ def dot_attention(
     return out.reshape(b, s, h, d)
 
 
-def _device() -> jax.Device:
-    """The first device of the mesh in force, else JAX's first device."""
-    active = active_rules()
-    return active[1].devices.flat[0] if active else jax.devices()[0]
-
-
 def platform() -> str:
     """Where the model runs: the platform (`device_platform`) of the mesh in force, else of JAX's first device."""
-    return device_platform(_device())
+    return device_platform(mesh_device())
 
 
 def in_manual_region() -> bool:
@@ -254,7 +249,7 @@ def attend(
     dtype, head_dim, soft cap); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise
     kernel's query and key block size. `window` (0: unlimited), `scale` (None: 1/sqrt(head_dim)), `softcap`
     (0: off): the module doc; every kernel gives the same numbers."""
-    device = _device()
+    device = mesh_device()
     kernel = choose_attention(
         kind, context=context_size(), platform=device_platform(device), dtype=q.dtype.name, head_dim=q.shape[3],
         compute_capability=compute_capability(device), manual_region=in_manual_region(), softcap=softcap,

@@ -19,6 +19,7 @@ from flax import nnx
 
 from spmdkit.models.attention import attend
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.cpu_layout import on_cpu, token_groups
 from spmdkit.models.fp8 import Fp8Scales, project
 from spmdkit.models.layer_plan import LayerKind, layer_kind
 from spmdkit.models.remat_policy import named
@@ -271,9 +272,14 @@ class MLP(nnx.Module):
 def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str, scale: float = 1.0) -> jax.Array:
     """table [vocab, embed], tokens [batch, seq] -> [batch, seq, embed] in `dtype`, times `scale` (Gemma's
     sqrt(embed), Granite's multiplier: a `dtype` constant, as transformers casts it)."""
-    # Gather the table's `embed` dim first (as FSDP does for every weight): a lookup into an fsdp-sharded
-    # table with (batch, seq)-sharded ids otherwise makes GSPMD all-gather the embedded sequence.
-    table = constrain(table.astype(dtype), ("vocab", None))
+    table = table.astype(dtype)
+    rows = on_cpu() and token_groups() is not None  # the sequence whole on each device (no context ring)
+    if not (rows and tokens.size * jnp.dtype(dtype).itemsize < table.shape[0] * 4):
+        # Gather the table's `embed` dim first (as FSDP does for every weight). On XLA:CPU, when the table
+        # (float32: XLA gathers before the cast) outweighs the embedded tokens, GSPMD's own lookup moves fewer
+        # bytes (`spmdkit.models.cpu_layout`): it gathers the ids, looks up each device's slice of every row and
+        # trades the rows back (an all-to-all), forward and backward.
+        table = constrain(table, ("vocab", None))
     x = jnp.take(table, tokens, axis=0)
     if scale != 1.0:
         x = x * jnp.asarray(scale, dtype)

@@ -93,6 +93,17 @@ def active_rules() -> tuple[Rules, Mesh] | None:
     return _ACTIVE.get()
 
 
+def live_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes (size > 1, not manual here) that the rules in force split logical axis `name` over; () without
+    rules."""
+    active = _ACTIVE.get()
+    if active is None:
+        return ()
+    rules, mesh = active
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in rules.params[name] if mesh.shape.get(a, 1) > 1 and a not in manual)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Hint the sharding of activation `x` by the logical names of its dims; a no-op without rules.
 
