@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -15,7 +16,6 @@ from spmdkit.parallel.context.ring_attention import (
     from_zigzag,
     inverse_zigzag_indices,
     ring_attention,
-    ring_attention_with_lse,
     to_zigzag,
     zigzag_indices,
 )
@@ -119,7 +119,7 @@ def test_matches_dense_attention_and_sends_only_kv(
 
 
 def test_lse_output_and_its_gradient():
-    """ring_attention_with_lse: lse [batch, heads, seq] = logsumexp of the scaled masked scores, and a
+    """ring_attention(return_lse=True): lse [batch, heads, seq] = logsumexp of the scaled masked scores, and a
     cotangent on lse flows into dq, dk (the -dlse term of D)."""
     mesh = make_mesh("context=2,fsdp=4")
     q, k, v, dout = _inputs(4, 16, 2, 2, 8, seed=1)
@@ -135,7 +135,8 @@ def test_lse_output_and_its_gradient():
         return (out, lse, *vjp((dout, dlse)))
 
     zz = [to_zigzag(x, n=2) for x in (q, k, v, dout)] + [to_zigzag(dlse, axis=2, n=2)]
-    got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: ring_attention_with_lse(q, k, v, mesh=mesh), *a))(*zz)
+    ring = functools.partial(ring_attention, mesh=mesh, return_lse=True)
+    got = jax.jit(lambda *a: value_and_grads(ring, *a))(*zz)
     got = [from_zigzag(np.asarray(x), axis=2 if i == 1 else 1, n=2) for i, x in enumerate(got)]
     want = jax.jit(lambda *a: value_and_grads(dense, *a))(q, k, v, dout, dlse)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):

@@ -28,6 +28,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_reason, quiet_orbax_errors
@@ -40,12 +41,10 @@ from spmdkit.checkpoint.integrity import (
     name_list,
     path_text,
 )
-from spmdkit.checkpoint.tree import abstract_target, from_saved_tree, read_arrays, to_saved_tree
+from spmdkit.checkpoint.tree import abstract_target, first_mismatch, from_saved_tree, read_arrays, to_saved_tree
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
 __all__ = ["Checkpointer", "CheckpointWarning", "DamagedStep", "NonFiniteState", "abstract_target", "to_saved_tree"]
-
-ITEMS = ("state", "data", "config")
 
 
 class CheckpointWarning(SpmdkitWarning):
@@ -131,30 +130,40 @@ class Checkpointer:
     ) -> bool:
         """Start an async save of `step` (when due, or `force`); returns whether a save started. NonFiniteState if
         the state holds NaN/Inf (nothing written); SpmdkitError if this or the previous save failed."""
-        if step == self.last_saved or step in self.manager.all_steps() or not self.due(step, force):
+        if step == self.last_saved or not self.due(step, force):
             return False
         if self._pending is not None:
             self.wait()  # Orbax waits for the previous save anyway; a failure of it is reported as its own
         tree = to_saved_tree(state)
-        found = fingerprints(tree)
-        bad = [f"{path} ({count})" for path, (_, count) in found.items() if count]
-        if bad:
+        found = self._fingerprints(tree)
+        if self._any_non_finite(found):
+            bad = [f"{path} ({count})" for path, (_, count) in found.items() if count]
             raise NonFiniteState(
-                f"step {step} not saved: NaN/Inf values in {name_list(bad, 3)}; "
-                f"the checkpoints in {self.directory} are left as they are (newest: {self.newest()})"
+                f"step {step} not saved: NaN/Inf values in {name_list(bad, 3) or 'another process'}; the "
+                f"checkpoints in {self.directory} are left as they are (newest: {self.newest()})"
             )
-        items: dict[str, Any] = {"state": ocp.args.StandardSave(tree)}
+        if step in self.manager.all_steps():  # asked after the check above, a collective in a process tier
+            return False
+        return self._write(step, tree, data, config, force, self._record(tree, found, data, config))
+
+    @staticmethod
+    def _any_non_finite(found: dict[str, tuple[str, int]]) -> bool:
+        return any(count for _, count in found.values())
+
+    @staticmethod
+    def _record(tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
+        return checksum_record(found, data, config)
+
+    def _write(self, step: int, tree: Any, data: Any, config: Any, force: bool, record: dict[str, Any]) -> bool:
+        """Start the save of the items (`record`: the step's checksums); the one line of a failed write."""
+        items: dict[str, Any] = {"state": self._state_save(tree)}
         if data is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data)
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
         try:
-            saved = self.manager.save(
-                step,
-                args=ocp.args.Composite(**items),
-                force=force,
-                custom_metadata={"checksums": checksum_record(found, data, config)},
-            )
+            custom = {"checksums": record}
+            saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force, custom_metadata=custom)
         except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
             raise self._write_error(step, error) from None
         if saved:
@@ -233,22 +242,11 @@ class Checkpointer:
             saved = self.saved_shapes(step)
         except Exception as error:  # noqa: BLE001 - unreadable metadata is damage
             raise _Damage(f"unreadable array metadata: {describe_error(error)}") from None
-        wanted = {path_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
-        for path, shape in wanted.items():
-            found = saved.get(path, (None, None))[0]
-            if found != shape:
-                what = "is missing" if found is None else f"has shape {found}"
-                raise SpmdkitError(
-                    f"checkpoint step {step} in {self.directory} does not match this model: {path} {what} in the "
-                    f"checkpoint but has shape {shape} here: use the model settings it was saved with (see "
-                    f"'spmdkit ckpt inspect {self.directory}'), or a fresh --checkpoint-dir"
-                )
-        extra = sorted(set(saved) - set(wanted))
-        if extra:
+        mismatch = first_mismatch(saved, target)
+        if mismatch:
             raise SpmdkitError(
-                f"checkpoint step {step} in {self.directory} does not match this model: it holds {extra[0]} "
-                f"{saved[extra[0]][0]}, which this model lacks: use the model settings it was saved with, or a "
-                f"fresh --checkpoint-dir"
+                f"checkpoint step {step} in {self.directory} does not match this model: {mismatch}: use the model "
+                f"settings it was saved with (see 'spmdkit ckpt inspect {self.directory}'), or a fresh --checkpoint-dir"
             )
 
     def _step_record(self, step: int) -> tuple[set[str], dict[str, Any] | None]:
@@ -277,7 +275,7 @@ class Checkpointer:
         try:
             self.check_compatible(step, target)
             checksums = self._check_items(step)
-            items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
+            items: dict[str, Any] = {"state": self._state_restore(target)}
             if data is not None and self.has_item(step, "data"):
                 self._check_process_count(step)
                 items["data"] = grain.checkpoint.CheckpointRestore(data)
@@ -288,12 +286,16 @@ class Checkpointer:
                 raise _Damage(describe_error(error)) from None
             if jax.tree.structure(restored["state"]) != jax.tree.structure(target):
                 raise _Damage("it holds a tree of a different structure")
-            problems = array_problems(checksums, fingerprints(restored["state"]))
+            problems = array_problems(checksums, self._fingerprints(restored["state"]))
             if problems:
                 raise _Damage("; ".join(problems))
         except _Damage as damage:
             raise DamagedStep(step, self.directory, str(damage)) from None
         return from_saved_tree(restored["state"], state)
+
+    # How the state item is written and read, and its checksums (a process tier overrides the three).
+    _state_save, _state_restore = staticmethod(ocp.args.StandardSave), staticmethod(ocp.args.StandardRestore)
+    _fingerprints = staticmethod(fingerprints)
 
     def check_read(self, step: int, found: dict[str, tuple[str, int]]) -> None:
         """DamagedStep unless the arrays another reader took from the step (`found`: 'model/...' -> (checksum,
@@ -323,13 +325,10 @@ class Checkpointer:
         data: grain.DatasetIterator | None = None,
         accept: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> tuple[int, nnx.State] | None:
-        """(step, state) of the newest intact step, or None when there is no checkpoint at all.
-
-        `accept(step, saved_config)` runs before a step is read (its config item, or None) and raises
-        SpmdkitError to refuse it. Damaged steps are warned about (one warning each), renamed
-        `<step>.damaged-<time>` so that training can save that step again, and skipped; if every step is damaged,
-        SpmdkitError.
-        """
+        """(step, state) of the newest intact step, or None when there is no checkpoint at all. `accept(step,
+        saved_config)` runs before a step is read (its config item, or None) and raises SpmdkitError to refuse it.
+        Damaged steps are warned about once each, renamed `<step>.damaged-<time>` (so that training can save that
+        step again) and skipped; SpmdkitError if every step is damaged."""
         steps = self.steps()
         damaged = []
         for step in reversed(steps):
@@ -394,7 +393,5 @@ class Checkpointer:
                     path.rename(self.directory / f"{step}.damaged-{stamp}")
         if steps:
             if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
                 multihost_utils.sync_global_devices("spmdkit_set_aside_damaged")
             self.manager.reload()

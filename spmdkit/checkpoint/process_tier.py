@@ -31,11 +31,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
-from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, quiet_orbax_errors
-from spmdkit.checkpoint.integrity import FORMAT, array_problems, block_sums, fingerprint_text, name_list, path_text
+from spmdkit.checkpoint.failures import describe_error, quiet_orbax_errors
+from spmdkit.checkpoint.integrity import FORMAT, block_sums, fingerprint_text, path_text
 from spmdkit.checkpoint.item_checks import digest, items_problem
-from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, DamagedStep, NonFiniteState, _Damage
-from spmdkit.checkpoint.tree import abstract_target, from_saved_tree, to_saved_tree
+from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, DamagedStep, _Damage
+from spmdkit.checkpoint.tree import abstract_target
 from spmdkit.errors import SpmdkitError
 
 __all__ = ["PREFIX", "LayoutMismatch", "ProcessCheckpointer", "process_directory"]
@@ -155,46 +155,16 @@ class ProcessCheckpointer(Checkpointer):
         self.last_saved: int | None = None
         self._pending: int | None = None
 
-    def save(
-        self,
-        step: int,
-        state: nnx.State,
-        data: grain.DatasetIterator | None = None,
-        config: dict[str, Any] | None = None,
-        *,
-        force: bool = False,
-    ) -> bool:
-        """`Checkpointer.save` of this process's part; NonFiniteState on every process when any holds NaN/Inf."""
-        if step == self.last_saved or not self.due(step, force):
-            return False
-        if self._pending is not None:
-            self.wait()
-        tree = to_saved_tree(state)
-        found = process_fingerprints(tree)
-        bad = [f"{path} ({count})" for path, (_, count) in found.items() if count]
-        if any(row[0] for row in _gather([len(bad)])):  # every process refuses alike
-            raise NonFiniteState(
-                f"step {step} not saved: NaN/Inf values in {name_list(bad, 3) or 'another process'}; the "
-                f"checkpoints in {self.directory} are left as they are (newest: {self.newest()})"
-            )
-        if step in self.manager.all_steps():
-            return False
-        items: dict[str, Any] = {"state": ocp.args.PyTreeSave(tree)}
-        if data is not None:
-            items["data"] = grain.checkpoint.CheckpointSave(data)
-        if config is not None:
-            items["config"] = ocp.args.JsonSave(config)
-        record = {"format": FORMAT, "arrays": {p: c for p, (c, _) in found.items()}, "layout": layout(tree)}
-        record["items"] = _digests(data, config)
-        try:
-            saved = self.manager.save(
-                step, args=ocp.args.Composite(**items), force=force, custom_metadata={"checksums": record}
-            )
-        except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
-            raise self._write_error(step, error) from None
-        if saved:
-            self.last_saved = self._pending = step
-        return saved
+    @staticmethod
+    def _any_non_finite(found: dict[str, tuple[str, int]]) -> bool:
+        """Whether any process holds NaN/Inf (a collective: every process refuses alike)."""
+        return any(row[0] for row in _gather([sum(count for _, count in found.values())]))
+
+    @staticmethod
+    def _record(tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
+        """This process's checksums, the digests of its items and its layout."""
+        arrays = {path: checksum for path, (checksum, _) in found.items()}
+        return {"format": FORMAT, "arrays": arrays, "layout": layout(tree), "items": _digests(data, config)}
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -242,32 +212,13 @@ class ProcessCheckpointer(Checkpointer):
     def _check_process_count(self, step: int) -> None:
         """Nothing: the step's layout, checked before, names the process count."""
 
-    def restore(
-        self, step: int, state: nnx.State, shardings: Any, data: grain.DatasetIterator | None = None
-    ) -> nnx.State:
-        """This process's part of `step`, onto `shardings` (the layout it was saved from); DamagedStep if what this
-        process reads is not as saved."""
-        target = abstract_target(state, shardings)
-        try:
-            self.check_compatible(step, target)
-            checksums = self._check_items(step)
-            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-            items: dict[str, Any] = {"state": ocp.args.PyTreeRestore(item=target, restore_args=restore_args)}
-            if data is not None and self.has_item(step, "data"):
-                items["data"] = grain.checkpoint.CheckpointRestore(data)
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-            except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
-                drop_orphaned_reads()
-                raise _Damage(describe_error(error)) from None
-            if jax.tree.structure(restored["state"]) != jax.tree.structure(target):
-                raise _Damage("it holds a tree of a different structure")
-            problems = array_problems(checksums, process_fingerprints(restored["state"]))
-            if problems:
-                raise _Damage("; ".join(problems))
-        except _Damage as damage:
-            raise DamagedStep(step, self.directory, str(damage)) from None
-        return from_saved_tree(restored["state"], state)
+    # `Checkpointer.restore` reads this process's part of the step, onto the layout it was saved from.
+    _fingerprints, _state_save = staticmethod(process_fingerprints), staticmethod(ocp.args.PyTreeSave)
+
+    @staticmethod
+    def _state_restore(target: Any) -> ocp.args.PyTreeRestore:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        return ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
 
     def _verdict(self, step: int, wanted: str) -> tuple[int, dict[str, Any] | None]:
         """(what this process finds of `step` without reading its arrays, the step's config); warns of damage."""

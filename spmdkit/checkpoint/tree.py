@@ -26,6 +26,19 @@ def abstract_target(state: nnx.State, shardings: Any) -> dict[str, Any]:
     return to_saved_tree(abstract)
 
 
+def first_mismatch(saved: dict[str, tuple[tuple[int, ...], str]], target: dict[str, Any]) -> str | None:
+    """The first array whose shape differs between a step (`saved`: 'model/...' -> (shape, dtype)) and `target`
+    (arrays or ShapeDtypeStructs), in words; None when every array matches."""
+    wanted = {path_text(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    for path, shape in wanted.items():
+        found = saved.get(path, (None, None))[0]
+        if found != shape:
+            what = "is missing" if found is None else f"has shape {found}"
+            return f"{path} {what} in the checkpoint but has shape {shape} here"
+    extra = sorted(set(saved) - set(wanted))
+    return f"it holds {extra[0]} {saved[extra[0]][0]}, which this model lacks" if extra else None
+
+
 def to_saved_tree(state: nnx.State) -> dict[str, Any]:
     """nnx.State of (model, optimizer) -> the pure dict that is saved."""
     pure = nnx.to_pure_dict(state)

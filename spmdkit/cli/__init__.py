@@ -1,4 +1,4 @@
-"""The `spmdkit` command: one module per subcommand, each with `HELP`, `parse(argv)` and `main(argv) -> int`.
+"""The `spmdkit` command: one module per subcommand, each with `parse(argv)` and `main(argv) -> int`.
 
 `train` is built from the `TrainConfig` dataclasses by tyro (`spmdkit.cli.train`); the others are argparse parsers
 of `spmdkit.cli.args.ArgumentParser`. The contract of every command: a user error is one line on stderr

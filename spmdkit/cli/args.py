@@ -1,4 +1,5 @@
-"""What every subcommand shares: one-line parse errors, simulated CPU devices, and command groups (`ckpt`, `data`).
+"""What every subcommand shares: one-line parse errors, simulated CPU devices, a quiet absl, and command groups
+(`ckpt`, `data`).
 
 The contract of every `spmdkit` command: a user error (a bad flag included) is one line on stderr and exit 2, with
 no usage dump and no traceback. `ArgumentParser.error` raises `SpmdkitError`, which `spmdkit.cli.main` prints.
@@ -7,7 +8,8 @@ no usage dump and no traceback. `ArgumentParser.error` raises `SpmdkitError`, wh
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from spmdkit.errors import SpmdkitError
 
@@ -41,24 +43,51 @@ def use_cpu_devices(count: int | None) -> None:
         raise SpmdkitError(f"--cpu-devices {count} comes too late: {error}") from None
 
 
-def _sentence(text: str) -> str:
+def quiet_absl() -> None:
+    """Orbax and JAX log notices through absl while a model or checkpoint loads: the command prints its own lines
+    (and an error as its only one)."""
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)
+
+
+def flag_values(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The values of the flags `names` (attribute names of `args`), as keyword arguments of the same names."""
+    return {name: getattr(args, name) for name in names}
+
+
+def sentence(text: str) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def group_parser(prog: str, summary: str, subcommands: Subcommands) -> ArgumentParser:
-    """The parser of a command group (`spmdkit ckpt`): one subparser per subcommand, whose `handler` runs it."""
-    top = ArgumentParser(prog=prog, description=_sentence(summary))
-    commands = top.add_subparsers(dest="subcommand", required=True, metavar="{" + ",".join(subcommands) + "}")
-    for name, (text, add, run) in subcommands.items():
-        sub = commands.add_parser(name, help=text, description=_sentence(text))
+class CommandGroup:
+    """A command group (`spmdkit ckpt`): one subparser per subcommand, whose `handler` runs it (after
+    `--cpu-devices`, for the subcommands that take it)."""
+
+    def __init__(self, prog: str, summary: str, subcommands: Subcommands):
+        self.prog, self.summary, self.subcommands = prog, summary, subcommands
+
+    def parser(self) -> ArgumentParser:
+        """`PROG` with its subcommands."""
+        top = ArgumentParser(prog=self.prog, description=sentence(self.summary))
+        commands = top.add_subparsers(dest="subcommand", required=True, metavar="{" + ",".join(self.subcommands) + "}")
+        for name, (text, add, run) in self.subcommands.items():
+            sub = commands.add_parser(name, help=text, description=sentence(text))
+            add(sub)
+            sub.set_defaults(handler=run)
+        return top
+
+    def subcommand_parser(self, name: str) -> ArgumentParser:
+        """The parser of one subcommand alone, `PROG NAME` (for the CLI reference)."""
+        text, add, _ = self.subcommands[name]
+        sub = ArgumentParser(prog=f"{self.prog} {name}", description=sentence(text))
         add(sub)
-        sub.set_defaults(handler=run)
-    return top
+        return sub
 
+    def parse(self, argv: Sequence[str]) -> argparse.Namespace:
+        return self.parser().parse_args(list(argv))
 
-def subcommand_parser(prog: str, subcommands: Subcommands, name: str) -> ArgumentParser:
-    """The parser of one subcommand of a group alone, `PROG NAME` (for the CLI reference)."""
-    text, add, _ = subcommands[name]
-    sub = ArgumentParser(prog=f"{prog} {name}", description=_sentence(text))
-    add(sub)
-    return sub
+    def main(self, argv: Sequence[str]) -> int:
+        args = self.parse(argv)
+        use_cpu_devices(getattr(args, "cpu_devices", None))
+        return args.handler(args)

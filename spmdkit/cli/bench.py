@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser
+from spmdkit.cli.args import ArgumentParser, sentence
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import KERNELS
 from spmdkit.models.presets import model_preset
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def parser(prog: str = "spmdkit bench") -> ArgumentParser:
-    return add_arguments(ArgumentParser(prog=prog, description=HELP[0].upper() + HELP[1:] + "."))
+    return add_arguments(ArgumentParser(prog=prog, description=sentence(HELP)))
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser, Subcommands, add_cpu_devices, group_parser, use_cpu_devices
-from spmdkit.cli.args import subcommand_parser as args_subcommand_parser
+from spmdkit.cli.args import CommandGroup, Subcommands, add_cpu_devices, quiet_absl
 
 HELP = SUMMARIES["ckpt"]
 
@@ -50,19 +48,12 @@ def _import_hf(p: argparse.ArgumentParser) -> None:
     add_cpu_devices(p)
 
 
-def _quiet_absl() -> None:
-    """Orbax logs read-only notices through absl; the ckpt commands print their own report."""
-    from absl import logging
-
-    logging.set_verbosity(logging.ERROR)
-
-
 def run_inspect(args: argparse.Namespace) -> int:
     import json
 
     from spmdkit.tools.ckpt_inspect import format_inspection, inspect_checkpoint
 
-    _quiet_absl()
+    quiet_absl()
     info = inspect_checkpoint(args.directory, args.step)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0
@@ -71,7 +62,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from spmdkit.tools.ckpt_inspect import format_verification, verify_checkpoint
 
-    _quiet_absl()
+    quiet_absl()
     report = verify_checkpoint(args.directory)
     print(format_verification(args.directory, report))
     return 0 if all(r["ok"] for r in report) else 1
@@ -80,7 +71,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_reshard(args: argparse.Namespace) -> int:
     from spmdkit.tools.convert import reshard_checkpoint
 
-    _quiet_absl()
+    quiet_absl()
     step = reshard_checkpoint(args.directory, args.out, args.mesh, args.step)
     print(f"resharded step {step} of {args.directory} onto mesh {args.mesh} in {args.out}")
     return 0
@@ -89,7 +80,7 @@ def run_reshard(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from spmdkit.tools.hf_checkpoint import export_hf
 
-    _quiet_absl()
+    quiet_absl()
     out, step = export_hf(args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force)
     print(f"wrote step {step} of {args.directory} as a Hugging Face model in {out}")
     return 0
@@ -98,7 +89,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_import_hf(args: argparse.Namespace) -> int:
     from spmdkit.tools.hf_checkpoint import import_hf
 
-    _quiet_absl()
+    quiet_absl()
     model = import_hf(args.path, args.out, args.dtype, args.mesh)
     print(
         f"wrote checkpoint step 0 ({model.num_params():,} parameters, {model.param_dtype}) in {args.out}; "
@@ -116,21 +107,5 @@ SUBCOMMANDS: Subcommands = {
 }
 
 
-def parser() -> ArgumentParser:
-    """`spmdkit ckpt` with its subcommands."""
-    return group_parser("spmdkit ckpt", HELP, SUBCOMMANDS)
-
-
-def subcommand_parser(name: str) -> ArgumentParser:
-    """The parser of `spmdkit ckpt NAME` alone (for the CLI reference)."""
-    return args_subcommand_parser("spmdkit ckpt", SUBCOMMANDS, name)
-
-
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
-
-
-def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
-    use_cpu_devices(getattr(args, "cpu_devices", None))
-    return args.handler(args)
+GROUP = CommandGroup("spmdkit ckpt", HELP, SUBCOMMANDS)
+parser, subcommand_parser, parse, main = GROUP.parser, GROUP.subcommand_parser, GROUP.parse, GROUP.main

@@ -13,14 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
 from spmdkit.targets.topology import TARGETS, require_aot
 from spmdkit.train.config import TrainConfig, config_from_toml
 
-HELP = SUMMARIES["compile"]
 PROG = "spmdkit compile"
 
 

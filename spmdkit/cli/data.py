@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser, Subcommands, group_parser
-from spmdkit.cli.args import subcommand_parser as args_subcommand_parser
+from spmdkit.cli.args import CommandGroup, Subcommands, flag_values
 
 HELP = SUMMARIES["data"]
 
@@ -53,19 +51,8 @@ def _directory(p: argparse.ArgumentParser) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     from spmdkit.data.prepare import PrepareOptions, prepare
 
-    options = PrepareOptions(
-        inputs=tuple(args.inputs),
-        tokenizer=args.tokenizer,
-        out=args.out,
-        glob=args.glob,
-        text_key=args.text_key,
-        split=args.split,
-        skip_bad=args.skip_bad,
-        dtype=args.dtype,
-        shard_tokens=args.shard_tokens,
-        progress=not args.no_progress,
-        workers=args.workers,
-    )
+    names = ("tokenizer", "out", "glob", "text_key", "split", "skip_bad", "dtype", "shard_tokens", "workers")
+    options = PrepareOptions(inputs=tuple(args.inputs), progress=not args.no_progress, **flag_values(args, *names))
     prepare(options)
     return 0
 
@@ -110,20 +97,5 @@ SUBCOMMANDS: Subcommands = {
 }
 
 
-def parser() -> ArgumentParser:
-    """`spmdkit data` with its subcommands."""
-    return group_parser("spmdkit data", HELP, SUBCOMMANDS)
-
-
-def subcommand_parser(name: str) -> ArgumentParser:
-    """The parser of `spmdkit data NAME` alone (for the CLI reference)."""
-    return args_subcommand_parser("spmdkit data", SUBCOMMANDS, name)
-
-
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
-
-
-def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
-    return args.handler(args)
+GROUP = CommandGroup("spmdkit data", HELP, SUBCOMMANDS)
+parser, subcommand_parser, parse, main = GROUP.parser, GROUP.subcommand_parser, GROUP.parse, GROUP.main

@@ -6,16 +6,12 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
-from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
-from spmdkit.cli.generate import PATH_HELP, quiet_absl
+from spmdkit.cli.args import ArgumentParser, add_cpu_devices, quiet_absl, use_cpu_devices
+from spmdkit.cli.generate import PATH_HELP, check_source
 from spmdkit.errors import SpmdkitError
 
 HF_SEQ_LEN = 1024  # the default row length of a Hugging Face model (its max positions are often far longer)
-
-HELP = SUMMARIES["eval"]
 
 
 def parser() -> ArgumentParser:
@@ -60,12 +56,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SpmdkitError(f"--seq-len {args.seq_len} must be at least 1 (default: the run's seq_len)")
     if args.batch_size < 1:
         raise SpmdkitError(f"--batch-size {args.batch_size} must be at least 1")
-    from spmdkit.inference.loading import check_mesh_spec
-
-    if args.mesh:
-        check_mesh_spec(args.mesh)
-    if not Path(args.path).expanduser().exists():
-        raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
+    check_source(args)
 
 
 def main(argv: Sequence[str]) -> int:

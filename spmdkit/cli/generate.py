@@ -9,13 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser, add_cpu_devices, use_cpu_devices
+from spmdkit.cli.args import ArgumentParser, add_cpu_devices, quiet_absl, use_cpu_devices
 from spmdkit.errors import SpmdkitError
 
 PATH_HELP = "a run directory, its checkpoints/ directory (the newest step is used) or a Hugging Face model directory"
-
-HELP = SUMMARIES["generate"]
 
 
 def parser() -> ArgumentParser:
@@ -89,12 +86,14 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def quiet_absl() -> None:
-    """Orbax and JAX log notices through absl while a model loads: the command prints its own lines (and an error
-    as its only one)."""
-    from absl import logging
+def check_source(args: argparse.Namespace) -> None:
+    """--mesh and PATH (of `generate` and `eval`), before anything loads."""
+    from spmdkit.inference.loading import check_mesh_spec
 
-    logging.set_verbosity(logging.ERROR)
+    if args.mesh:
+        check_mesh_spec(args.mesh)
+    if not Path(args.path).expanduser().exists():
+        raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
 
 
 def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[str]) -> int:
@@ -122,14 +121,10 @@ def main(argv: Sequence[str]) -> int:
     Sampling(args.max_new_tokens or 64, args.temperature, args.top_k, args.top_p, args.seed)  # the flags, checked
     if args.max_len is not None and args.max_len < 2:
         raise SpmdkitError(f"--max-len {args.max_len} must be at least 2")
-    from spmdkit.inference.loading import check_mesh_spec, inference_mesh
-
-    if args.mesh:
-        check_mesh_spec(args.mesh)
-    if not Path(args.path).expanduser().exists():
-        raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
+    check_source(args)
     use_cpu_devices(args.cpu_devices)
     from spmdkit.inference.api import TextGenerator
+    from spmdkit.inference.loading import inference_mesh
 
     mesh = inference_mesh(args.mesh)
     model = TextGenerator.load(args.path, mesh=mesh, max_len=args.max_len)

@@ -6,13 +6,10 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser
+from spmdkit.cli.args import ArgumentParser, flag_values
 from spmdkit.distributed.launcher import launch_local, resolve_platform, visible_gpus
 from spmdkit.distributed.slurm import sbatch_script, submit_slurm
 from spmdkit.errors import SpmdkitError
-
-HELP = SUMMARIES["launch"]
 
 LAUNCH_FLAGS: list[tuple[str, dict]] = [
     ("--processes", dict(type=int, metavar="N", help="local processes (default: one per GPU, else 1)")),
@@ -78,19 +75,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def _slurm(args: argparse.Namespace, command: Sequence[str]) -> int:
     if args.processes is not None or args.processes_per_host is not None or args.nodes is None:
         raise SpmdkitError("--slurm takes --nodes K, --gpus-per-node G and --process-per gpu|node, not --processes")
-    script = sbatch_script(
-        command,
-        args.nodes,
-        args.gpus_per_node,
-        per=args.process_per,
-        cpus_per_task=args.cpus_per_task,
-        env_setup=args.env_setup,
-        job_name=args.job_name,
-        partition=args.partition,
-        time=args.time,
-        account=args.account,
-        max_restarts=args.max_restarts,
-    )
+    names = ("cpus_per_task", "env_setup", "job_name", "partition", "time", "account", "max_restarts")
+    script = sbatch_script(command, args.nodes, args.gpus_per_node, per=args.process_per, **flag_values(args, *names))
     return submit_slurm(script, args.script, args.dry_run)
 
 

@@ -10,8 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import ArgumentParser
+from spmdkit.cli.args import ArgumentParser, flag_values
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import source_model
 from spmdkit.models.presets import PRESETS
@@ -23,8 +22,6 @@ from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, 
 from spmdkit.plan.report import explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
 from spmdkit.sharding.mesh_config import format_sizes
-
-HELP = SUMMARIES["plan"]
 
 
 def parser() -> ArgumentParser:
@@ -131,15 +128,8 @@ def main(argv: Sequence[str]) -> int:
     model = build_model({"name": args.model}, source_model).replace(
         dtype=args.dtype, remat=args.remat or "none", fp8=args.fp8
     )
-    dev = make_device(
-        args.device_type,
-        hbm_gb=args.hbm_gb,
-        peak_tflops=args.peak_tflops,
-        intra_node_gbs=args.intra_node_gbs,
-        inter_node_gbs=args.inter_node_gbs,
-        gpus_per_node=args.gpus_per_node,
-        hbm_gbs=args.hbm_gbs,
-    )
+    names = ("hbm_gb", "peak_tflops", "intra_node_gbs", "inter_node_gbs", "gpus_per_node", "hbm_gbs")
+    dev = make_device(args.device_type, **flag_values(args, *names))
     _check_args(args)
     if args.inference:
         return inference(args, dev)

@@ -15,12 +15,10 @@ from collections.abc import Sequence
 import tyro
 import tyro._errors
 
-from spmdkit.cli import SUMMARIES
 from spmdkit.cli.args import ArgumentParser, use_cpu_devices
 from spmdkit.errors import SpmdkitError
 from spmdkit.train.config import TrainConfig, config_from_toml
 
-HELP = SUMMARIES["train"]
 DESCRIPTION = (
     "Train a Llama-style model with the parallelism the mesh describes. With no flags: the tiny model on the "
     "embedded stdlib data, on every device present. Also: --config FILE.toml (defaults from a TOML file: one "

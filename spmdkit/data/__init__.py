@@ -11,7 +11,7 @@ What other layers use (each module's docstring has the details):
   `set_state` / `iterator` resume exactly. `DataStream.tokenizer` and `DataStream.token_bytes` (int32
   [vocab_size] bytes of text per token id) come with it. `global_batch_arrays(local, shardings)` makes the global
   `jax.Array`s.
-- `tokenizer.Tokenizer` (`encode`, `encode_batch`, `encode_document`, `decode`, `vocab_size`, `model_vocab_size`,
+- `tokenizer.Tokenizer` (`encode`, `encode_document`, `decode`, `vocab_size`, `model_vocab_size`,
   `bos_id`, `eos_id`, `special_ids`, `sha256`, `save(dir)`, `token_bytes()`) and `tokenizer.load_tokenizer(spec)`
   ("bytes", a tokenizer.json, a model directory, a prepared dataset or a run directory holding tokenizer.json).
 - `resolve.source_tokenizer(config)`: the tokenizer of a `DataConfig` source (None for token files and synthetic

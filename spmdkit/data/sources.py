@@ -24,7 +24,6 @@ from spmdkit.data.store.format import is_eval
 from spmdkit.data.store.memory import ArrayDocuments
 from spmdkit.errors import SpmdkitError
 
-VOCAB_BYTES = 256
 BOS = 256
 EOS = 257
 VOCAB_SIZE = 264  # byte tokens + specials, padded to a multiple of 8

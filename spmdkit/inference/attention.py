@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spmdkit.kernels.attention_block import check_attention_options
+from spmdkit.kernels.attention_block import check_attention_options, grouped_scores, grouped_values, visible
 
 
 def cache_attention(
@@ -37,18 +37,9 @@ def cache_attention(
     q: [batch, tokens, heads, head_dim]; k, v: [batch, keys, kv_heads, head_dim]; positions: [batch, tokens] int.
     Returns [batch, tokens, heads, head_dim] in q's dtype.
     """
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    scale = check_attention_options(window, scale, softcap, True, d, "cache attention")
-    grouped = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) * scale
-    if softcap > 0:
-        scores = softcap * jnp.tanh(scores / softcap)
-    slots = jnp.arange(k.shape[1])[None, None, :]
-    visible = slots <= positions[:, :, None]  # [batch, tokens, keys]
-    if window > 0:
-        visible &= slots > positions[:, :, None] - window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    scale = check_attention_options(window, scale, softcap, True, q.shape[3], "cache attention")
+    scores = grouped_scores(q, k, scale, softcap)
+    seen = visible(positions, jnp.arange(k.shape[1]), causal=True, window=window)  # [batch, tokens, keys]
+    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
+    return grouped_values(probs, v)

@@ -28,7 +28,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.transformer import Transformer
 from spmdkit.sharding.mesh import make_mesh
-from spmdkit.sharding.mesh_config import AXES, MeshConfig, format_sizes
+from spmdkit.sharding.mesh_config import AXES, MeshConfig
 from spmdkit.sharding.partition import abstract_state, state_shardings
 from spmdkit.sharding.rules import Rules, make_rules
 
@@ -97,8 +97,3 @@ def place_model(
     if param_dtype is not None:
         state = jax.tree.map(lambda a: a.astype(param_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
     return nnx.merge(graphdef, jax.device_put(state, shardings))
-
-
-def describe_mesh(mesh: Mesh) -> str:
-    """'tensor=4,data=2' (axes of size 1 left out), or 'single device'."""
-    return format_sizes(dict(mesh.shape))

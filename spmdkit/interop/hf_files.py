@@ -70,12 +70,6 @@ def find_tokenizer_dir(path: str | Path) -> Path | None:
     return None
 
 
-def imported_config(path: str | Path) -> dict[str, Any] | None:
-    """The Hugging Face config.json a checkpoint was imported with (None: not imported)."""
-    found = find_hf_files(path)
-    return _json(found / CONFIG) if found is not None and (found / CONFIG).is_file() else None
-
-
 def copy_hf_files(source: str | Path, destination: str | Path, with_config: bool = True) -> list[str]:
     """Copy the tokenizer files, generation config and (`with_config`) config.json of `source` into `destination`
     (created through a temporary directory and a rename; an existing `destination` is left as it is). Returns the

@@ -17,6 +17,9 @@ cotangent of lse, if any), recomputes P from the saved lse (`block_grads`):
     P = exp(s - lse)     dV = P^T dO     dP = dO V^T     dS = P * (dP - D)
     dQ = dS' K * scale   dK = dS'^T Q * scale     (dS' = dS (1 - tanh(s / c)^2) under a soft cap, else dS)
 
+`grouped_scores` and `grouped_values` are the scores and the output of whole sequences in the [batch, seq, heads,
+head_dim] layout, for the kernels that hold every score at once (the reference, the KV-cache attention).
+
 A query row that sees no key at all (padding: segment id 0) gets out = 0, lse = -inf and zero gradients: its
 running max starts at the finite float32 minimum, so a fully masked block gives exp(-inf) = 0, never NaN.
 """
@@ -77,6 +80,21 @@ def capped_scores(q: jax.Array, k: jax.Array, scale: float, softcap: float = 0.0
         return s, None
     t = jnp.tanh(s / softcap)
     return softcap * t, t
+
+
+def grouped_scores(q: jax.Array, k: jax.Array, scale: float, softcap: float = 0.0) -> jax.Array:
+    """Every query against every key, whole sequences: q [batch, bq, heads, D], k [batch, bk, kv_heads, D] ->
+    s = q k^T * scale float32 [batch, kv_heads, group, bq, bk], soft-capped when softcap > 0; nothing masked."""
+    b, t, h, d = q.shape
+    grouped = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
+    s = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=F32) * scale
+    return softcap * jnp.tanh(s / softcap) if softcap > 0 else s
+
+
+def grouped_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """probs [batch, kv_heads, group, bq, bk] times v [batch, bk, kv_heads, D] -> [batch, bq, heads, D]."""
+    b, hk, g, t, _ = probs.shape
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, hk * g, v.shape[3])
 
 
 def _masked(s: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -149,9 +167,9 @@ def block_grads(
     return dq, dk, dv
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> None:
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str, segment_ids: jax.Array | None = None) -> None:
     """One SpmdkitError line unless q is [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim]
-    with heads a multiple of kv_heads (`kernel` names the caller in the message)."""
+    with heads a multiple of kv_heads, and segment_ids (if any) [batch, seq] (`kernel` names the caller)."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise SpmdkitError(
             f"{kernel} takes q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] of equal "
@@ -163,6 +181,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> None:
         raise SpmdkitError(
             f"heads={q.shape[2]} is not a multiple of kv_heads={k.shape[2]}: GQA needs heads = group x kv_heads"
         )
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
 
 
 def check_attention_options(

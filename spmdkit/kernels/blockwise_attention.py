@@ -253,14 +253,6 @@ def _attention_bwd(plan: BlockPlan, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _check(q, k, v, segment_ids, block_q: int, block_k: int) -> None:
-    check_qkv(q, k, v, "blockwise attention")
-    if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
-        raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
-    if block_q < 1 or block_k < 1:
-        raise SpmdkitError(f"block_q={block_q} and block_k={block_k} must be positive")
-
-
 def blockwise_attention(
     q: jax.Array,
     k: jax.Array,
@@ -288,7 +280,9 @@ def blockwise_attention(
     this and the document rule must hold); 0: unlimited. `scale`: the multiplier of q k^T (None: 1/sqrt(head_dim)).
     `softcap` c > 0: scores become c tanh(s / c) before masking and softmax (0: off).
     """
-    _check(q, k, v, segment_ids, block_q, block_k)
+    check_qkv(q, k, v, "blockwise attention", segment_ids)
+    if block_q < 1 or block_k < 1:
+        raise SpmdkitError(f"block_q={block_q} and block_k={block_k} must be positive")
     scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "blockwise attention")
     seq = q.shape[1]
     window = window if window < seq else 0  # a window as long as the sequence hides nothing

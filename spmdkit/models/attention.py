@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import check_attention_options, visible
+from spmdkit.kernels.attention_block import check_attention_options, grouped_scores, grouped_values, visible
 from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.cpu_layout import mesh_device
@@ -76,16 +76,11 @@ def dot_attention(
     [batch, seq], rows that see no key (padding) give 0 and pass no gradient. `window`, `scale`, `softcap`: the
     module doc (window needs causal).
     """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    scale = check_attention_options(window, scale, softcap, causal, d, "dot attention")
-    qg = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap > 0:
-        scores = softcap * jnp.tanh(scores / softcap)
+    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "dot attention")
+    scores = grouped_scores(q, k, scale, softcap)
     if segment_ids is None:
         if causal:
-            pos = jnp.arange(s)
+            pos = jnp.arange(q.shape[1])
             scores = jnp.where(visible(pos, pos, causal=True, window=window), scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     else:
@@ -95,8 +90,7 @@ def dot_attention(
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exp(-inf) = 0
         total = weights.sum(-1, keepdims=True)
         probs = (weights / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, s, h, d)
+    return grouped_values(probs, v)
 
 
 def platform() -> str:

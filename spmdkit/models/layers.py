@@ -83,12 +83,8 @@ def rope_frequencies(config: TransformerConfig, local: bool = False) -> np.ndarr
     if c.rope_type == "linear":
         inv = inv / f32(c.rope_factor)
     elif c.rope_type == "llama3":
-        old, low, high, factor = (
-            f32(c.rope_original_max_positions),
-            c.rope_low_freq_factor,
-            c.rope_high_freq_factor,
-            f32(c.rope_factor),
-        )
+        old, factor = f32(c.rope_original_max_positions), f32(c.rope_factor)
+        low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
         wavelen = f32(2 * math.pi) / inv
         scaled = np.where(wavelen > old / f32(low), inv / factor, inv)
         smooth = (old / wavelen - f32(low)) / f32(high - low)
@@ -205,11 +201,7 @@ class Attention(nnx.Module):
         return {name: value for name, value in options.items() if value}
 
     def __call__(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array | None = None,
-        kind: LayerKind | None = None,
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, kind: LayerKind | None = None
     ) -> jax.Array:
         """x: [batch, seq, embed] -> [batch, seq, embed]: `qkv`, the attention kernel the config names, `out`.
         segment_ids: int32 [batch, seq] (0 padding, 1, 2, ... documents packed in a row) or None (one document);

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.layers import HIDDEN, MLP, normal
+from spmdkit.models.layers import HIDDEN, MLP, RESIDUAL, normal_param
 from spmdkit.parallel.experts import ExpertWeights, expert_ffn
 from spmdkit.sharding.logical import constrain
 
@@ -59,16 +59,16 @@ class MoE(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c, pd, f = config, config.param_dtype, config.routed_mlp
-        self.router = nnx.Param(normal(rngs, (c.embed, c.experts), c.embed, pd), out_sharding=("embed", None))
+        self.router = normal_param(rngs, (c.embed, c.experts), ("embed", None), c.embed, pd)
         shape_in, shape_out = (c.experts, c.embed, f), (c.experts, f, c.embed)
         names_in, names_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
-        self.gate = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
-        self.up = nnx.Param(normal(rngs, shape_in, c.embed, pd), out_sharding=names_in)
-        self.down = nnx.Param(normal(rngs, shape_out, f, pd), out_sharding=names_out)
+        self.gate = normal_param(rngs, shape_in, names_in, c.embed, pd)
+        self.up = normal_param(rngs, shape_in, names_in, c.embed, pd)
+        self.down = normal_param(rngs, shape_out, names_out, f, pd)
         if c.shared_expert:  # a dense MLP run on every token
             self.shared = MLP(config, rngs=rngs, width=c.shared_expert_mlp or c.mlp)
         if c.shared_expert_gate:
-            self.shared_gate = nnx.Param(normal(rngs, (c.embed, 1), c.embed, pd), out_sharding=("embed", None))
+            self.shared_gate = normal_param(rngs, (c.embed, 1), ("embed", None), c.embed, pd)
         self.config = config
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -86,4 +86,4 @@ class MoE(nnx.Module):
                 gate = jnp.einsum("bse,eo->bso", x, self.shared_gate[...].astype(x.dtype))
                 shared = shared * jax.nn.sigmoid(gate)
             y = y + shared
-        return constrain(y, ("batch", "act_seq", "act_embed")), {**aux_losses(logits, index), "dropped": dropped}
+        return constrain(y, RESIDUAL), {**aux_losses(logits, index), "dropped": dropped}

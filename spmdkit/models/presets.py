@@ -18,31 +18,16 @@ PRESETS: dict[str, TransformerConfig] = {
     "70b": TransformerConfig(
         vocab_size=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, rope_theta=500_000.0
     ),
-    "405b": TransformerConfig(
-        vocab_size=128_256,
-        embed=16384,
-        layers=126,
-        heads=128,
-        kv_heads=8,
-        head_dim=128,
-        mlp=53248,
-        rope_theta=500_000.0,
-    ),
 }
+PRESETS["405b"] = TransformerConfig(
+    vocab_size=128_256, embed=16384, layers=126, heads=128, kv_heads=8, head_dim=128, mlp=53248, rope_theta=500_000.0
+)
 
 PRESETS["tiny-moe"] = TransformerConfig(experts=8, top_k=2, mlp=128, moe_every=2)
 PRESETS["mixtral-8x7b"] = TransformerConfig(
-    vocab_size=32_000,
-    embed=4096,
-    layers=32,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    mlp=14336,
-    rope_theta=1_000_000.0,
-    experts=8,
-    top_k=2,
-)
+    vocab_size=32_000, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, rope_theta=1_000_000.0,
+    experts=8, top_k=2,
+)  # fmt: skip
 
 
 # The families users fine-tune (shapes for the planner; `spmdkit train --init-from` takes real weights' shapes).
@@ -58,16 +43,9 @@ PRESETS["llama3.2-1b"] = TransformerConfig(
     embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192, rope_factor=32.0, tie_embeddings=True, **_LLAMA3
 )
 PRESETS["llama3.2-3b"] = TransformerConfig(
-    embed=3072,
-    layers=28,
-    heads=24,
-    kv_heads=8,
-    head_dim=128,
-    mlp=8192,
-    rope_factor=32.0,
-    tie_embeddings=True,
+    embed=3072, layers=28, heads=24, kv_heads=8, head_dim=128, mlp=8192, rope_factor=32.0, tie_embeddings=True,
     **_LLAMA3,
-)
+)  # fmt: skip
 PRESETS["qwen2.5-0.5b"] = TransformerConfig(
     vocab_size=151_936, embed=896, layers=24, heads=14, kv_heads=2, head_dim=64, mlp=4864, rope_theta=1_000_000.0,
     norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_positions=32_768,

@@ -68,11 +68,7 @@ class Block(nnx.Module):
         return self.add(x, out, "mlp_post_norm"), aux
 
     def __call__(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array | None = None,
-        kind: LayerKind | None = None,
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, kind: LayerKind | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, seq, embed] -> (x, aux); aux holds the MoE layer's losses and loads ({} for a dense MLP);
         kind: the layer's static kind (window, RoPE; None: layer 0's)."""
@@ -122,10 +118,6 @@ class Transformer(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> residual stream [batch, seq, embed] in the compute dtype."""
         return embed_tokens(self.embedding[...], tokens, self.config.dtype, self.config.embed_scale)
-
-    def run_blocks(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """Apply every block in order with a scan; remat per block as the config says."""
-        return self.run_layers(x, positions, segment_ids)[0]
 
     def run_layers(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None

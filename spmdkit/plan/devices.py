@@ -52,39 +52,30 @@ def mixed_peak(device: Device, fp8_share: float = 0.0) -> float:
     return 1.0 / (fp8_share / fp8 + (1.0 - fp8_share) / device.peak_flops)
 
 
+# H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
+# host_bw: PCIe Gen5 x16, 63 GB/s raw per direction (32 GT/s x 16 lanes, 128b/130b; PCI-SIG PCIe 5.0 base
+# specification), ~50 GB/s effective in pinned host <-> device copies (H200, B200: the same link).
+_H100 = Device(
+    "h100",
+    80e9,
+    989e12,
+    450e9,
+    50e9,
+    kinds=("H100", "H800"),
+    hbm_bw=3.35e12,
+    link_latency=8e-6,
+    compute_capability=9,
+    host_bw=50e9,
+    fp8_peak_flops=1979e12,
+)
+
 DEVICES: dict[str, Device] = {
     # HBM bandwidth (hbm_bw) is the datasheet's: H100 SXM 3.35 TB/s, H200 4.8, A100 80GB 2.04, L40S 0.864 (GDDR6),
     # B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
     # (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
-    # H100 SXM: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, one 400 Gb/s NDR NIC per GPU.
-    # host_bw: PCIe Gen5 x16, 63 GB/s raw per direction (32 GT/s x 16 lanes, 128b/130b; PCI-SIG PCIe 5.0 base
-    # specification), ~50 GB/s effective in pinned host <-> device copies (H200, B200: the same link).
-    "h100": Device(
-        "h100",
-        80e9,
-        989e12,
-        450e9,
-        50e9,
-        kinds=("H100", "H800"),
-        hbm_bw=3.35e12,
-        link_latency=8e-6,
-        compute_capability=9,
-        host_bw=50e9,
-        fp8_peak_flops=1979e12,
-    ),
-    "h200": Device(
-        "h200",
-        141e9,
-        989e12,
-        450e9,
-        50e9,
-        kinds=("H200", "GH200"),
-        hbm_bw=4.8e12,
-        link_latency=8e-6,
-        compute_capability=9,
-        host_bw=50e9,
-        fp8_peak_flops=1979e12,
-    ),
+    "h100": _H100,
+    # H200: an H100 with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": dataclasses.replace(_H100, name="h200", hbm_bytes=141e9, kinds=("H200", "GH200"), hbm_bw=4.8e12),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
     "a100": Device(
         "a100",

@@ -110,10 +110,6 @@ class Tokenizer:
         """Token ids of `text`, without BOS/EOS."""
         return self.hf.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text, without BOS/EOS; the Rust tokenizer encodes the batch on all cores."""
-        return [e.ids for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
-
     def encode_document(self, text: str) -> list[int]:
         """`[BOS] + encode(text) + [EOS]`, as a prepared dataset stores a document."""
         return self.bos + self.encode(text) + self.eos

@@ -14,6 +14,8 @@ the diagonal pair. `window` W > 0 hides keys at or before query - W.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,7 +23,7 @@ from jax import lax
 from spmdkit.kernels.attention_block import F32, block_grads, fold, visible
 
 __all__ = ["F32", "bwd_pair", "fwd_pair", "merge_kv", "merge_q", "merge_rows", "split_kv", "split_q", "split_rows"]
-__all__ += ["split_seg"]
+__all__ += ["PairOptions", "split_seg"]
 
 
 def split_q(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -86,74 +88,57 @@ def merge_tiles(x: jax.Array) -> jax.Array:
     return x.transpose(1, 2, 0, 3, 4).reshape(b, hk, nt * tile, d)
 
 
-def _tile_mask(
-    c: int, index: jax.Array, tile: int, diagonal: bool, q_seg, k_seg, window: int, offset
-) -> jax.Array | None:
-    """Which keys of tile `index` each of the c queries sees: on the diagonal pair (the same chunk) keys after the
-    query are hidden; `window` W > 0: keys W or more positions before the query (`offset`: the key chunk's first
-    position less the query chunk's); with segment ids, keys of other documents."""
+class PairOptions(NamedTuple):
+    """What one chunk pair's masks and scores need besides q, k, v: `diagonal` (the same chunk: keys after the
+    query are hidden), `scale`, `key_tile`, segment ids q_seg, k_seg [B, c] of the query and key chunks (None: one
+    document), `window` and `offset` (the module doc; 0: no window mask) and `softcap`."""
+
+    diagonal: bool
+    scale: float
+    key_tile: int
+    q_seg: jax.Array | None = None
+    k_seg: jax.Array | None = None
+    window: int = 0
+    offset: jax.Array | int = 0
+    softcap: float = 0.0
+
+
+def _tile_mask(c: int, index: jax.Array, pair: PairOptions, k_seg) -> jax.Array | None:
+    """Which keys of tile `index` (segment ids `k_seg`) each of the c queries sees: on the diagonal pair keys after
+    the query are hidden; `window` W > 0: keys W or more positions before the query; with segment ids, keys of
+    other documents."""
     q_pos = jnp.arange(c)
-    k_pos = offset + index * tile + jnp.arange(tile)
-    return visible(q_pos, k_pos, causal=diagonal, window=window, q_seg=q_seg, k_seg=k_seg)
+    k_pos = pair.offset + index * pair.key_tile + jnp.arange(pair.key_tile)
+    return visible(q_pos, k_pos, causal=pair.diagonal, window=pair.window, q_seg=pair.q_seg, k_seg=k_seg)
 
 
-def _tiles(k, v, k_seg, tile: int) -> tuple:
+def _tiles(k, v, pair: PairOptions) -> tuple:
     """The scanned inputs of a key chunk: tile indices, K, V and segment-id tiles (None without segments)."""
-    return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(k_seg, tile)
+    tile = pair.key_tile
+    return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(pair.k_seg, tile)
 
 
-def fwd_pair(
-    q,
-    k,
-    v,
-    acc,
-    *,
-    diagonal: bool,
-    scale: float,
-    key_tile: int,
-    q_seg=None,
-    k_seg=None,
-    window=0,
-    offset=0,
-    softcap=0.0,
-):
-    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk, a tile at a time.
-    q_seg [B, c], k_seg [B, c]: segment ids of the query and key chunks (None: one document); `window`, `offset`:
-    the module doc (0: no window mask)."""
+def fwd_pair(q, k, v, acc, pair: PairOptions):
+    """Fold one key chunk into the online-softmax state acc = (o, m, l) of one query chunk, a tile at a time."""
 
     def tile_step(acc, xs):
         index, kt, vt, st = xs
-        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st, window, offset)
-        return fold(acc, q, kt, vt, mask, scale, softcap), None
+        return fold(acc, q, kt, vt, _tile_mask(q.shape[-2], index, pair, st), pair.scale, pair.softcap), None
 
-    return lax.scan(tile_step, acc, _tiles(k, v, k_seg, key_tile))[0]
+    return lax.scan(tile_step, acc, _tiles(k, v, pair))[0]
 
 
-def bwd_pair(
-    rows,
-    k,
-    v,
-    grads,
-    *,
-    diagonal: bool,
-    scale: float,
-    key_tile: int,
-    q_seg=None,
-    k_seg=None,
-    window=0,
-    offset=0,
-    softcap=0.0,
-):
+def bwd_pair(rows, k, v, grads, pair: PairOptions):
     """Gradient contributions of one chunk pair. rows = (q, dO, lse, D) of the query chunk;
-    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk; masks as `fwd_pair`."""
+    grads = (dq, dk, dv) float32 accumulators of the query chunk and the key chunk."""
     q, do, lse, delta = rows
     dq, dk, dv = grads
 
     def tile_step(dq, xs):
         index, kt, vt, st = xs
-        mask = _tile_mask(q.shape[-2], index, key_tile, diagonal, q_seg, st, window, offset)
-        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, scale, softcap)
+        mask = _tile_mask(q.shape[-2], index, pair, st)
+        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, pair.scale, pair.softcap)
         return dq + dq_t, (dk_t, dv_t)
 
-    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, _tiles(k, v, k_seg, key_tile))
+    dq, (dk_t, dv_t) = lax.scan(tile_step, dq, _tiles(k, v, pair))
     return dq, dk + merge_tiles(dk_t), dv + merge_tiles(dv_t)

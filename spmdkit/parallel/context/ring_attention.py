@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import F32, check_attention_options, check_qkv, finish, initial_state, row_delta
 from spmdkit.parallel.context.chunk_pair import (
+    PairOptions,
     bwd_pair,
     fwd_pair,
     merge_kv,
@@ -74,7 +75,7 @@ from spmdkit.parallel.context.zigzag import (
 
 # The layout helpers live in spmdkit.parallel.context.zigzag and are re-exported here.
 __all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
-__all__ += ["ring_attention", "ring_attention_with_lse"]
+__all__ += ["ring_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +188,10 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
 # ---------------------------------------------------------------- forward and backward programs (per device)
 
 
-def _segments(seg, i):
-    """Slot i of segment ids [2, B, c], or None without segment ids."""
-    return None if seg is None else _take(seg, i)
+def _pair_options(ring: _Ring, q_seg, k_seg, i, j, offset, diagonal: bool, window: int) -> PairOptions:
+    """The options of query slot i against key slot j; q_seg, k_seg: segment ids [2, B, c] or None."""
+    segments = (None, None) if q_seg is None else (_take(q_seg, i), _take(k_seg, j))
+    return PairOptions(diagonal, ring.scale, ring.key_tile, *segments, window, offset, ring.softcap)
 
 
 def _forward_local(ring: _Ring, q, k, v, seg):
@@ -203,11 +205,8 @@ def _forward_local(ring: _Ring, q, k, v, seg):
     def pair(state, kv, i, j, offset, diagonal, window):
         (kv, k_seg) = kv
         acc = tuple(_take(s, i) for s in state)
-        new = fwd_pair(
-            _take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, diagonal=diagonal, scale=ring.scale,
-            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j), window=window,
-            offset=offset, softcap=ring.softcap,
-        )  # fmt: skip
+        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, window)
+        new = fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, options)
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
     state = _ring_loop(pair, state, (jnp.stack([split_kv(k), split_kv(v)]), q_seg), ring)
@@ -229,11 +228,8 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
         (kv, k_seg), (dq, dk, dv) = kv, state
         grads = (_take(dq, i), _take(dk, j), _take(dv, j))
         kj, vj = _take(kv[0], j), _take(kv[1], j)
-        dqi, dkj, dvj = bwd_pair(
-            tuple(_take(x, i) for x in rows), kj, vj, grads, diagonal=diagonal, scale=ring.scale,
-            key_tile=ring.key_tile, q_seg=_segments(q_seg, i), k_seg=_segments(k_seg, j), window=window,
-            offset=offset, softcap=ring.softcap,
-        )  # fmt: skip
+        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, window)
+        dqi, dkj, dvj = bwd_pair(tuple(_take(x, i) for x in rows), kj, vj, grads, options)
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
     def send_back(state):  # dK, dV travel packed in one buffer
@@ -287,12 +283,6 @@ def _present(mesh: Mesh, axis: str | None) -> bool:
     return axis is not None and mesh.shape.get(axis, 1) > 1
 
 
-def _check_segments(segment_ids: jax.Array | None, q: jax.Array) -> jax.Array | None:
-    if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
-        raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
-    return segment_ids
-
-
 def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> None:
     devices = math.prod(mesh.shape[a] for a in axes)
     if size % devices:
@@ -303,9 +293,8 @@ def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> N
 
 
 def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile, options) -> _Ring:
-    """Check every user input and resolve the axes (size-1 and absent axes are dropped); options: (window, scale,
-    softcap)."""
-    check_qkv(q, k, v, "ring attention")
+    """Check the user inputs (but q, k, v and segment ids: `check_qkv`) and resolve the axes (size-1 and absent
+    axes are dropped); options: (window, scale, softcap)."""
     window, scale, softcap = options
     scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "ring attention")
     load_balance = check_load_balance(load_balance)
@@ -330,31 +319,6 @@ def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads
     )
 
 
-def ring_attention_with_lse(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    mesh: Mesh,
-    axis_name: str = "context",
-    causal: bool = True,
-    load_balance: str | None = "zigzag",
-    batch_axes: tuple[str, ...] = ("data", "fsdp"),
-    heads_axis: str | None = "tensor",
-    key_tile: int | None = None,
-    segment_ids: jax.Array | None = None,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
-    """`ring_attention` that also returns lse [batch, heads, seq] float32 (the log-sum-exp of each query
-    row's scaled scores, seq in the same layout as q; -inf for a row that sees no key), differentiable like
-    `out`."""
-    options = (window, scale, softcap)
-    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile, options)
-    return _attention(ring, q, k, v, _check_segments(segment_ids, q))
-
-
 def ring_attention(
     q: jax.Array,
     k: jax.Array,
@@ -371,7 +335,8 @@ def ring_attention(
     window: int = 0,
     scale: float | None = None,
     softcap: float = 0.0,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention (default scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], heads a multiple of kv_heads
@@ -391,8 +356,12 @@ def ring_attention(
     nothing: output 0, no gradient). None: one document per row. `window` W > 0 (causal only): a query at true
     position i sees keys i - W < j <= i (chunk pairs wholly outside every window are skipped); `scale`: the
     multiplier of q k^T (None: 1/sqrt(head_dim)); `softcap` c > 0: scores become c tanh(s / c) (0: off).
-    Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse.
+    Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse. `return_lse`:
+    return (out, lse), lse [batch, heads, seq] float32 the log-sum-exp of each query row's scaled scores (seq in
+    q's layout; -inf for a row that sees no key), differentiable like `out`.
     """
+    check_qkv(q, k, v, "ring attention", segment_ids)
     options = (window, scale, softcap)
     ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile, options)
-    return _attention(ring, q, k, v, _check_segments(segment_ids, q))[0]
+    out, lse = _attention(ring, q, k, v, segment_ids)
+    return (out, lse) if return_lse else out

@@ -85,10 +85,6 @@ class Schedule:
         """`[stages]`: the most stage inputs each stage holds at once (stash slots in use)."""
         return _peak_live(self.table, SLOT, RECV_X)
 
-    def peak_grad_buffer(self) -> np.ndarray:
-        """`[stages]`: the most cotangents each stage holds at once."""
-        return _peak_live(self.table, GRAD_SLOT, RECV_G)
-
     def format(self) -> str:
         """Text grid: one row per stage, one column per tick, cells `F3`/`B3` (`F3.1` = chunk 1), `.` idle."""
         cells = [[_cell(row, self.virtual_stages) for row in self.table[:, s]] for s in range(self.num_stages)]
