@@ -47,13 +47,15 @@ def test_the_time_lost_to_a_restart_is_the_redone_steps_time(restarted):
 
 
 def test_the_job_totals_add_up(restarted):
-    first, records, stdout = restarted
+    _, records, stdout = restarted
     last = records[-1]
     # the rest: the restart's gap (process start-up before /proc counts it is in start-up), logging
     assert -0.05 < last["lost_other_s"] < 0.2 * last["wall_s"]
     assert last["goodput"] == pytest.approx(last["productive_s"] / last["wall_s"])
     assert last["lost_startup_s"] > last["lost_compile_s"] > 0  # two start-ups, each compiling
-    assert records[10]["wall_s"] > first[-1]["wall_s"]  # the job's clock did not start again
+    # the job's clock did not start again: from step 10 to the resumed step 11 it counts the redone steps 11-17 of
+    # the first attempt and the restart (a comparison with the run killed by hand depends on the compile cache)
+    assert records[10]["wall_s"] - records[9]["wall_s"] > records[10]["lost_redone_s"] > 0
     assert "1 restart(s); lost: start-up" in stdout and "redone steps" in stdout
 
 

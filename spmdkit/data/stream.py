@@ -37,7 +37,7 @@ import numpy as np
 
 from spmdkit.data.config import DataConfig
 from spmdkit.data.packing.mixture import global_rows, packed_rows
-from spmdkit.data.packing.rows import FIELDS
+from spmdkit.data.packing.rows import FIELDS, window_fields
 from spmdkit.data.resolve import Resolved, check_vocab, resolve_source, shared_tokenizer
 from spmdkit.data.sources import record_source, stdlib_documents
 from spmdkit.data.store import PreparedDataset, check_vocabulary
@@ -95,13 +95,6 @@ class DataStream(Iterator[dict[str, np.ndarray]]):
         self.iterator.set_state(state)
 
 
-def _to_example(window: np.ndarray) -> dict[str, np.ndarray]:
-    """[seq_len + 1] tokens -> inputs, targets (shifted by one), positions: int32 [seq_len] each."""
-    window = np.asarray(window, dtype=np.int32)
-    seq_len = len(window) - 1
-    return {"inputs": window[:-1], "targets": window[1:], "positions": np.arange(seq_len, dtype=np.int32)}
-
-
 def make_data(
     config: DataConfig, *, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str = "train"
 ) -> DataStream:
@@ -115,8 +108,6 @@ def make_data(
         raise SpmdkitError(f"unknown data split {split!r}: use 'train' or 'eval'")
     if seq_len < 1 or global_batch < 1:
         raise SpmdkitError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise SpmdkitError(f"eval_fraction={config.eval_fraction} is out of range: use a value in [0, 1)")
     nproc, pid = jax.process_count(), jax.process_index()
     if global_batch % nproc:
         raise SpmdkitError(
@@ -124,7 +115,7 @@ def make_data(
         )
     resolved = resolve_source(config)
     if resolved.kind in ("prepared", "mixture") or resolved.packing == "documents":
-        return _packed_stream(config, resolved, seq_len, global_batch, vocab_size, seed, split, nproc, pid)
+        return _packed_stream(config, resolved, seq_len, global_batch, vocab_size, seed, split)
     source = record_source(config, seq_len, vocab_size, seed, split)
     if len(source) < global_batch:
         raise SpmdkitError(
@@ -139,7 +130,7 @@ def make_data(
     ds = grain.MapDataset.source(source)[:num_records]
     if split == "train":
         ds = ds.seed(seed).shuffle()
-    ds = ds[pid::nproc].map(_to_example)
+    ds = ds[pid::nproc].map(window_fields)
     if split == "train":
         ds = ds.repeat()
     iter_ds = ds.batch(local_batch, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
@@ -157,15 +148,7 @@ def make_data(
 
 
 def _packed_stream(
-    config: DataConfig,
-    resolved: Resolved,
-    seq_len: int,
-    global_batch: int,
-    vocab_size: int,
-    seed: int,
-    split: str,
-    nproc: int,
-    pid: int,
+    config: DataConfig, resolved: Resolved, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str
 ) -> DataStream:
     """Prepared datasets, mixtures, and the stdlib under `--packing documents`: rows from document stores."""
     if resolved.kind == "stdlib":
@@ -181,8 +164,8 @@ def _packed_stream(
     parts = packed_rows(
         stores, seq_len=seq_len, packing=resolved.packing, split=split, eval_fraction=config.eval_fraction, seed=seed
     )
-    weights = resolved.weights or (1.0,)
-    rows = global_rows(parts, weights)
+    rows = global_rows(parts, resolved.weights or (1.0,))
+    nproc = jax.process_count()
     local_batch = global_batch // nproc
     if split == "eval":
         num_records = len(rows) - len(rows) % global_batch
@@ -201,7 +184,7 @@ def _packed_stream(
             )
     # Blocks of local_batch consecutive global rows; process p takes blocks p, p + nproc, ...: at step s the
     # processes' rows together are global rows [s * global_batch, (s + 1) * global_batch) in process order.
-    batches = rows.batch(local_batch, drop_remainder=True)[pid::nproc]
+    batches = rows.batch(local_batch, drop_remainder=True)[jax.process_index() :: nproc]
     return DataStream(
         batches.to_iter_dataset(_READ_OPTIONS),
         seq_len=seq_len,

@@ -78,10 +78,7 @@ class TextGenerator:
         return self.tokenizer.bos + self.tokenizer.encode(prompt) if prompt else []
 
     def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: Sampling,
-        on_text: Callable[[int, str], None] | None = None,
+        self, prompts: Sequence[Prompt], sampling: Sampling, on_text: Callable[[int, str], None] | None = None
     ) -> list[Completion]:
         """Complete every prompt; `on_text(row, new_text)` streams each row's text as its tokens arrive."""
         ids = [self.encode(p) for p in prompts]
@@ -89,11 +86,9 @@ class TextGenerator:
         stop = [] if tok is None or tok.eos_id is None else [tok.eos_id]
         streams = [TextStream(tok) for _ in ids] if tok is not None and on_text is not None else None
 
-        def on_tokens(row: int, new: list[int]) -> None:
-            if streams is not None:
-                text = streams[row].push([t for t in new if t not in stop])
-                if text:
-                    on_text(row, text)
+        def on_tokens(row: int, new: list[int]) -> None:  # passed only with `streams`
+            if text := streams[row].push([t for t in new if t not in stop]):
+                on_text(row, text)
 
         completions = self.generator.generate(ids, sampling, stop=stop, on_tokens=on_tokens if streams else None)
         for row, completion in enumerate(completions):

@@ -3,7 +3,7 @@
 Logically [layers, batch, max_len, kv_heads, head_dim] twice (keys, values) plus the positions held per row; held
 as one buffer per layer (`k[l]`, `v[l]`: [batch, max_len, kv_heads, head_dim], the compute dtype, slot j = position
 j), so that a decode step's attention reads each layer's cache where it lies (XLA would copy a slice of a stacked
-cache before the matmul reads it: `spmdkit.inference.layerwise`). `KVCache.stacked()` gives the 5-d view.
+cache before the matmul reads it: `spmdkit.inference.layerwise`).
 
     lengths  [batch] int32   positions held per row (the next token's position)
 
@@ -42,14 +42,6 @@ class KVCache:
     v: tuple[jax.Array, ...]
     lengths: jax.Array
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
-    def stacked(self) -> tuple[jax.Array, jax.Array]:
-        """(keys, values) as [layers, batch, max_len, kv_heads, head_dim] arrays (a copy)."""
-        return jnp.stack(self.k), jnp.stack(self.v)
-
 
 def layer_shape(config: TransformerConfig, batch: int, max_len: int) -> tuple[int, int, int, int]:
     """[batch, max_len, kv_heads, head_dim]: one layer's keys (or values)."""
@@ -73,10 +65,9 @@ def cache_shardings(config: TransformerConfig, batch: int, max_len: int, mesh: M
 def empty_cache(config: TransformerConfig, batch: int, max_len: int, lengths: jax.Array | None = None) -> KVCache:
     """A zero cache (inside a traced function its layout comes from the caller's shardings)."""
     shape, dtype = layer_shape(config, batch, max_len), jnp.dtype(config.dtype)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.layers))
-    return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.layers)), (
-        jnp.zeros((batch,), jnp.int32) if lengths is None else lengths
-    ))  # fmt: skip
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(config.layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(config.layers))
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths)
 
 
 def abstract_cache(config: TransformerConfig, batch: int, max_len: int, shardings: KVCache) -> KVCache:

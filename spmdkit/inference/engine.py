@@ -119,12 +119,10 @@ class Generator:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return SamplingArrays(*([replicated] * len(SamplingArrays._fields)))
 
-    def _param_shardings(self) -> Any:
-        return shardings_of(self.params)
-
-    def _compile(self, key: tuple, fn: Callable, args: tuple, in_shardings: tuple, out_shardings: Any, donate=()):
+    def _compile(self, key: tuple, fn: Callable, args: tuple, out_shardings: Any, donate=()):
+        """`fn` compiled once per `key` for `args` (`ShapeDtypeStruct`s carrying the shardings it takes)."""
         if key not in self.programs:
-            jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
+            jitted = jax.jit(fn, in_shardings=shardings_of(args), out_shardings=out_shardings, donate_argnums=donate)
             with use_rules(self.rules, self.mesh):
                 self.programs[key] = jitted.lower(*args).compile()
         return self.programs[key]
@@ -132,8 +130,10 @@ class Generator:
     def _abstract(self, tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    def _abstract_settings(self) -> SamplingArrays:
-        return self._abstract(sampling_arrays(Sampling(), 1), self._settings_shardings())
+    def _args(self, *middle: Any) -> tuple:
+        """(params, *middle, settings) as `ShapeDtypeStruct`s carrying their shardings: what programs lower for."""
+        settings = self._abstract(sampling_arrays(Sampling(), 1), self._settings_shardings())
+        return (self._abstract(self.params, shardings_of(self.params)), *middle, settings)
 
     def _abstract_state(self, batch: int, max_len: int) -> DecodeState:
         shardings = self._state_shardings(batch, max_len)
@@ -155,12 +155,8 @@ class Generator:
 
         tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=self._rows(batch))
         vector = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._rows(batch))
-        args = (self._abstract(self.params, self._param_shardings()), tokens, vector, vector, self._abstract_settings())
-        shardings = (self._param_shardings(), self._rows(batch), self._rows(batch), self._rows(batch))
-        shardings += (self._settings_shardings(),)
-        return self._compile(
-            ("prefill", batch, prompt, max_len), run, args, shardings, self._state_shardings(batch, max_len)
-        )
+        args = self._args(tokens, vector, vector)
+        return self._compile(("prefill", batch, prompt, max_len), run, args, self._state_shardings(batch, max_len))
 
     def _step(self, batch: int) -> Callable:
         """One decode step of every row: (params, state, settings) -> (state, new tokens [B], -1 where none)."""
@@ -180,11 +176,9 @@ class Generator:
         return step
 
     def _compile_decode(self, key: tuple, fn: Callable, batch: int, max_len: int) -> Any:
-        state = self._abstract_state(batch, max_len)
-        args = (self._abstract(self.params, self._param_shardings()), state, self._abstract_settings())
-        state_shardings = self._state_shardings(batch, max_len)
-        shardings = (self._param_shardings(), state_shardings, self._settings_shardings())
-        return self._compile(key, fn, args, shardings, (state_shardings, self._rows(batch)), donate=(1,))
+        args = self._args(self._abstract_state(batch, max_len))
+        out_shardings = (self._state_shardings(batch, max_len), self._rows(batch))
+        return self._compile(key, fn, args, out_shardings, donate=(1,))
 
     def step_program(self, batch: int, max_len: int) -> Any:
         """Compiled single decode step (params, state, settings) -> (state, new tokens [B]); the state is donated.
@@ -266,8 +260,7 @@ class Generator:
         started = time.perf_counter()  # compiling (once per bucket) is reported apart from the request's latency
         compile_s = started - compile_start
         settings = jax.device_put(sampling_arrays(sampling, self.vocab_limit, stop), self._settings_shardings())
-        rows = self._rows(batch)
-        inputs = [jax.device_put(a, rows) for a in (tokens, row_lengths, row_budgets)]
+        inputs = jax.device_put((tokens, row_lengths, row_budgets), self._rows(batch))
 
         begin = time.perf_counter()
         state = prefill_fn(self.params, *inputs, settings)
@@ -293,13 +286,10 @@ class Generator:
         for r in range(n):
             stopped = bool(out[r]) and out[r][-1] in stop_ids
             generated = out[r][:-1] if stopped else out[r]
-            decode_s = finished_at[r] if finished_at[r] is not None else 0.0
+            decode_s = finished_at[r] or 0.0
             rate = (len(out[r]) - 1) / decode_s if decode_s > 0 and len(out[r]) > 1 else 0.0
-            completions.append(
-                Completion(
-                    list(prompts[r]), generated, "stop" if stopped else "length", prefill_s, ttft, rate, compile_s
-                )
-            )
+            reason = "stop" if stopped else "length"
+            completions.append(Completion(list(prompts[r]), generated, reason, prefill_s, ttft, rate, compile_s))
         return completions
 
     @staticmethod

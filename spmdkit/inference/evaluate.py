@@ -15,6 +15,7 @@ and the loss mask skips padding and each document's last token. The loss is the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -28,6 +29,7 @@ from spmdkit.data.bits import bits_per_byte, target_bytes
 from spmdkit.data.config import DataConfig
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
+from spmdkit.inference.layerwise import shardings_of
 from spmdkit.models.transformer import Transformer
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.rules import Rules
@@ -72,15 +74,11 @@ def evaluate(
         return jnp.stack([loss_sum, scored, text])
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    step = jax.jit(sums, in_shardings=(jax.tree.map(lambda a: a.sharding, params), shardings), out_shardings=replicated)
+    step = jax.jit(sums, in_shardings=(shardings_of(params), shardings), out_shardings=replicated)
     limit = stream.steps_per_epoch if max_batches is None else min(max_batches, stream.steps_per_epoch)
     totals, batches = np.zeros(3), 0
     with use_rules(rules, mesh):
-        for _ in range(limit):
-            try:
-                local = next(stream)
-            except StopIteration:
-                break
+        for local in itertools.islice(stream, limit):
             totals += np.asarray(jax.device_get(step(params, global_batch_arrays(local, shardings))), np.float64)
             batches += 1
     if batches == 0 or totals[1] == 0:

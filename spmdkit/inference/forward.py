@@ -37,12 +37,7 @@ Mode = Literal["prefill", "decode"]
 
 
 def block_step(
-    block: Block,
-    x: jax.Array,
-    caches: tuple[jax.Array, jax.Array],
-    positions: jax.Array,
-    mode: Mode,
-    kind: LayerKind,
+    block: Block, x: jax.Array, caches: tuple[jax.Array, jax.Array], positions: jax.Array, mode: Mode, kind: LayerKind
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block of kind `kind` over x [batch, tokens, embed] at `positions` [batch, tokens], reading and writing
     this layer's caches (k, v) [batch, max_len, kv_heads, head_dim]: (x, k cache, v cache)."""

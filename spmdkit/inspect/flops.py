@@ -18,6 +18,7 @@ Element-wise work (norms, softmax outside cuDNN, the optimizer) is left out: it 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -35,13 +36,6 @@ def _dims(hlo_type: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _product(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 def _backend_config(rest: str) -> dict[str, Any]:
     start = rest.find("backend_config=")
     if start < 0:
@@ -57,7 +51,7 @@ def _gemm_flops(result: str, lhs: str, config: dict[str, Any]) -> int:
     numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
     lhs_dims = _dims(lhs)
     contracting = [lhs_dims[int(i)] for i in numbers.get("lhs_contracting_dimensions", []) if int(i) < len(lhs_dims)]
-    return 2 * _product(_dims(result)) * _product(contracting)
+    return 2 * math.prod(_dims(result)) * math.prod(contracting)
 
 
 def _attention_flops(target: str, operand_types: list[str], config: dict[str, Any]) -> int:
@@ -68,7 +62,7 @@ def _attention_flops(target: str, operand_types: list[str], config: dict[str, An
         return 0
     head_dim = _dims(operand_types[0])[-1] if _dims(operand_types[0]) else 0
     matmuls = 5 if "Backward" in target else 2
-    flops = 2 * matmuls * _product(scores) * head_dim
+    flops = 2 * matmuls * math.prod(scores) * head_dim
     return flops // 2 if fmha.get("mask_type", "").startswith("CAUSAL") else flops
 
 
@@ -89,7 +83,7 @@ def hlo_flops(compiled_or_text: Any) -> dict[str, int]:
             if opcode == "dot" and (m := _CONTRACTING.search(rest)) and operand_types:
                 lhs = _dims(operand_types[0])
                 contracting = [lhs[int(i)] for i in m.group(1).split(",") if i and int(i) < len(lhs)]
-                matmul += times * 2 * _product(_dims(rtype)) * _product(contracting)
+                matmul += times * 2 * math.prod(_dims(rtype)) * math.prod(contracting)
             elif opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"', rest)):
                 name, config = target.group(1), _backend_config(rest)
                 if name in _GEMM_TARGETS and operand_types:

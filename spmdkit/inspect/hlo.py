@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -52,16 +53,18 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 
 
+def _arrays(hlo_type: str) -> list[tuple[str, int]]:
+    """(dtype, elements) of each array in an HLO type string such as `f32[8,16]{1,0}` or `(f32[4], bf16[2,2])`."""
+    return [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(hlo_type)]
+
+
 def type_bytes(hlo_type: str) -> int:
     """Bytes of an HLO type string such as `f32[8,16]{1,0}` or a tuple `(f32[4], bf16[2,2])`."""
-    total = 0
-    for dtype, dims in _SHAPE.findall(hlo_type):
-        if dtype in _DTYPE_BYTES:
-            count = 1
-            for d in filter(None, dims.split(",")):
-                count *= int(d)
-            total += count * _DTYPE_BYTES[dtype]
-    return total
+    return sum(count * _DTYPE_BYTES[dtype] for dtype, count in _arrays(hlo_type) if dtype in _DTYPE_BYTES)
+
+
+def _elements(hlo_type: str) -> int:
+    return sum(count for _, count in _arrays(hlo_type))
 
 
 @dataclasses.dataclass
@@ -116,16 +119,6 @@ class CollectiveReport:
         return "\n".join(rows)
 
 
-def _elements(hlo_type: str) -> int:
-    total = 0
-    for _, dims in _SHAPE.findall(hlo_type):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += count
-    return total
-
-
 def _tuple_parts(hlo_type: str) -> list[str]:
     """'(f32[2], bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']; a non-tuple type -> [type]."""
     return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(hlo_type)] if hlo_type.startswith("(") else [hlo_type]
@@ -134,19 +127,12 @@ def _tuple_parts(hlo_type: str) -> list[str]:
 def _group_size(attrs: str) -> int:
     if m := _MESH_GROUPS.search(attrs):
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return _product(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
     if m := _IOTA_GROUPS.search(attrs):
         return int(m.group(2))
     if m := _LIST_GROUPS.search(attrs):
         return len([d for d in m.group(1).split(",") if d])
     return 0
-
-
-def _product(values: Any) -> int:
-    result = 1
-    for v in values:
-        result *= v
-    return result
 
 
 @dataclasses.dataclass

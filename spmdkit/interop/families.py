@@ -84,6 +84,10 @@ def _write_qwen_window(model: TransformerConfig) -> dict[str, Any]:
             "layer_types": _types(model)}  # fmt: skip
 
 
+def _write_qwen3(model: TransformerConfig) -> dict[str, Any]:
+    return {**_write_qwen_window(model), "attention_bias": model.qkv_bias}
+
+
 def _qwen2(keys: Keys, layers: int) -> dict[str, Any]:
     return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, **_qwen_window(keys, layers)}
 
@@ -239,6 +243,10 @@ def _write_qwen_moe(model: TransformerConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _write_qwen3_moe(model: TransformerConfig) -> dict[str, Any]:
+    return {**_write_qwen_moe(model), "attention_bias": model.qkv_bias}
+
+
 def _write_qwen2_moe(model: TransformerConfig) -> dict[str, Any]:
     shared = (model.shared_expert_mlp or model.mlp) if model.shared_expert else 0
     return {**_write_qwen_moe(model), "qkv_bias": model.qkv_bias, "shared_expert_intermediate_size": shared,
@@ -248,26 +256,16 @@ def _write_qwen2_moe(model: TransformerConfig) -> dict[str, Any]:
 _QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768, "num_key_value_heads": 32}
 _GEMMA = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 4096,
           "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+_GEMMA2 = _GEMMA | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 _QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": []}
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", _llama, _write_biases),
     "mistral": Family("MistralForCausalLM", _mistral, _write_window_everywhere, {"sliding_window": 4096}),
     "qwen2": Family("Qwen2ForCausalLM", _qwen2, _write_qwen_window, _QWEN),
-    "qwen3": Family(
-        "Qwen3ForCausalLM",
-        _qwen3,
-        lambda m: {**_write_qwen_window(m), "attention_bias": m.qkv_bias},
-        _QWEN | {"head_dim": 128},
-    ),  # fmt: skip
+    "qwen3": Family("Qwen3ForCausalLM", _qwen3, _write_qwen3, _QWEN | {"head_dim": 128}),
     "gemma": Family("GemmaForCausalLM", _gemma, _write_gemma, _GEMMA),
-    "gemma2": Family(
-        "Gemma2ForCausalLM",
-        _gemma2,
-        _write_gemma2,
-        _GEMMA | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-        activation_key="hidden_activation",
-    ),  # fmt: skip
+    "gemma2": Family("Gemma2ForCausalLM", _gemma2, _write_gemma2, _GEMMA2, activation_key="hidden_activation"),
     "gemma3_text": Family("Gemma3ForCausalLM", _gemma3, _write_gemma2, _GEMMA, activation_key="hidden_activation"),
     "olmo2": Family("Olmo2ForCausalLM", _olmo2, lambda m: {"attention_bias": m.qkv_bias}),
     "phi3": Family("Phi3ForCausalLM", _phi3, _write_window_everywhere, partial_rope=True, fused=True),
@@ -275,11 +273,7 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3ForCausalLM", _smollm3, _write_smollm3),
     "mixtral": Family("MixtralForCausalLM", _mixtral, _write_mixtral, experts="mixtral"),
     "qwen3_moe": Family(
-        "Qwen3MoeForCausalLM",
-        _qwen3_moe,
-        lambda m: {**_write_qwen_moe(m), "attention_bias": m.qkv_bias},
-        _QWEN_MOE | {"head_dim": 128},
-        experts="qwen",
-    ),  # fmt: skip
+        "Qwen3MoeForCausalLM", _qwen3_moe, _write_qwen3_moe, _QWEN_MOE | {"head_dim": 128}, experts="qwen"
+    ),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN | _QWEN_MOE, experts="qwen"),
 }

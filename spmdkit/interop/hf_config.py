@@ -109,8 +109,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     fields = {"activation": activation, **family.read(keys, layers)}
     if fields["activation"] not in ACTIVATIONS:
         raise keys.refuse(
-            f"{family.activation_key}={activation!r}",
-            f"is not implemented: choose one of {', '.join(ACTIVATIONS)}",
+            f"{family.activation_key}={activation!r}", f"is not implemented: choose one of {', '.join(ACTIVATIONS)}"
         )
     rope = _rope_fields(keys, int(max_positions), family)
     if not fields.get("sliding_window"):

@@ -34,8 +34,7 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 def is_hf_directory(path: Path) -> bool:
     """A directory whose config.json is a Hugging Face model config (it names a `model_type`)."""
-    config = _json(path / CONFIG) if path.is_dir() else None
-    return config is not None and "model_type" in config
+    return "model_type" in (_json(path / CONFIG) or {})
 
 
 def sidecar_candidates(path: str | Path) -> list[Path]:
@@ -45,8 +44,7 @@ def sidecar_candidates(path: str | Path) -> list[Path]:
     if path.is_file():
         path = path.parent
     candidates = [path, path / SIDECAR, path / "checkpoints" / SIDECAR]
-    run_config = _json(path / CONFIG) if (path / CONFIG).is_file() else None
-    directory = ((run_config or {}).get("checkpoint") or {}).get("directory")
+    directory = ((_json(path / CONFIG) or {}).get("checkpoint") or {}).get("directory")
     if isinstance(directory, str):  # a run directory whose checkpoints live elsewhere (--checkpoint-dir)
         candidates.append(Path(directory).expanduser().absolute() / SIDECAR)
     return candidates
@@ -70,6 +68,15 @@ def find_tokenizer_dir(path: str | Path) -> Path | None:
     return None
 
 
+def staging_dir(out: Path) -> Path:
+    """A fresh directory beside `out` (so the final rename stays on one file system), with the usual permissions."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
 def copy_hf_files(source: str | Path, destination: str | Path, with_config: bool = True) -> list[str]:
     """Copy the tokenizer files, generation config and (`with_config`) config.json of `source` into `destination`
     (created through a temporary directory and a rename; an existing `destination` is left as it is). Returns the
@@ -79,10 +86,7 @@ def copy_hf_files(source: str | Path, destination: str | Path, with_config: bool
     present = [name for name in names if (source / name).is_file()]
     if not present or destination.exists():
         return []
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = staging_dir(destination)
     try:
         for name in present:
             shutil.copy2(source / name, staging / name)

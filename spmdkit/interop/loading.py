@@ -84,12 +84,6 @@ def _set(tree: PureTree, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 CHUNK_BYTES = 64 * 2**20  # the most of a file read (and mapped) at once
 
 
@@ -139,7 +133,7 @@ def hf_params(files: TensorFiles, model: TransformerConfig, family: str, shardin
         if shardings is None:
             value = read(tuple(slice(None) for _ in shape))
         else:
-            value = jax.make_array_from_callback(shape, _get(shardings, m.path), read)
+            value = jax.make_array_from_callback(shape, m.value_in(shardings), read)
         _set(params, m.path, value)
     return params
 

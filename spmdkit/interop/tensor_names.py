@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,12 @@ class TensorMap:
     def hf_name(self, entry: int | None = None, expert: int | None = None) -> str:
         """The tensor of stack entry `entry` (and `expert`)."""
         return self.name.format(i=None if entry is None else self.layers[entry], e=expert)
+
+    def value_in(self, tree: Any) -> Any:
+        """This parameter's leaf of a pure dict shaped like the parameters (of values or of shardings)."""
+        for key in self.path:
+            tree = tree[key]
+        return tree
 
     def hf_names(self) -> list[str]:
         entries = range(len(self.layers)) if self.stacked else [None]

@@ -11,6 +11,7 @@ one parameter and one shard at most (a parameter split over processes is gathere
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import numpy as np
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_config_writer import generation_config, hf_config
-from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids
+from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids, staging_dir
 from spmdkit.interop.safetensors_files import INDEX, SINGLE
 from spmdkit.interop.tensor_names import TensorMap, tensor_maps
 from spmdkit.models.config import TransformerConfig
@@ -54,12 +55,6 @@ def _host(value: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(value)
-
-
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def _plan_shards(maps: list[TensorMap], itemsize: int, limit: int) -> list[list[str]]:
@@ -103,13 +98,10 @@ def write_weights(
                                                range(len(shards))]  # fmt: skip
     where = {name: file for file, names in zip(files, shards, strict=True) for name in names}
     pending: dict[str, dict[str, np.ndarray]] = {file: {} for file in files}
-    remaining = {file: 0 for file in files}  # parts still to come per shard
-    for m in maps:
-        for name in m.hf_names():
-            remaining[where[name]] += 1
+    remaining = collections.Counter(where[name] for m in maps for name in m.hf_names())  # parts still to come
     total = 0
     for m in maps:
-        for name, part in _parts(m, _host(_get(params, m.path))):  # every process gathers; process 0 writes
+        for name, part in _parts(m, _host(m.value_in(params))):  # every process gathers; process 0 writes
             file, part = where[name], part.astype(target)
             if m.fused[1]:  # one block of rows of a tensor shared with other parameters
                 whole = pending[file].setdefault(name, np.empty(m.file_shape, target))
@@ -172,7 +164,7 @@ def save_hf(
         config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
     )
     family = hf["model_type"]
-    staging = _staging(out) if jax.process_index() == 0 else out
+    staging = staging_dir(out) if jax.process_index() == 0 else out
     try:
         write_weights(staging, config, family, params, dtype, limit)
         if jax.process_index() != 0:
@@ -188,15 +180,6 @@ def save_hf(
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _staging(out: Path) -> Path:
-    """A fresh directory beside `out` (so the final rename stays on one file system), with the usual permissions."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
 
 
 def _replace(staging: Path, out: Path) -> None:

@@ -81,7 +81,6 @@ def configure_platform() -> str:
 @contextlib.contextmanager
 def count_compiles() -> Iterator[list[float]]:
     """Collect the duration of every XLA backend compilation that happens inside the block."""
-
     durations: list[float] = []
 
     def listener(event: str, duration: float, **_: Any) -> None:
@@ -111,7 +110,6 @@ class Setup:
 
 def _batches(setup: Setup, context: int, count: int) -> list[dict]:
     """`count` synthetic batches (uniform tokens, `spmdkit.data.sources.SyntheticSource`), zigzagged for CP."""
-
     out = []
     for k in range(count):
         src = SyntheticSource(setup.batch_size, setup.seq_len, setup.model.vocab_size, seed=0, stream=k)
@@ -124,7 +122,6 @@ def _batches(setup: Setup, context: int, count: int) -> list[dict]:
 
 def build(name: str, setup: Setup) -> dict[str, Any]:
     """Mesh, rules, train state, jitted step and device batches of strategy `name` (nothing compiled yet)."""
-
     strategy = STRATEGIES[name]
     mesh = make_mesh(strategy.mesh, jax.devices()[:1]) if name == "one_device" else make_mesh(strategy.mesh)
     rules = make_rules(strategy.zero, strategy.sequence_parallel)
@@ -136,10 +133,8 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     state = create_train_state(model, tx, mesh, rules)
     step = make_train_step(state, mesh, rules, pipeline=schedule)
     shardings = batch_shardings(mesh, rules)
-    batches = [
-        {k: jax.device_put(v, shardings[k]) for k, v in b.items()}
-        for b in _batches(setup, context, min(2, setup.steps + setup.warmup))
-    ]
+    host = _batches(setup, context, min(2, setup.steps + setup.warmup))
+    batches = [{k: jax.device_put(v, shardings[k]) for k, v in b.items()} for b in host]
     return {"mesh": mesh, "rules": rules, "state": state, "step": step, "batches": batches, "model": model}
 
 
@@ -162,7 +157,6 @@ def kernel_for(setup: Setup, sizes: Any) -> str:
 
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
     """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
-
     strategy = STRATEGIES[name]
     return estimate(
         model_for(setup, sizes), sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len,
@@ -173,7 +167,6 @@ def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
 
 def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     """Compile, warm up and time one strategy; read memory and collectives from the compiled step."""
-
     built = build(name, setup)
     mesh, batches, state = built["mesh"], built["batches"], built["state"].state
     times = []
@@ -228,7 +221,6 @@ def fits(name: str, num_devices: int) -> bool:
 
 def benchmark(names: list[str], setup: Setup, log: Any = print) -> list[dict[str, Any]]:
     """Rows of `run_strategy` for the strategies that fit; skipped ones are logged."""
-
     rows = []
     for name in names:
         if not fits(name, jax.device_count()):
@@ -285,7 +277,6 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, s
 
 def gpu_setup(steps: int) -> Setup:
     """~1B parameters (the `1b` preset), bf16, the largest batch the planner says fits each GPU's HBM."""
-
     known = device_for_kind(jax.devices()[0].device_kind)
     device = known.name if known else "h100"
     n, seq = jax.device_count(), 2048
@@ -302,7 +293,6 @@ def gpu_setup(steps: int) -> Setup:
 
 def peer_model() -> Any:
     """The fixed configuration other toolkits can run too (Llama-style, 20.6M parameters)."""
-
     return TransformerConfig(
         vocab_size=32_000, embed=256, layers=4, heads=4, kv_heads=4, head_dim=64, mlp=1024, dtype="bfloat16"
     )

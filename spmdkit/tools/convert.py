@@ -34,10 +34,6 @@ from spmdkit.train.optimizer import make_optimizer
 from spmdkit.train.state import abstract_train_state
 
 
-def _saved_config(checkpointer: Checkpointer, step: int) -> TrainConfig:
-    return config_from_json(json.dumps(saved_config(checkpointer, step)))
-
-
 def fresh_output(out: str | Path) -> Path:
     """`out` as an absolute path, checked to be a new or empty directory that can be created there (its nearest
     existing ancestor a writable directory); SpmdkitError otherwise. Nothing is created."""
@@ -96,7 +92,7 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
 def _reshard(directory: str | Path, out: Path, mesh: str, step: int | None) -> int:
     source, step = open_step(directory, step)
     try:
-        config = _saved_config(source, step)
+        config = config_from_json(json.dumps(saved_config(source, step)))
         config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
         new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
         _, abstract, shardings = train_state_layout(config, new_mesh)

@@ -144,11 +144,6 @@ def lower_train_step(program: TrainProgram) -> Any:
     return lowered
 
 
-def collectives_table(compiled: Any) -> dict[str, dict[str, int]]:
-    """opcode -> instructions, how many are async (start/done pairs), runs per step and operand bytes per step."""
-    return collective_report(compiled).by_opcode()
-
-
 def model_flops(program: TrainProgram) -> float:
     """The model's FLOPs of one step (`TransformerConfig.flops_per_token`: what MFU counts), all devices."""
     run = program.config.run
@@ -199,12 +194,12 @@ def base_report(
         "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": host_count(devices, per_host),
         "mesh": format_sizes(dict(mesh.shape)), "model": config.model.name, "batch_size": config.run.batch_size,
         "seq_len": config.run.seq_len, "fits": memory["total"] <= usable, "per_device_bytes": memory,
-        "host_bytes": memory["host"],
-        "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable, "attention_kernel": attention_in_hlo(text, context),
-        "attention_windows": attention_windows(text), "fp8_gemms": fp8_gemms(text),
-        "windowed_einsums": windowed_einsums(text),
-        "collectives": collectives_table(compiled), "flops_per_device": hlo_flops(text), "planner_bytes": total,
-        "planner_memory": dict(planned), "planner_ratio": total / memory["total"] if memory["total"] else None,
+        "host_bytes": memory["host"], "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable,
+        "attention_kernel": attention_in_hlo(text, context), "attention_windows": attention_windows(text),
+        "fp8_gemms": fp8_gemms(text), "windowed_einsums": windowed_einsums(text),
+        "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text),
+        "planner_bytes": total, "planner_memory": dict(planned),
+        "planner_ratio": total / memory["total"] if memory["total"] else None,
         "remat_that_fits": None, "compile_seconds": round(seconds, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
     }  # fmt: skip

@@ -72,7 +72,7 @@ def _import_hf(path: str | Path, out: Path, dtype: str | None, mesh: str) -> Tra
     if jax.process_index() == 0:
         shutil.rmtree(staging, ignore_errors=True)
     try:
-        write_params(staging, params, _json(config))
+        write_params(staging, params, json.loads(config.to_json()))
     except NonFiniteState as error:
         raise SpmdkitError(f"{path} holds {error}: nothing was written") from None
     del params
@@ -82,10 +82,6 @@ def _import_hf(path: str | Path, out: Path, dtype: str | None, mesh: str) -> Tra
             out.rmdir()  # empty: checked above
         os.replace(staging, out)
     return model
-
-
-def _json(config: TrainConfig) -> dict:
-    return json.loads(config.to_json())
 
 
 def default_token_ids(config: TrainConfig) -> dict[str, int | None]:

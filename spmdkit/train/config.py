@@ -68,8 +68,7 @@ class OptimizerConfig:
     )
     max_bad_steps: Annotated[int, arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
     offload: Annotated[
-        bool,
-        arg("keep the AdamW moments in pinned host memory between steps (moved to the device for the update)"),
+        bool, arg("keep the AdamW moments in pinned host memory between steps (moved to the device for the update)")
     ] = False
 
     def __post_init__(self) -> None:
@@ -238,9 +237,8 @@ class RunSettings:
     def __post_init__(self) -> None:
         check_types(self, "run")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
-            require(
-                getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})"
-            )
+            value = getattr(self, name)
+            require(value >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {value})")
         require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
         require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
         require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
@@ -385,11 +383,7 @@ def with_data_vocab(config: TrainConfig) -> TrainConfig:
     a multiple of 128, `Tokenizer.model_vocab_size`) unless `--model.vocab-size` sets it; weights from
     `--init-from` keep theirs (the data stream checks that the tokenizer fits)."""
     model = config.model
-    if (
-        model.vocab_size is not None
-        or model.init_from
-        or resolve_source(config.data).kind not in ("prepared", "mixture")
-    ):
-        return config
-    vocab = source_tokenizer(config.data).model_vocab_size
-    return dataclasses.replace(config, model=dataclasses.replace(model, vocab_size=vocab))
+    if model.vocab_size is None and not model.init_from and resolve_source(config.data).kind in ("prepared", "mixture"):
+        vocab = source_tokenizer(config.data).model_vocab_size
+        config = dataclasses.replace(config, model=dataclasses.replace(model, vocab_size=vocab))
+    return config

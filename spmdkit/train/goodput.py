@@ -70,8 +70,8 @@ class Goodput:
         self.carried["productive"] = kept[-1]["productive_s"] if kept else 0.0
         self.carried["redone"] += last["productive_s"] - self.carried["productive"]
         self.restarts = max(last.get("restarts", 0) + 1, self.attempt)
-        redone = sorted({r["step"] for r in dropped})
-        self.resumed = {"resumed_from": step, "redone_steps": (redone[-1] - step) if redone else 0}
+        redone = max((r["step"] for r in dropped), default=step) - step
+        self.resumed = {"resumed_from": step, "redone_steps": redone}
 
     def first_step(self) -> None:
         """The first step of this attempt starts: its start-up ends."""

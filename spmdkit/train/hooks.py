@@ -67,11 +67,8 @@ def closing(close: Callable[[], object]) -> Callable[..., bool]:
     failure is the one reported."""
 
     def exit_callback(exc_type: type[BaseException] | None, exc: BaseException | None, traceback: Any) -> bool:
-        if exc_type is None:
+        with contextlib.suppress(Exception) if exc_type is not None else contextlib.nullcontext():
             close()
-        else:
-            with contextlib.suppress(Exception):
-                close()
         return False
 
     return exit_callback

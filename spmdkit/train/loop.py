@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import time
@@ -88,14 +90,14 @@ class Trainer:
         check_run_directory(self.run_dir)  # a Hugging Face model or a user's files: never written into
         if config.model.init_from:  # the weights' files (shards, tensor shapes), before a state exists to fill
             check_source(config.model.init_from, self.model_config)
-        self.data = make_data(
-            config.data, seq_len=run.seq_len, global_batch=run.batch_size,
-            vocab_size=self.model_config.vocab_size, seed=run.seed, split="train",
+        self._make_data = functools.partial(
+            make_data, config.data, seq_len=run.seq_len, global_batch=run.batch_size,
+            vocab_size=self.model_config.vocab_size, seed=run.seed,
         )  # fmt: skip
+        self.data = self._make_data(split="train")
         self.batch_shardings = batch_shardings(self.mesh, self.rules, self.data.keys)
         if run.eval_every:
             self._eval_stream()  # a missing or too short eval split, now rather than at the first evaluation
-        self.tx, self.lr_schedule = program.tx, program.lr_schedule
         self.state = program.create_state()
         # Jitted, not compiled (that happens at the first evaluation): `evaluate` works before `run`.
         self.eval_step = make_eval_step(self.state, self.mesh, self.rules, self.data.keys, self.data.token_bytes)
@@ -125,8 +127,6 @@ class Trainer:
             if lock is not None:
                 lock.release(failed)
 
-    # -- reporting -----------------------------------------------------------------------------------------
-
     # -- the loop ------------------------------------------------------------------------------------------
 
     def global_batch(self, local: dict[str, np.ndarray]) -> Batch:
@@ -137,12 +137,8 @@ class Trainer:
 
     def _eval_stream(self) -> Any:
         """A fresh pass over the eval split; its errors say how to train without one."""
-        run = self.config.run
         try:
-            return make_data(
-                self.config.data, seq_len=run.seq_len, global_batch=run.batch_size,
-                vocab_size=self.model_config.vocab_size, seed=run.seed, split="eval",
-            )  # fmt: skip
+            return self._make_data(split="eval")
         except SpmdkitError as error:
             raise SpmdkitError(f"{error} (or pass --eval-every 0 to train without evaluation)") from None
 
@@ -150,14 +146,9 @@ class Trainer:
         """`eval_loss` (the mean over the scored tokens of up to `eval_batches` batches of the eval split) and,
         when the data has text, `eval_bits_per_byte`, of the current state: before `run`, the fresh (or, after
         `resume()`, the resumed) one. `eval_step` defaults to the Trainer's own (`self.eval_step`)."""
-        run, eval_step = self.config.run, eval_step or self.eval_step
-        stream = self._eval_stream()
-        sums = []
-        for _ in range(run.eval_batches):
-            try:
-                sums.append(eval_step(self.state.state, self.global_batch(next(stream))))
-            except StopIteration:
-                break
+        eval_step = eval_step or self.eval_step
+        batches = itertools.islice(self._eval_stream(), self.config.run.eval_batches)
+        sums = [eval_step(self.state.state, self.global_batch(local)) for local in batches]
         if not sums:
             return {"eval_loss": float("nan")}
         total = {k: float(np.sum([s[k] for s in jax.device_get(sums)])) for k in sums[0]}

@@ -86,10 +86,7 @@ def host_offloaded(tx: optax.GradientTransformation) -> optax.GradientTransforma
                 key: jax.tree.unflatten(treedef, [*zeros[:j], x, *zeros[j + 1 :]]) for key, x in (("mu", m), ("nu", v))
             }
             updates, new = tx.update(grads, optax.tree_utils.tree_set(state, **view), params)
-            done = (
-                jax.tree.leaves(optax.tree_utils.tree_get(new, "mu"))[j],
-                jax.tree.leaves(optax.tree_utils.tree_get(new, "nu"))[j],
-            )
+            done = tuple(jax.tree.leaves(optax.tree_utils.tree_get(new, key))[j] for key in ("mu", "nu"))
             parts.append((jax.tree.leaves(updates)[j], *jax.device_put(done, jax.memory.Space.Host)))
         updates_tree = jax.tree.unflatten(jax.tree.structure(grads), [u for u, _, _ in parts])
         moments = {key: jax.tree.unflatten(treedef, [p[i] for p in parts]) for i, key in ((1, "mu"), (2, "nu"))}

@@ -113,17 +113,14 @@ def pipeline_loss_and_grads(
     _check_model(config, mesh)
     stages, virtual = schedule.num_stages, schedule.virtual_stages
     blocks_def, blocks = nnx.split(model.blocks)
-    params = nnx.state(model, nnx.Param)
 
     packed = "segment_ids" in batch
     microbatches = functools.partial(to_microbatches, num_microbatches=schedule.num_microbatches)
 
     @_per_device
-    def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:
-        if not packed:
-            return embed_tokens(table, raw, config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
-        x = embed_tokens(table, raw[..., 0], config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
-        return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1)  # + positions, segment ids
+    def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:  # packed: + positions, segment ids
+        x = embed_tokens(table, raw[..., 0] if packed else raw, config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
+        return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1) if packed else x
 
     @_per_device
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
@@ -159,22 +156,12 @@ def pipeline_loss_and_grads(
     stage_params = blocks if virtual == 1 else interleave_layers(blocks, stages, virtual)
     head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head_weight()}
     loss, (d_stages, d_head, d_table) = pipeline_value_and_grad(
-        stage_fn,
-        loss_fn,
-        stage_params,
-        head,
-        microbatches(raw),
-        jax.tree.map(microbatches, targets),
-        mesh=mesh,
-        schedule=schedule,
-        batch_axes=rules.params["batch"],
-        remat=config.remat != "none",
-        embed_fn=embed_fn,
+        stage_fn, loss_fn, stage_params, head, microbatches(raw), jax.tree.map(microbatches, targets), mesh=mesh,
+        schedule=schedule, batch_axes=rules.params["batch"], remat=config.remat != "none", embed_fn=embed_fn,
         embed_params=model.embedding[...],
-    )
-    if virtual > 1:
-        d_stages = deinterleave_layers(d_stages, stages, virtual)
+    )  # fmt: skip
+    d_stages = d_stages if virtual == 1 else deinterleave_layers(d_stages, stages, virtual)
     if config.tie_embeddings:  # one parameter used twice: the lookup's gradient plus the head's, transposed
         d_table = d_table + d_head["lm_head"].T
     pieces = {"blocks": d_stages, "final_norm": d_head["norm"], "lm_head": d_head["lm_head"], "embedding": d_table}
-    return loss, _assemble(params, pieces)
+    return loss, _assemble(nnx.state(model, nnx.Param), pieces)

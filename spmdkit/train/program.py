@@ -55,9 +55,6 @@ class TrainProgram:
     def context(self) -> int:
         return self.mesh.shape["context"]
 
-    def microbatches(self) -> int:
-        return microbatches(self.config, self.mesh)
-
     def layout(self) -> Layout:
         return layout(self.config, self.mesh, self.model_config)
 

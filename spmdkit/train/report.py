@@ -24,7 +24,8 @@ def describe_run(trainer: Trainer) -> str:
     """The lines a run prints before it compiles: mesh, parallelism, model, kernels, memory per device, data,
     batch."""
     params, opt = state_bytes_per_device(trainer)
-    cfg, run = trainer.model_config, trainer.config.run
+    cfg, run, settings = trainer.model_config, trainer.config.run, trainer.config.model
+    name = f"weights of {settings.init_from}" if settings.init_from else settings.name
     zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[trainer.rules.zero_stage]
     return "\n".join(
         [
@@ -33,7 +34,7 @@ def describe_run(trainer: Trainer) -> str:
             f"parallelism  {describe_parallelism(trainer.mesh)}; optimizer state {zero}"
             + ("; sequence parallel" if trainer.rules.sequence_parallel else "")
             + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
-            f"model        {_model_name(trainer)}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
+            f"model        {name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
             f"compute {cfg.dtype}{' (dense matmuls in FP8)' if cfg.fp8 else ''}, remat {cfg.remat}",
             _describe_kernels(trainer),
             *([_describe_experts(trainer)] if cfg.experts else []),
@@ -63,11 +64,6 @@ def _describe_data(trainer: Trainer) -> str:
         + (f", tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} tokens)" if tokenizer else "")
         + f", model vocab {trainer.model_config.vocab_size:,}"
     )
-
-
-def _model_name(trainer: Trainer) -> str:
-    settings = trainer.config.model
-    return f"weights of {settings.init_from}" if settings.init_from else settings.name
 
 
 def _describe_experts(trainer: Trainer) -> str:
@@ -127,14 +123,11 @@ def summary(run_dir: Path, skipped_steps: int) -> str:
         "",
         f"done: {last['step']} steps, loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f}"
         + (f", eval loss {last['eval_loss']:.3f}" if "eval_loss" in last else ""),
-        *(
-            [
-                f"bits per byte: {first['bits_per_byte']:.3f} -> {last['bits_per_byte']:.3f}"
-                + (f", eval {last['eval_bits_per_byte']:.3f}" if "eval_bits_per_byte" in last else "")
-            ]
-            if "bits_per_byte" in last
-            else []
-        ),
+    ]
+    if "bits_per_byte" in last:
+        eval_bits = f", eval {last['eval_bits_per_byte']:.3f}" if "eval_bits_per_byte" in last else ""
+        lines.append(f"bits per byte: {first['bits_per_byte']:.3f} -> {last['bits_per_byte']:.3f}{eval_bits}")
+    lines += [
         f"speed: {np.median(speed):,.0f} tokens/s, {np.median([r['tflops_per_device'] for r in records]):.3g} "
         f"TFLOP/s per device, MFU " + (f"{np.median(mfus):.1%}" if mfus else "unknown (pass --peak-tflops)"),
         *([goodput_line(last)] if "goodput" in last else []),

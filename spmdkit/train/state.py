@@ -34,13 +34,6 @@ class TrainState:
     shardings: Any  # tree of NamedSharding matching `state` (memory kind `pinned_host` for offloaded moments)
     grad_shardings: Any  # tree of NamedSharding matching the parameters' gradients
 
-    @property
-    def model(self) -> Transformer:
-        return nnx.merge(self.graphdef, self.state)[0]
-
-    def params(self) -> nnx.State:
-        return nnx.state(self.model, nnx.Param)
-
 
 def train_state_maker(
     config: TransformerConfig, tx: optax.GradientTransformation, seed: int = 0

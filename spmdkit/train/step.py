@@ -53,11 +53,7 @@ def scored_tokens(batch: Batch) -> jax.Array:
 
 def _microbatches(batch: Batch, grad_accum: int) -> Batch:
     """[batch, seq] -> [grad_accum, batch / grad_accum, seq], row i*A + a -> microbatch a (no data movement)."""
-
-    def split(x: jax.Array) -> jax.Array:
-        return x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-
-    return jax.tree.map(split, batch)
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
@@ -132,47 +128,32 @@ def loss_and_grads(
 
     grad_fn = jax.value_and_grad(objective_of, has_aux=True)
     total = scored_tokens(batch)  # of the whole batch: every piece divides by its share of it
-    metrics, (grads, meta) = _grads(grad_fn, model, (params, meta), batch, total, grad_accum, mesh, rules)
-    return metrics, nnx.merge_state(grads, meta)
-
-
-def _grads(
-    grad_fn: Callable,
-    model: nnx.Module,
-    trainable: Trainable,
-    batch: Batch,
-    total: jax.Array,
-    grad_accum: int,
-    mesh: Mesh | None,
-    rules: Rules | None,
-) -> tuple[dict[str, jax.Array], Trainable]:
-    """`loss_and_grads`' metrics and (gradients, FP8 meta): one pass, the microbatch loop, or that loop under a
-    shard_map manual over the replica axes (its docstring)."""
-    if grad_accum == 1:
-        (_, metrics), grads = grad_fn(trainable, batch, None)
-        return metrics, grads
     axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
+    if grad_accum == 1:
+        (_, metrics), (grads, meta) = grad_fn((params, meta), batch, None)
     # A mixture-of-experts model runs its own shard_map over every batch axis (tokens travel to their experts),
     # which cannot nest in this one: it accumulates under automatic sharding (a reduction per microbatch).
-    if not axes or getattr(model, "config", None) and model.config.experts:
-        return _accumulate(grad_fn, trainable, batch, grad_accum, total / grad_accum)
-    replicas = math.prod(mesh.shape[a] for a in axes)
+    elif not axes or getattr(model, "config", None) and model.config.experts:
+        metrics, (grads, meta) = _accumulate(grad_fn, (params, meta), batch, grad_accum, total / grad_accum)
+    else:
+        replicas = math.prod(mesh.shape[a] for a in axes)
 
-    def local(trainable: Trainable, batch: Batch, total: jax.Array) -> tuple[dict[str, jax.Array], Trainable]:
-        trainable = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), trainable)
-        metrics, (grads, meta) = _accumulate(grad_fn, trainable, batch, grad_accum, total / (grad_accum * replicas))
-        mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
-        largest = lambda x: jax.lax.pmax(x, axes)  # noqa: E731  (FP8 meta: the whole batch's amax)
-        return jax.tree.map(mean, metrics), (jax.tree.map(mean, grads), jax.tree.map(largest, meta))
+        def local(trainable: Trainable, batch: Batch, total: jax.Array) -> tuple[dict[str, jax.Array], Trainable]:
+            trainable = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), trainable)
+            metrics, (grads, meta) = _accumulate(grad_fn, trainable, batch, grad_accum, total / (grad_accum * replicas))
+            mean = lambda x: jax.lax.psum(x, axes) / replicas  # noqa: E731
+            largest = lambda x: jax.lax.pmax(x, axes)  # noqa: E731  (FP8 meta: the whole batch's amax)
+            return jax.tree.map(mean, metrics), (jax.tree.map(mean, grads), jax.tree.map(largest, meta))
 
-    rows = PartitionSpec(axes)
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), {k: rows for k in batch}, PartitionSpec()),
-        out_specs=(PartitionSpec(), PartitionSpec()),
-        axis_names=set(axes),
-    )(trainable, batch, total)
+        rows = PartitionSpec(axes)
+        metrics, (grads, meta) = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), {k: rows for k in batch}, PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec()),
+            axis_names=set(axes),
+        )((params, meta), batch, total)
+    return metrics, nnx.merge_state(grads, meta)
 
 
 def _guarded(grads: nnx.State, loss: jax.Array, opt_step: jax.Array, fail_steps: tuple[int, ...]) -> nnx.State:
@@ -263,11 +244,10 @@ def make_train_step(
         }
         return new_state, metrics
 
-    replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
         in_shardings=(train_state.shardings, batch_shardings(mesh, rules, keys)),
-        out_shardings=(train_state.shardings, replicated),
+        out_shardings=(train_state.shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
     )
 

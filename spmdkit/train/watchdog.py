@@ -39,8 +39,7 @@ class Watchdog:
 
     def __init__(self, clock: PhaseClock, process: int, processes: int, attempt: int = 0, interval: float = 1.0):
         self.clock, self.process, self.processes, self.attempt = clock, process, processes, attempt
-        self.interval = interval
-        self.seq = 0
+        self.interval, self.seq = interval, 0
         self.progress = Path(os.environ[PROGRESS_FILE]) if process == 0 and os.environ.get(PROGRESS_FILE) else None
         self._written_step: int | None = None
         self._changed, self._closed = threading.Event(), threading.Event()

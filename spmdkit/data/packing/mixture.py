@@ -18,13 +18,7 @@ from spmdkit.errors import SpmdkitError
 
 
 def packed_rows(
-    stores: Sequence[tuple[str, Documents]],
-    *,
-    seq_len: int,
-    packing: str,
-    split: str,
-    eval_fraction: float,
-    seed: int,
+    stores: Sequence[tuple[str, Documents]], *, seq_len: int, packing: str, split: str, eval_fraction: float, seed: int
 ) -> list[PackedRows]:
     """One `PackedRows` per (name, store); a store whose split holds not a single row is an error."""
     rows = []

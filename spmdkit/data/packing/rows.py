@@ -119,13 +119,19 @@ class PackedRows(Sequence[dict[str, np.ndarray]]):
         return assemble_row(self.store, plan, plan.row(r), self.seq_len, self.packing)
 
 
+def window_fields(window: np.ndarray) -> dict[str, np.ndarray]:
+    """[seq_len + 1] tokens -> inputs, targets (shifted by one), positions: int32 [seq_len] each."""
+    window = np.asarray(window, dtype=np.int32)
+    return {"inputs": window[:-1], "targets": window[1:], "positions": np.arange(len(window) - 1, dtype=np.int32)}
+
+
 def assemble_row(store: Documents, plan: Plan, row: int, seq_len: int, packing: str) -> dict[str, np.ndarray]:
     """The fields (module docstring) of stream row `row` of `plan`."""
     if packing == "windows":
         window = np.zeros(seq_len + 1, np.int32)
         for p, doc, offset, count in row_pieces(plan, row):
             window[p : p + count] = store.read(doc, offset, offset + count)
-        return {"inputs": window[:-1], "targets": window[1:], "positions": np.arange(seq_len, dtype=np.int32)}
+        return window_fields(window)
     inputs, targets, positions, segments, mask = (np.zeros(seq_len, np.int32) for _ in range(5))
     for segment, (p, doc, offset, count) in enumerate(row_pieces(plan, row), start=1):
         tokens = store.read(doc, offset, min(offset + count + 1, int(store.lengths[doc])))

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.data.prepare.text import PIECE_CHARS, check_text_file, text_pieces
+from spmdkit.data.tokenizer.tokenizer import first_line
 from spmdkit.errors import SpmdkitError
 
 JSON_LINES = (".jsonl", ".json", ".ndjson")
@@ -192,11 +193,8 @@ def _matching_files(directory: Path, glob: str) -> list[Path]:
 def _links_out(directory: Path, glob: str) -> list[str]:
     """The matching symbolic links under `directory` that lead outside it, as `link -> target`."""
     real = directory.resolve()
-    return sorted(
-        f"{p} -> {p.resolve()}"
-        for p in _candidates(directory, glob)
-        if p.is_symlink() and not _inside(p.resolve(), real)
-    )
+    links = (p for p in _candidates(directory, glob) if p.is_symlink() and not _inside(p.resolve(), real))
+    return sorted(f"{p} -> {p.resolve()}" for p in links)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -303,7 +301,7 @@ def _read_parquet(path: Path, name: str, key: str) -> Iterator[Record]:
     try:
         file = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid and OSError subclasses for damaged files
-        raise SpmdkitError(f"{path}: not a readable Parquet file ({_first_line(error)})") from None
+        raise SpmdkitError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
     columns = file.schema_arrow.names
     if key not in columns:
         yield Bad(f"{path}:1", f"no column {key!r} (columns: {', '.join(columns[:8])}): pass --text-key", "missing key")
@@ -357,7 +355,7 @@ def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as error:  # the library's own exception types vary by version
-        raise SpmdkitError(f"{path}: datasets.load_from_disk failed ({_first_line(error)})") from None
+        raise SpmdkitError(f"{path}: datasets.load_from_disk failed ({first_line(error)})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if options.split not in loaded:
             raise SpmdkitError(f"{path} has splits {', '.join(loaded)}, not {options.split!r}: pass --split")
@@ -373,9 +371,5 @@ def _read_loaded(builder: str, pattern: str, spec: str, options: InputOptions) -
             builder, data_files=pattern, split=options.split, cache_dir=options.cache_dir, **kwargs
         )
     except Exception as error:  # FileNotFoundError, DatasetGenerationError, ... : one line either way
-        raise SpmdkitError(f"{spec}: datasets.load_dataset({builder!r}) failed ({_first_line(error)})") from None
+        raise SpmdkitError(f"{spec}: datasets.load_dataset({builder!r}) failed ({first_line(error)})") from None
     yield from _rows(loaded, options.text_key, spec, spec)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

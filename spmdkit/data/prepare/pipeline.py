@@ -113,15 +113,8 @@ def _progress(enabled: bool, total: int | None, desc: str) -> Any:
     from tqdm import tqdm
 
     # disable=None: no bar when stderr is not a terminal (logs, pipes), so an error stays the only line there
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        disable=None if enabled else True,
-    )
+    disable = None if enabled else True
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=disable)
 
 
 def resolve_tokenizer(spec: str, options: PrepareOptions, input_options: InputOptions, log: Callable) -> Tokenizer:
@@ -180,16 +173,12 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         counter = _Counter(options.skip_bad)
         started = time.perf_counter()
         with DatasetWriter(options.out, tokenizer, options.dtype, options.shard_tokens, staging) as writer:
-            _tokenize(writer, tokenizer, counter, inputs, input_options, options)
+            _tokenize(writer, tokenizer, counter, input_options, options)
             if writer.documents == 0:
                 raise SpmdkitError("the inputs hold no documents (every one was empty or bad): check the INPUTs")
             skipped = dict(sorted(counter.skipped.items()))
-            info = {
-                "inputs": inputs,
-                "options": {"glob": options.glob, "text_key": options.text_key, "split": options.split},
-                "skipped": skipped,
-            }
-            meta = writer.finish(info)
+            flags = {"glob": options.glob, "text_key": options.text_key, "split": options.split}
+            meta = writer.finish({"inputs": inputs, "options": flags, "skipped": skipped})
         seconds = time.perf_counter() - started
     if skipped:
         log(f"skipped {sum(skipped.values()):,} bad records ({', '.join(f'{k}: {v}' for k, v in skipped.items())})")
@@ -204,14 +193,10 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
 
 
 def _tokenize(
-    writer: DatasetWriter,
-    tokenizer: Tokenizer,
-    counter: _Counter,
-    inputs: list[str],
-    input_options: InputOptions,
-    options: PrepareOptions,
+    writer: DatasetWriter, tokenizer: Tokenizer, counter: _Counter, input_options: InputOptions, options: PrepareOptions
 ) -> None:
-    """Read, cut, batch, encode (in worker processes, in order) and write every document of `inputs`."""
+    """Read, cut, batch, encode (in worker processes, in order) and write every document of the inputs."""
+    inputs = list(options.inputs)
     bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
     documents = counter.documents(read_inputs(inputs, input_options))
     workers = options.workers or os.cpu_count() or 1

@@ -11,6 +11,7 @@ the batch it encodes). The pool starts with the second batch: an input of one ba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -54,12 +55,10 @@ def steady_heap() -> None:
     """Keep this process's resident memory flat however long it streams: glibc raises its mmap threshold whenever a
     large block is freed, after which blocks of a few MB (reads, token arrays) come from the heap, which fragments
     and grows with the input (200 MB of text: +150 MB). A fixed threshold (128 KiB) stops that. glibc only."""
-    try:
-        import ctypes
+    import ctypes
 
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def encode_pieces(tokenizer: Tokenizer, pieces: Pieces, dtype: str) -> Encoded:
@@ -99,12 +98,10 @@ class _Worker:
     def _feed(self) -> None:
         stdin = self.process.stdin
         assert stdin is not None
-        try:
+        with contextlib.suppress(OSError):  # the worker died: `receive` says so
             while (item := self.inbox.get()) is not None:
                 _send(stdin, item)
             stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # the worker died: `receive` says so
 
     def receive(self) -> Encoded:
         assert self.process.stdout is not None
@@ -123,10 +120,8 @@ class _Worker:
         self.process.wait()
         for stream in (self.process.stdout, self.process.stdin):
             if stream is not None:
-                try:
+                with contextlib.suppress(OSError):
                     stream.close()
-                except OSError:
-                    pass
 
 
 def _send(stream: Any, item: Any) -> None:
@@ -201,10 +196,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it stops the workers)
     steady_heap()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    try:
+    with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is done (or gone)
         json_text, name, config, dtype = _receive(stdin)
         tokenizer = Tokenizer(json_text, name=name, config=config)
         while True:
             _send(stdout, encode_pieces(tokenizer, _receive(stdin), dtype))
-    except (EOFError, BrokenPipeError):
-        pass  # the parent is done (or gone)

@@ -32,6 +32,7 @@ gives exactly the tokens of the whole text.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import zlib
 from collections.abc import Iterable
 
@@ -97,6 +98,5 @@ def write_npy(path: str, dtype: str, count: int, raw: str) -> str:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
         np.lib.format.write_array_header_1_0(out, header)
         with open(raw, "rb") as f:
-            while block := f.read(1 << 22):
-                out.write(block)
+            shutil.copyfileobj(f, out, 1 << 22)
     return file_sha256(path)

@@ -105,13 +105,10 @@ class PreparedDataset:
         meta = self.meta
         if not isinstance(meta["shards"], list) or not meta["shards"]:
             self._damaged(f"{fmt.META_FILE} lists no shards")
+        fields = {"file": str, "tokens": int, "documents": int, "sha256": str}
         for k, shard in enumerate(meta["shards"]):
-            fields = {"file": str, "tokens": int, "documents": int, "sha256": str}
-            bad = [
-                f
-                for f, kind in fields.items()
-                if not isinstance(shard.get(f) if isinstance(shard, dict) else None, kind)
-            ]
+            entry = shard if isinstance(shard, dict) else {}
+            bad = [f for f, kind in fields.items() if not isinstance(entry.get(f), kind)]
             if bad or shard["tokens"] < 0 or shard["documents"] < 0:
                 self._damaged(f"{fmt.META_FILE} shard {k} lacks or mangles {', '.join(bad) or 'its counts'}")
         names = [s["file"] for s in meta["shards"]] + [e["file"] for e in meta["index"].values()]
@@ -160,13 +157,8 @@ class PreparedDataset:
             total += shard["tokens"]
         if total != meta["tokens"]:
             self._damaged(f"its shards hold {total:,} tokens, but {fmt.META_FILE} says {meta['tokens']:,}")
-        if self._tokenizer_sha256() != tokenizer["sha256"]:
+        if fmt.file_sha256(str(self.path / tokenizer["file"])) != tokenizer["sha256"]:
             self._damaged(f"{self.path / tokenizer['file']} is not the tokenizer {fmt.META_FILE} names (sha256)")
-
-    def _tokenizer_sha256(self) -> str:
-        import hashlib
-
-        return hashlib.sha256((self.path / self.meta["tokenizer"]["file"]).read_bytes()).hexdigest()
 
     def _check_index(self) -> None:
         docs = self.meta["documents"]
@@ -223,20 +215,15 @@ class PreparedDataset:
     def verify(self) -> dict[str, Any]:
         """Read every shard and index file and compare their sha256 (and the content hash) with `dataset.json`."""
         hashes = []
-        for k, shard in enumerate(self.meta["shards"]):
-            self._checked[k] = bytearray(len(self._checked[k]))
-            self._unchecked[k] = len(self._checked[k])
-            self.check_chunks(k, 0, shard["tokens"])
-            found = fmt.file_sha256(str(self.path / shard["file"]))
-            if found != shard["sha256"]:
-                self._damaged(f"{self.path / shard['file']} does not match its sha256 in {fmt.META_FILE}")
-            hashes.append(found)
-        for name in fmt.INDEX_FILES:
-            entry = self.meta["index"][name]
-            found = fmt.file_sha256(str(self.path / entry["file"]))
-            if found != entry["sha256"]:
+        shards = self.meta["shards"]
+        for k, entry in enumerate([*shards, *(self.meta["index"][name] for name in fmt.INDEX_FILES)]):
+            if k < len(shards):  # a shard: every chunk's crc32 first
+                self._checked[k] = bytearray(len(self._checked[k]))
+                self._unchecked[k] = len(self._checked[k])
+                self.check_chunks(k, 0, entry["tokens"])
+            hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
+            if hashes[-1] != entry["sha256"]:
                 self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")
-            hashes.append(found)
         content = fmt.content_hash(self.meta["dtype"], self.meta["tokenizer"]["sha256"], hashes)
         if content != self.meta["content_sha256"]:
             self._damaged(f"its content hash is not the one {fmt.META_FILE} records")

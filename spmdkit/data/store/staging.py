@@ -129,9 +129,6 @@ class Staging:
 
     def _release(self) -> None:
         if self._fd is not None:
-            try:
-                self.lock.unlink()  # while still held: a waiting run then finds --out in place, or no lock
-            except FileNotFoundError:
-                pass
+            self.lock.unlink(missing_ok=True)  # while still held: a waiting run then finds --out in place, or no lock
             os.close(self._fd)
             self._fd = None

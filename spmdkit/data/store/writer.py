@@ -10,7 +10,7 @@ each piece comes. Each shard's sha256 and chunk checksums are computed by readin
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,12 @@ FLUSH_DOCUMENTS = 1 << 16  # index entries buffered before they go to their raw 
 
 
 class _Index:
-    """The document index, appended to raw files (offsets without the leading 0, bytes, keys)."""
+    """The document index, appended to raw files (offsets, its leading 0 first; bytes; keys)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.files = {name: open(directory / f"{name}.raw", "wb") for name in INDEX_DTYPES}
+        self.files["offsets"].write(np.zeros(1, np.int64).tobytes())
         self.buffer: dict[str, list[np.ndarray]] = {name: [] for name in INDEX_DTYPES}
         self.buffered = 0
 
@@ -50,17 +51,11 @@ class _Index:
         self.buffered = 0
 
     def finish(self, documents: int) -> dict[str, dict[str, str]]:
-        """Write the `.npy` index files (offsets with its leading 0); returns `dataset.json`'s `index`."""
+        """Write the `.npy` index files; returns `dataset.json`'s `index`."""
         self.flush()
         for f in self.files.values():
             f.close()
         raw = {name: self.directory / f"{name}.raw" for name in INDEX_DTYPES}
-        with open(raw["offsets"], "r+b") as f:  # prepend the leading 0: rewrite through a second raw file
-            with open(self.directory / "offsets0.raw", "wb") as out:
-                out.write(np.zeros(1, np.int64).tobytes())
-                while block := f.read(1 << 22):
-                    out.write(block)
-        os.replace(self.directory / "offsets0.raw", raw["offsets"])
         index = {}
         for name, dtype in INDEX_DTYPES.items():
             path = self.directory / fmt.INDEX_FILES[name]
@@ -153,8 +148,7 @@ class DatasetWriter:
         new = fmt.shard_file(len(self.shards))
         with open(old, "r+b") as f, open(self.tmp / new, "wb") as out:
             f.seek(start * self.itemsize)
-            while block := f.read(1 << 22):
-                out.write(block)
+            shutil.copyfileobj(f, out, 1 << 22)
             f.truncate(start * self.itemsize)
         moved = self.shards[-1]["tokens"] - start
         self.shards[-1]["tokens"] = start

@@ -61,7 +61,7 @@ class Tokenizer:
         try:
             self.hf = tokenizers.Tokenizer.from_str(json_text)
         except Exception as error:  # the library raises plain Exceptions for bad files
-            raise SpmdkitError(f"{name} is not a tokenizers tokenizer.json ({_first_line(error)})") from None
+            raise SpmdkitError(f"{name} is not a tokenizers tokenizer.json ({first_line(error)})") from None
         self.hf.no_truncation()
         self.hf.no_padding()
         self.hf.encode_special_tokens = True
@@ -198,7 +198,7 @@ class Tokenizer:
         return out
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
@@ -275,7 +275,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         try:
             config = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise SpmdkitError(f"{config_path} is not JSON ({_first_line(error)}): fix or remove it") from None
+            raise SpmdkitError(f"{config_path} is not JSON ({first_line(error)}): fix or remove it") from None
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
