@@ -23,6 +23,7 @@ from test_checkpoint import _layout, _random_state, _stream, abstract  # noqa: F
 
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
 from spmdkit.checkpoint.process_tier import ProcessCheckpointer, process_directory
+from spmdkit.checkpoint.run_lock import LOCK_FILE, RunLock
 from spmdkit.checkpoint.tiers import TieredCheckpointer
 from spmdkit.cli import main
 from spmdkit.errors import SpmdkitError
@@ -278,3 +279,22 @@ def test_two_hosts_one_process_lost_its_local_steps_and_no_persistent_step_is_re
     assert len(errors) == 2 and all(fragment in line and "holds none" in line for line in errors), output[-3000:]
     assert "Traceback" not in output
     assert _steps(tmp_path / "lost" / "local" / "process-0") == ["6", "8"]
+
+
+@pytest.mark.slow
+def test_two_hosts_each_process_locks_its_own_local_directory(tmp_path, killed_two_hosts):
+    """Each host's disk is its own, so every process locks its `process-<i>/`: another job holding process 1's is
+    named in one line by both processes, and nothing is written or set aside."""
+    shutil.copytree(killed_two_hosts, tmp_path / "held")
+    local = tmp_path / "held" / "local"
+    with RunLock(local / "process-1", "another job", "--checkpoint.local-dir"):
+        refused = _launch(tmp_path / "held")
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if "spmdkit: error:" in line]
+    assert len(errors) == 2 and all(f"{local / 'process-1'} is in use by another job" in e for e in errors), output
+    assert sum("process 1: --checkpoint.local-dir" in e for e in errors) == 1 and "Traceback" not in output
+    assert [_steps(local / p) for p in ("process-0", "process-1")] == [["6", "8"], ["6", "8"]]
+    # the killed run's stale lock files were taken over and released: only the steps' directories are compared
+    kept = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != LOCK_FILE)  # noqa: E731
+    assert kept(local) == kept(killed_two_hosts / "local")

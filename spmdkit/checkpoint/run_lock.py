@@ -5,7 +5,8 @@ reshard` or `ckpt export` writing there) is refused in one line naming the holde
 process dies, so a lock left by a killed run is free: it is taken over, with a warning naming the dead holder. A clean
 release deletes the file while still holding the lock; an acquirer checks that the file it locked is still the one
 at the path (else it retries), so that a deleted lock is never held twice. With several JAX processes, process 0
-takes the lock and every process learns the verdict (a broadcast) before anything is written.
+takes the lock (or each process its own, on a node-local disk) and every process learns the verdicts (a gather)
+before anything is written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
 LOCK_FILE = ".spmdkit-lock"
-_VERDICT_BYTES = 2048  # the refusal broadcast from process 0, UTF-8, zero-padded
+_VERDICT_BYTES = 2048  # a refusal gathered from every process, UTF-8, zero-padded
 
 
 class RunLockWarning(SpmdkitWarning):
@@ -181,22 +182,28 @@ class RunLock:
         self.release(failed=exc_type is not None)
 
 
-def lock_run(directory: str | Path, command: str, flag: str = "--run-dir", label: str | None = None) -> RunLock | None:
+def lock_run(
+    directory: str | Path, command: str, flag: str = "--run-dir", label: str | None = None, *, each: bool = False
+) -> RunLock | None:
     """The lock of `directory` for a job of any number of JAX processes: process 0 takes it (and gets it back), the
-    others get None; every process raises the same one-line SpmdkitError when process 0 was refused."""
+    others get None; with `each`, every process takes the lock of its own `directory` (a node-local one). Every
+    process raises the same one-line SpmdkitError when one was refused (the first by index), holding nothing."""
     import jax
 
     if jax.process_count() == 1:
         return RunLock(directory, command, flag, label)
     lock, refusal = None, ""
-    if jax.process_index() == 0:
+    if each or jax.process_index() == 0:
         try:
             lock = RunLock(directory, command, flag, label)
         except SpmdkitError as error:
             refusal = str(error)
-    verdict = _broadcast(refusal)
-    if verdict:
-        raise SpmdkitError(verdict if jax.process_index() == 0 else f"process 0: {verdict}")
+    refused = [(index, text) for index, text in enumerate(_gather(refusal)) if text]
+    if refused:
+        if lock is not None:
+            lock.release(failed=True)
+        index, text = refused[0]
+        raise SpmdkitError(text if index == jax.process_index() else f"process {index}: {text}")
     return lock
 
 
@@ -215,13 +222,13 @@ def lock_all(directories: dict[str, tuple[Path, str | None]], command: str) -> l
     return locks
 
 
-def _broadcast(text: str) -> str:
-    """Process 0's `text` on every process (a collective)."""
+def _gather(text: str) -> list[str]:
+    """Every process's `text`, by process index (a collective)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
     buffer = np.zeros(_VERDICT_BYTES, np.uint8)
     data = text.encode()[:_VERDICT_BYTES]
     buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
-    return bytes(received).rstrip(b"\0").decode("utf-8", "replace")
+    rows = np.asarray(multihost_utils.process_allgather(buffer), np.uint8).reshape(-1, _VERDICT_BYTES)
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]

@@ -91,7 +91,8 @@ def _ours(name: str) -> bool:
 def lock_local_dir(held: list[RunLock | None], local_dir: Path | None, run_dir: Path, command: str) -> None:
     """Append to `held` (the trainer's locks) the lock of the local tier's directory, taken as
     `ownership.lock_run_directories` takes the checkpoint directory's: none inside the run directory (its lock covers
-    it), else the lock of the run directory holding it, or its own. All or none: a refusal releases `held`."""
+    it), else the lock of the run directory holding it, or its own; on several hosts also every process's lock of
+    its own `process-<i>/` (each host's disk is its own). All or none: a refusal releases `held`."""
     if local_dir is None or local_dir.is_relative_to(run_dir):
         return
     owner = enclosing_run(local_dir) or local_dir
@@ -100,6 +101,9 @@ def lock_local_dir(held: list[RunLock | None], local_dir: Path | None, run_dir: 
         label += f" lies in the run directory {owner}, which"
     try:
         held.append(lock_run(owner, command, LOCAL_FLAG, label))
+        if len(set(process_hosts())) > 1:
+            own = process_directory(local_dir)
+            held.append(lock_run(own, command, LOCAL_FLAG, f"{LOCAL_FLAG} {own}", each=True))
     except BaseException:
         for lock in reversed(held):
             if lock is not None:
