@@ -118,9 +118,11 @@ def pipeline_loss_and_grads(
     microbatches = functools.partial(to_microbatches, num_microbatches=schedule.num_microbatches)
 
     @_per_device
-    def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:  # packed: + positions, segment ids
-        x = embed_tokens(table, raw[..., 0] if packed else raw, config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
-        return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1) if packed else x
+    def embed_fn(table: jax.Array, raw: jax.Array) -> jax.Array:
+        if not packed:
+            return embed_tokens(table, raw, config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
+        x = embed_tokens(table, raw[..., 0], config.dtype, config.embed_scale).astype(BOUNDARY_DTYPE)
+        return jnp.concatenate([x, raw[..., 1:].astype(BOUNDARY_DTYPE)], axis=-1)  # + positions, segment ids
 
     @_per_device
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
