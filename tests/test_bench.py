@@ -83,9 +83,9 @@ def test_strategies_fit_only_their_device_count():
 
 def test_existing_xla_flags_win(monkeypatch):
     count = "--xla_force_host_platform_device_count"
-    monkeypatch.setenv("XLA_FLAGS", f"{count}=4 --xla_gpu_enable_pipelined_all_gather=false")
+    monkeypatch.setenv("XLA_FLAGS", f"{count}=4 --xla_gpu_pipeline_all_gather=default")
     bench.add_xla_flags((f"{count}=8", *bench.GPU_XLA_FLAGS))
     flags = bench.os.environ["XLA_FLAGS"].split()
     assert f"{count}=4" in flags and f"{count}=8" not in flags
-    assert "--xla_gpu_enable_pipelined_all_gather=false" in flags
+    assert "--xla_gpu_pipeline_all_gather=default" in flags and "--xla_gpu_pipeline_all_gather=on" not in flags
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags

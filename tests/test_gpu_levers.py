@@ -5,15 +5,16 @@
   off; `fp8_gemms` counts both forms. A bf16 training step holds none.
 - Overlapped TP: `--overlap-tp`'s windowed-einsum flags go into `XLA_FLAGS` on a GPU host only (on the CPU they
   would do nothing: a CPU run's losses are the same with the switch as without), all exist in this XLA and reach
-  the compile, but XLA 0.10.2 emits no windowed-einsum loop deviceless, even at threshold 0 (it caps the loop at 0
-  iterations without a device); the TP step keeps its all-gathers. `windowed_einsums` reads XLA's loops by their
-  body names (a hand-written module in XLA's form) and spmdkit's shard_map ring (`spmdkit.parallel.
-  collective_matmul`), which does compile: 2 x (n - 1) hops.
+  the compile. XLA (0.11 on) emits its windowed-einsum loops deviceless; multi-streamed (spmdkit's setting) their
+  hops run asynchronously, where without it each sits in a conditional XLA makes synchronous (docs/jax-limits.md).
+  `windowed_einsums` reads XLA's loops by their body names (a hand-written module in XLA's form too) and spmdkit's
+  shard_map ring (`spmdkit.parallel.collective_matmul`): 2 x (n - 1) hops.
+- The flags: every one spmdkit sets parses in this jaxlib, in `XLA_FLAGS` (XLA started in a child process) and
+  as compile options.
 - `spmdkit compile --json` reports the keys. Small shapes: each compile takes seconds, once per test.
 """
 
 import functools
-import importlib.metadata
 import json
 import os
 
@@ -34,10 +35,12 @@ from spmdkit.parallel import collective_matmul
 from spmdkit.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from spmdkit.targets import target_devices
 from spmdkit.targets.flags import (
+    GPU_XLA_FLAGS,
     OVERLAP_TP_FLAGS,
     OVERLAP_TP_THRESHOLD_MIB,
-    VERIFIED_JAXLIB,
+    check_env_flags,
     compile_with_options,
+    flag_name,
     gpu_compiler_options,
     run_flags,
 )
@@ -79,16 +82,41 @@ def test_fp8_gemms_are_counted_in_both_gemm_forms(fp8_step, triton):
     assert (levers.CUBLAS_FP8 in compiled.as_text()) is not triton
 
 
+def test_every_flag_spmdkit_sets_parses_in_this_jaxlib():
+    """In `XLA_FLAGS` (this jaxlib's XLA started with them, in a child process) and as compile options (a CPU
+    compile takes the same names): none left out, and the set is not empty."""
+    flags = run_flags(overlap_tp=True)
+    assert len(GPU_XLA_FLAGS) >= 8 and len(flags) == len(GPU_XLA_FLAGS) + len(OVERLAP_TP_FLAGS)
+    assert check_env_flags(flags) == (flags, [])
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+    compiled, dropped = compile_with_options(lowered, gpu_compiler_options(flags))
+    assert dropped == [] and compiled is not None
+    assert gpu_compiler_options(flags)["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+
+
+def test_flags_this_xla_refuses_are_left_out_and_named():
+    """A name XLA does not know, and a value it cannot parse (a bool; an enum, which XLA refuses without naming
+    the flag): left out and named, the rest kept; as compile options, the same."""
+    good = GPU_XLA_FLAGS[0]
+    bad = ("--xla_gpu_no_such_flag=true", "--xla_gpu_enable_while_loop_double_buffering=maybe",
+           "--xla_gpu_pipeline_all_reduce=sometimes")  # fmt: skip
+    kept, dropped = check_env_flags((bad[0], good, *bad[1:]))
+    assert kept == (good,) and sorted(dropped) == sorted(flag_name(f) for f in bad)
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+    _, dropped = compile_with_options(lowered, {**gpu_compiler_options((good,)), "xla_gpu_no_such_flag": True,
+                                                "xla_gpu_pipeline_all_reduce": "SOMETIMES"})  # fmt: skip
+    assert dropped == ["xla_gpu_no_such_flag", "xla_gpu_pipeline_all_reduce"]
+
+
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu-host", "cpu-host"])
 def test_overlap_tp_puts_its_flags_in_xla_flags_on_a_gpu_host_only(monkeypatch, gpu):
     monkeypatch.setattr("spmdkit.distributed.platform.gpu_present", lambda: gpu)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_use_memcpy_local_p2p=false")  # the user's setting wins
-    added = gpu and importlib.metadata.version("jaxlib") in VERIFIED_JAXLIB  # XLA_FLAGS only where checked
     assert add_run_flags(parse_flags(["--mesh", "fsdp=4,tensor=2"], TrainConfig())) is False
-    assert add_run_flags(parse_flags(["--overlap-tp"], TrainConfig())) is added
+    assert add_run_flags(parse_flags(["--overlap-tp"], TrainConfig())) is gpu
     flags = os.environ["XLA_FLAGS"].split()
-    assert flags[0] == "--xla_gpu_use_memcpy_local_p2p=false" and len(flags) == (3 if added else 1), flags
-    assert set(flags[1:]) == ({*OVERLAP_TP_FLAGS} - {"--xla_gpu_use_memcpy_local_p2p=true"} if added else set())
+    assert flags[0] == "--xla_gpu_use_memcpy_local_p2p=false" and len(flags) == (3 if gpu else 1), flags
+    assert set(flags[1:]) == ({*OVERLAP_TP_FLAGS} - {"--xla_gpu_use_memcpy_local_p2p=true"} if gpu else set())
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +127,23 @@ def tp_report() -> dict:
     return json.loads(result.stdout)
 
 
-def test_overlap_tp_flags_reach_the_compile_and_xla_emits_no_windowed_loop_deviceless(tp_report):
+def test_overlap_tp_flags_reach_the_compile_and_xla_emits_windowed_loops_deviceless(tp_report):
     config = parse_flags(f"{SMALL} --mesh fsdp=4,tensor=2 --overlap-tp".split(), TrainConfig())
     lowered = lower_train_step(build_program(config, target_devices("h100")))
     # --overlap-tp's flags, the threshold lowered to 0 MiB so that every TP matmul qualifies
     forced = {**gpu_compiler_options(run_flags(config.mesh.overlap_tp)), "xla_gpu_threshold_for_windowed_einsum_mib": 0}
     overlapped, dropped = compile_with_options(lowered, forced)
     assert dropped == [] and len(OVERLAP_TP_FLAGS) == 3  # every windowed-einsum flag exists in this XLA
-    assert windowed_einsums(overlapped) == {"loops": 0, "collective_permutes": 0, "executions": 0}
-    assert tp_report["windowed_einsums"] == windowed_einsums(overlapped)  # the switch off: none either
-    assert collective_report(overlapped).by_opcode() == tp_report["collectives"]  # the same collectives as off
+    found = windowed_einsums(overlapped)
+    # each loop's hops (one per iteration, over tensor=2) are found inside its conditional, and counted
+    assert found["loops"] > 0 and found["collective_permutes"] >= found["loops"], found
+    assert found["executions"] >= found["collective_permutes"], found
+    permutes = collective_report(overlapped).by_opcode()["collective-permute"]
+    assert found["collective_permutes"] <= permutes["instructions"]  # the step has no other permute to count
+    # multi-streamed: hops run asynchronously; XLA's reason where one does not: nothing to overlap it with
+    assert found["asynchronous"] > 0, found
+    assert permutes["asynchronous"] + permutes["nothing_to_overlap"] == permutes["instructions"], permutes
+    assert tp_report["windowed_einsums"]["loops"] == 0  # the switch off: none
     assert tp_report["collectives"]["all-gather"]["instructions"] > 0  # TP's gathers stay whole
 
 
@@ -186,13 +221,13 @@ ENTRY %main (a: $T) -> $T {
 
 
 def test_xla_windowed_einsum_loops_are_counted_by_their_body_names():
-    assert windowed_einsums(XLA_WINDOWED) == {"loops": 2, "collective_permutes": 2, "executions": 6}
+    assert windowed_einsums(XLA_WINDOWED) == {"loops": 2, "collective_permutes": 2, "asynchronous": 1, "executions": 6}
     assert windowed_einsums(XLA_WINDOWED.replace("windowed_dot_general_body", "scan_body"))["loops"] == 0
 
 
 def test_compile_json_reports_the_levers(tp_report):
     assert tp_report["fp8_gemms"] == {"instructions": 0, "executions": 0, "cublas": 0, "fusions": 0}  # a bf16 step
-    assert tp_report["windowed_einsums"] == {"loops": 0, "collective_permutes": 0, "executions": 0}
+    assert tp_report["windowed_einsums"] == {"loops": 0, "collective_permutes": 0, "asynchronous": 0, "executions": 0}
     assert "levers       FP8 GEMMs 0 (x0 per call), windowed einsums 0 loops" in format_report(tp_report)
 
 

@@ -1,7 +1,7 @@
 """The job's key-value store: the coordination service that `jax.distributed.initialize` started in process 0, which
 every process reaches over its own connection (not through the devices, so it answers while a collective hangs).
 
-JAX 0.10 has no public accessor for it: `jax._src.distributed.global_state.client` is what
+JAX (0.10 to 0.12) has no public accessor for it: `jax._src.distributed.global_state.client` is what
 `jax.experimental.multihost_utils` and Orbax's multihost helpers use, and this module is the one place spmdkit
 touches it. Every call is bounded in time: a store whose process 0 is frozen must not freeze the caller.
 """

@@ -11,6 +11,7 @@ filtered out of stderr (every other line is passed on).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import re
 import shutil
@@ -58,11 +59,23 @@ def quiet_stderr() -> Iterator[None]:
                 sys.stderr.flush()
 
 
+CUDA_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")  # JAX's CUDA PJRT plugins (the `gpu-aot` extras)
+
+
+def cuda_plugin() -> str | None:
+    """The installed CUDA PJRT plugin as "name version" ("jax-cuda13-plugin 0.12.0.1"), read from the installed
+    distributions without importing JAX; None without one (a plain `pip install spmdkit`)."""
+    for name in CUDA_PLUGINS:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def cuda_plugin_installed() -> bool:
     """Is JAX's CUDA 12 or 13 PJRT plugin installed (checked without importing JAX)?"""
-    import importlib.util
-
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+    return cuda_plugin() is not None
 
 
 def start_jax() -> None:

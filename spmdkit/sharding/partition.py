@@ -9,7 +9,7 @@ in its shards: no device ever holds a full copy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 from flax import nnx
@@ -17,8 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.sharding.logical import logical_to_spec
 from spmdkit.sharding.rules import AxisTable, Rules
-
-M = TypeVar("M")
 
 
 def _path_text(path: tuple[Any, ...]) -> str:
@@ -50,7 +48,7 @@ def abstract_state(make: Callable[[], Any]) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(abstract)
 
 
-def init_sharded(make: Callable[[], M], mesh: Mesh, rules: Rules, table: AxisTable | None = None) -> M:
+def init_sharded[M](make: Callable[[], M], mesh: Mesh, rules: Rules, table: AxisTable | None = None) -> M:
     """Build `make()` (any NNX module, or a tuple of them) with every array born in its shards.
 
     `table` defaults to the parameter table; pass `rules.optimizer` for optimizer state.

@@ -46,7 +46,7 @@ def gpu_target(name: str) -> GpuTarget:
 
 
 def aot_installed() -> bool:
-    """Is a CUDA PJRT plugin that compiles for GPU targets installed (the `gpu-aot` extra: CUDA 12)?"""
+    """Is a CUDA PJRT plugin that compiles for GPU targets installed (the `gpu-aot` extra: CUDA 13; or CUDA 12)?"""
     return cuda_plugin_installed()
 
 

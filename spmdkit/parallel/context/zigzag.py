@@ -19,16 +19,12 @@ permutation compiles to an all-gather.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.errors import SpmdkitError
 
 LOAD_BALANCE_MODES: tuple[str | None, ...] = ("zigzag", "none", "contiguous", None)
-
-ArrayT = TypeVar("ArrayT")
 
 
 def check_load_balance(load_balance: str | None) -> str:
@@ -79,18 +75,18 @@ def inverse_zigzag_indices(seq_len: int, n: int) -> np.ndarray:
     return np.argsort(zigzag_indices(seq_len, n))
 
 
-def _take(x: ArrayT, indices: np.ndarray, axis: int) -> ArrayT:
+def _take[ArrayT](x: ArrayT, indices: np.ndarray, axis: int) -> ArrayT:
     if isinstance(x, np.ndarray):
         return np.take(x, indices, axis=axis)
     return jnp.take(x, jnp.asarray(indices), axis=axis)
 
 
-def to_zigzag(x: ArrayT, axis: int = 1, *, n: int) -> ArrayT:
+def to_zigzag[ArrayT](x: ArrayT, axis: int = 1, *, n: int) -> ArrayT:
     """Permute the sequence axis `axis` of `x` (numpy or jax) into the zigzag layout for n context devices."""
     return _take(x, zigzag_indices(x.shape[axis], n), axis)
 
 
-def from_zigzag(x: ArrayT, axis: int = 1, *, n: int) -> ArrayT:
+def from_zigzag[ArrayT](x: ArrayT, axis: int = 1, *, n: int) -> ArrayT:
     """Undo `to_zigzag`: the sequence axis `axis` of `x` back in the original token order."""
     return _take(x, inverse_zigzag_indices(x.shape[axis], n), axis)
 
