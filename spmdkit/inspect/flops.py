@@ -66,9 +66,10 @@ def _attention_flops(target: str, operand_types: list[str], config: dict[str, An
     return flops // 2 if fmha.get("mask_type", "").startswith("CAUSAL") else flops
 
 
-def hlo_flops(compiled_or_text: Any) -> dict[str, int]:
+def hlo_flops(compiled_or_text: Any, where: re.Pattern[str] | None = None) -> dict[str, int]:
     """Per-device FLOPs per call of a compiled program: `{"matmul", "attention", "total"}` (see the module
-    docstring for what each counts)."""
+    docstring for what each counts); with `where`, only of the instructions whose attributes (their metadata's
+    `op_name` among them) it matches."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     computations, entry = _split_computations(text)
     runs = _executions(computations, entry) if entry else {}
@@ -78,6 +79,8 @@ def hlo_flops(compiled_or_text: Any) -> dict[str, int]:
     for comp, instrs in parsed.items():
         times = runs.get(comp, 0)
         for _, rtype, opcode, operands, rest in instrs:
+            if where is not None and not where.search(rest):
+                continue
             names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
             operand_types = [types.get(n, "") for n in names]
             if opcode == "dot" and (m := _CONTRACTING.search(rest)) and operand_types:

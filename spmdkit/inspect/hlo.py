@@ -79,7 +79,11 @@ class Collective:
     group_size: int  # devices taking part in one group (0 when unknown, e.g. collective-permute)
     executions: int = 1  # times it runs per call of the program (loop trip counts multiplied)
     form: str = ""  # how the backend spelled it, where that differs from `opcode`
-    asynchronous: bool = False  # a start/done pair (XLA:GPU), which the scheduler may overlap with compute
+    asynchronous: bool = False  # a start/done pair (XLA:GPU) the scheduler overlaps with compute
+    # XLA:GPU scheduled it as a start/done pair, found nothing to run between them (its result is needed next, or
+    # nothing independent is left), and made it synchronous (`ConvertAsyncCollectivesToSync`: "is_sync" in its
+    # backend config; jaxlib 0.10 kept the start/done spelling, 0.11 on prints the plain opcode)
+    nothing_to_overlap: bool = False
 
 
 @dataclasses.dataclass
@@ -98,12 +102,20 @@ class CollectiveReport:
 
     def by_opcode(self) -> dict[str, dict[str, int]]:
         totals: dict[str, dict[str, int]] = collections.defaultdict(
-            lambda: {"instructions": 0, "asynchronous": 0, "executions": 0, "operand_bytes": 0, "result_bytes": 0}
+            lambda: {
+                "instructions": 0,
+                "asynchronous": 0,
+                "nothing_to_overlap": 0,
+                "executions": 0,
+                "operand_bytes": 0,
+                "result_bytes": 0,
+            }  # fmt: skip
         )
         for c in self.collectives:
             t = totals[c.opcode]
             t["instructions"] += 1
             t["asynchronous"] += c.asynchronous
+            t["nothing_to_overlap"] += c.nothing_to_overlap
             t["executions"] += c.executions
             t["operand_bytes"] += c.operand_bytes * c.executions
             t["result_bytes"] += c.result_bytes * c.executions
@@ -251,6 +263,9 @@ def _executions(computations: dict[str, list[str]], entry: str) -> dict[str, int
     return runs
 
 
+_MADE_SYNC = re.compile(r'"is_sync":\s*true')
+
+
 def collective_report(compiled_or_text: Any) -> CollectiveReport:
     """Parse a `jax.stages.Compiled` (or its `.as_text()`) into a `CollectiveReport`."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
@@ -264,10 +279,10 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
             base = ins.opcode.removesuffix("-start")
             if base not in COLLECTIVES or ins.opcode.endswith("-done"):
                 continue
-            group = _group_size(ins.attrs)
+            group, made_sync = _group_size(ins.attrs), _MADE_SYNC.search(ins.attrs) is not None
             common = dict(
                 name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1,
-                asynchronous=ins.opcode.endswith("-start"),
+                asynchronous=ins.opcode.endswith("-start") and not made_sync, nothing_to_overlap=made_sync,
             )  # fmt: skip
             if base == "all-reduce":
                 operand_types = [types.get(o, "") for o in ins.operands]

@@ -7,7 +7,8 @@
   multiplied, as `spmdkit.inspect.hlo` counts collectives).
 - `windowed_einsums(text)`: the decomposed collective matmuls. XLA's SPMD partitioner emits each as a `while`
   loop whose body it names `windowed_dot_general_body...`: collective-permutes passing one operand's shards
-  round the ring while partial matmuls run. spmdkit's own ring (`spmdkit.parallel.collective_matmul`: a loop, or
+  round the ring while partial matmuls run (a loop unrolled whole leaves its hops outside it, named after the
+  matmul they came from). spmdkit's own ring (`spmdkit.parallel.collective_matmul`: a loop, or
   unrolled where the ring is short) is found by the named scope (`RING_SCOPE`) its collective-permutes carry.
 """
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from spmdkit.inspect.hlo import _executions, _split_computations
+from spmdkit.inspect.flops import hlo_flops
+from spmdkit.inspect.hlo import _BRANCHES, _CALLED, _MADE_SYNC, _executions, _split_computations
 
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e3m4", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz")
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
@@ -24,6 +26,9 @@ CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 # `unrolled_` where XLA unrolls them
 WINDOWED_BODY = "windowed_dot_general_body"
 RING_SCOPE = "collective_matmul"  # the named scope of `spmdkit.parallel.collective_matmul`
+# A collective-permute the SPMD partitioner made from a matmul (a `ppermute` of spmdkit's carries its own name):
+# multi-streamed windowed einsum unrolls a short loop whole, and its hops leave the loop's body.
+_FROM_MATMUL = re.compile(r'op_name="[^"]*dot_general[^"/]*"')
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*?)\)(,.*)?$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
@@ -95,7 +100,10 @@ def _windowed_bodies(parsed: dict) -> set[str]:
     frontier = list(bodies)
     while frontier:
         for _, _, _, _, attrs in parsed.get(frontier.pop(), []):
-            for callee in re.findall(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)", attrs):
+            # XLA 0.11 on sends each hop inside a conditional (the last iteration's branch does nothing)
+            callees = [c for _, c in _CALLED.findall(attrs)]
+            callees += [c.strip().lstrip("%") for group in _BRANCHES.findall(attrs) for c in group.split(",")]
+            for callee in callees:
                 if callee not in bodies:
                     bodies.add(callee)
                     frontier.append(callee)
@@ -110,15 +118,33 @@ def windowed_einsums(compiled_or_text: Any) -> dict[str, int]:
     computations, entry = _split_computations(text)
     parsed, runs = _instructions(computations), _executions(computations, entry) if entry else {}
     bodies = _windowed_bodies(parsed)
-    found = {"loops": 0, "collective_permutes": 0, "executions": 0}
+    found = {"loops": 0, "collective_permutes": 0, "asynchronous": 0, "executions": 0}
     for comp, rows in parsed.items():
         for row in rows:
             _, _, opcode, _, attrs = row
             if _windowed_body(row) is not None:
                 found["loops"] += 1
             elif opcode in ("collective-permute", "collective-permute-start") and (
-                comp in bodies or f"/{RING_SCOPE}/" in attrs
+                comp in bodies or f"/{RING_SCOPE}/" in attrs or _FROM_MATMUL.search(attrs)
             ):
                 found["collective_permutes"] += 1
+                found["asynchronous"] += opcode.endswith("-start") and not _MADE_SYNC.search(attrs)
                 found["executions"] += runs.get(comp, 1) or 1
+    return found
+
+
+def expert_gemms(compiled_or_text: Any, op_names: tuple[str, ...]) -> dict[str, int]:
+    """The experts' GEMMs of a compiled program, found by the JAX operations they come from (`op_names`, e.g.
+    `ragged_dot` and the experts' einsums): {flops: per device per call, loops multiplied (as `hlo_flops`),
+    grouped: instructions that run them as a grouped GEMM (a `ragged-dot` XLA kept, or a grouped-GEMM custom
+    call), dense: `dot`s that run them (a grouped matmul XLA lowered to a dense one, or padded buffers)}."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    names = re.compile(r'op_name="[^"]*(?:' + "|".join(re.escape(n) for n in op_names) + ")")
+    found = {"flops": hlo_flops(text, where=names)["matmul"], "grouped": 0, "dense": 0}
+    for line in text.splitlines():
+        if names.search(line):
+            if re.search(r"\sragged-dot\(|custom_call_target=\"[^\"]*(?:grouped|ragged)", line, re.I):
+                found["grouped"] += 1
+            elif re.search(r"\sdot\(", line):
+                found["dense"] += 1
     return found

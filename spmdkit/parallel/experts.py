@@ -46,12 +46,18 @@ class ExpertWeights(NamedTuple):
     down: jax.Array
 
 
+# The JAX operations the experts' GEMMs come from (their `op_name` in a compiled program, `spmdkit compile`'s
+# `moe_gemm`): the grouped matmul of `ragged_moe` and the per-expert einsums of `swiglu_experts`.
+EXPERT_IN, EXPERT_OUT = "etd,edh->eth", "eth,ehd->etd"
+EXPERT_OPS = ("ragged_dot", EXPERT_IN, EXPERT_OUT)
+
+
 def swiglu_experts(x: jax.Array, w: ExpertWeights) -> jax.Array:
     """Each expert's SwiGLU on its own tokens: x [experts, tokens, embed] -> [experts, tokens, embed]."""
     dt = x.dtype
-    gate = jnp.einsum("etd,edh->eth", x, w.gate.astype(dt))
-    up = jnp.einsum("etd,edh->eth", x, w.up.astype(dt))
-    return jnp.einsum("eth,ehd->etd", jax.nn.silu(gate) * up, w.down.astype(dt))
+    gate = jnp.einsum(EXPERT_IN, x, w.gate.astype(dt))
+    up = jnp.einsum(EXPERT_IN, x, w.up.astype(dt))
+    return jnp.einsum(EXPERT_OUT, jax.nn.silu(gate) * up, w.down.astype(dt))
 
 
 def slots(expert_index: jax.Array, num_experts: int, slots_per_expert: int) -> tuple[jax.Array, jax.Array]:

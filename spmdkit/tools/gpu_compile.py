@@ -19,10 +19,12 @@ from typing import Any
 
 import jax
 
+from spmdkit.distributed.platform import cuda_plugin
 from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
-from spmdkit.inspect.levers import fp8_gemms, windowed_einsums
+from spmdkit.inspect.levers import expert_gemms, fp8_gemms, windowed_einsums
 from spmdkit.models.device_facts import cudnn_checks_for
+from spmdkit.parallel.experts import EXPERT_OPS
 from spmdkit.plan.estimate import REMAT_ORDER, estimate  # least recompute first: tried after the run's own
 from spmdkit.sharding.mesh_config import format_sizes
 from spmdkit.targets import gpu_target, target_devices
@@ -144,6 +146,21 @@ def lower_train_step(program: TrainProgram) -> Any:
     return lowered
 
 
+def moe_gemm(text: str, program: TrainProgram, devices: int) -> dict[str, Any] | None:
+    """How the experts' GEMMs compiled (None without experts): `grouped` (a grouped GEMM per weight) or `dense`
+    (dense matmuls: `jax.lax.ragged_dot` lowered to a masked matmul over every expert, or the capacity buffers of
+    an expert-parallel mesh), with their FLOPs per device against the routed ones (each token through its
+    top_k experts, forward and backward: 18 x embed x routed_mlp x top_k per token and MoE layer). `ratio` counts
+    what the compiled step runs, recomputation included (remat runs the forward's share again)."""
+    m, run = program.model_config, program.config.run
+    if not m.moe_layers:
+        return None
+    found = expert_gemms(text, EXPERT_OPS)
+    routed = 18 * m.embed * m.routed_mlp * m.top_k * m.moe_layers * run.batch_size * run.seq_len / devices
+    kind = "grouped" if found["grouped"] and not found["dense"] else "dense"
+    return {"kind": kind, **found, "routed_flops": routed, "ratio": found["flops"] / routed if routed else None}
+
+
 def model_flops(program: TrainProgram) -> float:
     """The model's FLOPs of one step (`TransformerConfig.flops_per_token`: what MFU counts), all devices."""
     run = program.config.run
@@ -185,10 +202,11 @@ def base_report(
     seconds: float,
     planned: dict[str, float],
     context: int = 1,
+    text: str | None = None,
 ) -> dict[str, Any]:
     """The keys every compiled program's report has: where it runs, its bytes against the HBM and the planner's
     `planned` {term: bytes}, the kernel, collectives and FLOPs found in it, the compile time and peak RSS."""
-    info, text, memory = gpu_target(target), compiled.as_text(), memory_bytes(compiled)
+    info, text, memory = gpu_target(target), text or compiled.as_text(), memory_bytes(compiled)
     usable, total = int(USABLE_HBM * info.hbm_bytes), sum(planned.values())
     return {
         "target": target, "device_kind": info.device_kind, "devices": devices, "hosts": host_count(devices, per_host),
@@ -200,9 +218,17 @@ def base_report(
         "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text),
         "planner_bytes": total, "planner_memory": dict(planned),
         "planner_ratio": total / memory["total"] if memory["total"] else None,
-        "remat_that_fits": None, "compile_seconds": round(seconds, 2),
+        "remat_that_fits": None, "compile_seconds": round(seconds, 2), "compiler": compiler(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
     }  # fmt: skip
+
+
+def compiler() -> str:
+    """What compiled the program: jaxlib's version and the CUDA plugin ("jaxlib 0.12.0.1, jax-cuda13-plugin
+    0.12.0.1")."""
+    import jaxlib
+
+    return f"jaxlib {jaxlib.__version__}, {cuda_plugin() or 'no CUDA plugin'}"
 
 
 def decode_report(config: TrainConfig, target: str, devices: int, per_host: int) -> dict[str, Any]:
@@ -223,9 +249,9 @@ def compile_for_target(
     options = gpu_compiler_options(run_flags(config.mesh.overlap_tp))  # --overlap-tp: windowed einsum flags too
     compiled, dropped = compile_with_options(lower_train_step(program), options)
     seconds = time.perf_counter() - started
-    plan = planner_estimate(program, target)
+    plan, text = planner_estimate(program, target), compiled.as_text()
     report = base_report(
-        target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context
+        target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context, text
     )
     fits, usable = report["fits"], report["usable_hbm_bytes"]
     report.update(
@@ -235,6 +261,7 @@ def compile_for_target(
         remat_that_fits=None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
         planner_layout=None if fits else planner_layout(program, target, devices, per_host),
         flags_left_out=dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
+        moe_gemm=moe_gemm(text, program, devices),
     )  # fmt: skip
     return report
 
@@ -262,12 +289,20 @@ def format_report(report: dict[str, Any]) -> str:
         f"FLOPs        {r['flops_per_device']['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
         f"multiplied){model_flops}",
         "collectives  " + (", ".join(
-            f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async, {_gb(t['operand_bytes'])})"
+            f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async{_no_overlap(t)}, "
+            f"{_gb(t['operand_bytes'])})"
             for op, t in r["collectives"].items()
         ) or "none"),
         _levers_text(r),
-        f"compile      {r['compile_seconds']:.1f} s",
+        f"compile      {r['compile_seconds']:.1f} s ({r['compiler']})",
     ]  # fmt: skip
+    if r.get("moe_gemm"):
+        g = r["moe_gemm"]
+        lines.insert(
+            -2,
+            f"MoE GEMMs    {g['kind']}: {g['ratio']:.2f} x the routed FLOPs ({g['flops'] / 1e12:.3f} TFLOP per device; "
+            "grouped: one grouped GEMM per weight, dense: matmuls over every expert slot)",
+        )
     if r["remat_that_fits"]:
         lines.append(f"hint         --model.remat {r['remat_that_fits']} fits this mesh (compiled)")
     elif r.get("planner_layout"):
@@ -277,12 +312,19 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _no_overlap(totals: dict[str, int]) -> str:
+    """ ", 2 with nothing to overlap": the collectives XLA made synchronous because nothing could run beside them."""
+    n = totals.get("nothing_to_overlap", 0)
+    return f", {n} with nothing to overlap" if n else ""
+
+
 def _levers_text(report: dict[str, Any]) -> str:
     """The speed levers' marks in the compiled program: FP8 GEMMs, windowed einsums, bytes kept in host memory."""
     fp8, windowed = report.get("fp8_gemms") or {}, report.get("windowed_einsums") or {}
     text = (
         f"levers       FP8 GEMMs {fp8.get('instructions', 0)} (x{fp8.get('executions', 0)} per call), windowed "
-        f"einsums {windowed.get('loops', 0)} loops ({windowed.get('collective_permutes', 0)} collective-permutes)"
+        f"einsums {windowed.get('loops', 0)} loops ({windowed.get('collective_permutes', 0)} collective-permutes, "
+        f"{windowed.get('asynchronous', 0)} async)"
     )
     host = report.get("host_bytes")
     return text + (f", host memory {_gb(host)}" if host is not None else "")
