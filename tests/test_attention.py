@@ -147,6 +147,37 @@ def test_cudnn_wrapper_runs_per_device_without_communication(mesh_text, kv_heads
         assert "all-to-all" not in collectives and "collective-permute" not in collectives, collectives
 
 
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["grad-outside", "vjp-inside"])
+def test_cudnn_wrapper_inside_a_partly_manual_region(backward_inside):
+    """As in a pipeline stage (manual over data and fsdp, tensor automatic) or accumulation over replica axes: the
+    wrapper nests a region over the axes still automatic, forward and backward (the kernel's vjp taken per device),
+    with XLA's attention standing in for cuDNN on CPU. The numbers of dot_attention, the gradients taken outside
+    the region and (as 1F1B does) inside it, with a cotangent that varies over the manual axes."""
+    mesh, rules = make_mesh("data=2,fsdp=2,tensor=2"), make_rules(3)
+    q, k, v, dout = _inputs(4, 64, 4, 2, 16, seed=5)
+    seg = jnp.asarray(np.repeat(np.array([[1, 2]] * 4, np.int32), [40, 24], axis=1))
+    tokens = jax.P(("data", "fsdp"))  # tensor stays automatic: the wrapper splits the heads over it
+
+    def per_stage(q, k, v, dout, seg):
+        with use_rules(rules, mesh):
+            attention = lambda q, k, v: cudnn_attention(q, k, v, segment_ids=seg, implementation="xla")  # noqa: E731
+            if not backward_inside:
+                return (attention(q, k, v),)
+            out, vjp = jax.vjp(attention, q, k, v)
+            return (out, *vjp(dout))
+
+    region = jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(tokens,) * 5,
+        out_specs=(tokens,) * (4 if backward_inside else 1), axis_names={"data", "fsdp"},
+    )  # fmt: skip
+    if backward_inside:
+        got = jax.jit(region)(q, k, v, dout, seg)
+    else:
+        got = _out_and_grads(lambda q, k, v: region(q, k, v, dout, seg)[0])(q, k, v, dout)
+    want = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, segment_ids=seg))(q, k, v, dout)
+    _assert_close(got, want)
+
+
 # --- which kernel runs ---------------------------------------------------------------------------------------
 
 

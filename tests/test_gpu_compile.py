@@ -3,8 +3,11 @@
 The compile-only devices come from `spmdkit.targets` (the `gpu-aot` extra: the CUDA plugin and cuDNN); the train
 step is the one `spmdkit train` runs (`build_program`), lowered on ShapeDtypeStructs, compiled with spmdkit's
 XLA:GPU flags. Each strategy's GPU program must hold the collectives that strategy stands for, every one an async
-start/done pair, and cuDNN's fused attention where the attention is cuDNN. Small shapes (`tiny`, seq 128): each
-compile takes a few seconds, once per strategy for the module.
+start/done pair or one XLA scheduled as a pair and made synchronous because nothing could run beside it ("is_sync"
+in its backend config: the last layer's gradient reduction, a tensor-parallel sum whose result the next
+instruction reads); FSDP's are all async. cuDNN's fused attention where the attention is cuDNN, pipeline stages and
+accumulation over replica axes included. Small shapes (`tiny`, seq 128): each compile takes a few seconds, once
+per strategy for the module.
 """
 
 import json
@@ -18,7 +21,14 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.targets import TARGETS, gpu_target, require_aot, target_devices
 from spmdkit.targets.flags import gpu_compiler_options
-from spmdkit.tools.gpu_compile import attention_in_hlo, attention_windows, lower_train_step, memory_bytes
+from spmdkit.tools.gpu_compile import (
+    attention_in_hlo,
+    attention_windows,
+    compile_for_target,
+    format_report,
+    lower_train_step,
+    memory_bytes,
+)
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import build_program
 
@@ -70,9 +80,11 @@ def test_every_strategy_compiles_for_h100_with_its_async_collectives(name, h100)
     program, text, memory = compile_flags(flags, h100, key=name)
     report = collective_report(text)
     assert {c.opcode for c in report.collectives} >= expected, report.table()
-    assert report.collectives and all(c.asynchronous for c in report.collectives), [
+    assert report.collectives and all(c.asynchronous or c.nothing_to_overlap for c in report.collectives), [
         c.name for c in report.collectives if not c.asynchronous
     ]
+    if name == "fsdp":  # every gather and reduce-scatter overlaps a layer's compute
+        assert all(c.asynchronous for c in report.collectives), report.table()
     assert attention_in_hlo(text, program.context) == program.attention
     if program.attention == "cudnn":
         assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
@@ -83,9 +95,8 @@ def test_auto_attention_is_cudnn_on_h100_and_ring_or_blockwise_where_cudnn_canno
     kernels = {name: compile_flags(STRATEGIES[name][0], h100, key=name)[0].attention for name in STRATEGIES}
     assert {kernels[n] for n in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "ep")} == {"cudnn"}
     assert kernels["cp"] == "ring"
-    # pipeline stages run inside a partly manual shard_map, where cuDNN's partitioner fails: blockwise there
-    assert kernels["pp_1f1b"] == kernels["pp_interleaved"] == kernels["hsdp_accum"] == "blockwise"
-    assert kernels["ep_accum"] == "cudnn"
+    # pipeline stages and accumulation over replica axes run in a partly manual shard_map: cuDNN there too
+    assert {kernels[n] for n in ("pp_1f1b", "pp_interleaved", "hsdp_accum", "ep_accum")} == {"cudnn"}
 
 
 def test_cudnn_on_fsdp_8_compiles(h100):
@@ -125,9 +136,15 @@ def test_a_soft_capped_windowed_model_compiles_the_blockwise_kernel(h100):
     assert attention_in_hlo(text) == "blockwise" and not attention_windows(text)
 
 
-def test_cudnn_is_refused_in_pipeline_stages(h100):
-    with pytest.raises(SpmdkitError, match="pipeline stages"):
-        compile_flags(STRATEGIES["pp_1f1b"][0] + " --attention cudnn", h100)
+def test_cudnn_in_pipeline_stages_runs_its_forward_and_backward_kernels(h100):
+    """The stages' cuDNN calls, in the regions nested inside the pipeline's shard_map: a forward per layer for the
+    forward ticks and the backward's recompute, a backward kernel per layer."""
+    program, text, _ = compile_flags(STRATEGIES["pp_1f1b"][0], h100, key="pp_1f1b")
+    assert program.attention == "cudnn" and text.count("__cudnn$fmhaSoftmaxBackward") >= 1
+    blockwise = build_program(
+        parse_flags(f"{SMALL} {STRATEGIES['pp_1f1b'][0]} --attention blockwise".split(), TrainConfig()), h100
+    )
+    assert blockwise.attention == "blockwise"  # the explicit choice still runs
 
 
 def _compute_between_start_and_done(text: str, opcode: str) -> list[int]:
@@ -184,7 +201,9 @@ def test_compile_command_json_and_bad_input(tmp_path):
     assert report["attention_kernel"] == "cudnn" and report["per_device_bytes"]["total"] > 0
     for key in ("hbm_bytes", "collectives", "planner_bytes", "compile_seconds"):
         assert key in report
-    assert report["collectives"]["all-reduce"]["asynchronous"] == report["collectives"]["all-reduce"]["instructions"]
+    reduce = report["collectives"]["all-reduce"]
+    assert reduce["asynchronous"] + reduce["nothing_to_overlap"] == reduce["instructions"] and reduce["asynchronous"]
+    assert report["compiler"].startswith("jaxlib ") and "jax-cuda1" in report["compiler"]  # what compiled it
     for args, needle in [
         (("--target", "x100"), "h100, h200, a100, b200"),
         (("--devices", "12"), "--devices-per-host 8"),
@@ -216,3 +235,31 @@ def test_decode_step_compiles_for_h100_with_tensor_parallel_all_reduces():
     assert report["program"] == "decode" and report["fits"] and report["attention_kernel"] == "dot"
     assert report["collectives"]["all-reduce"]["asynchronous"] > 0  # TP's per-layer sums, async pairs
     assert 0.5 < report["planner_ratio"] < 1.5  # weights + KV cache, as the inference planner counts them
+
+
+@pytest.mark.parametrize(
+    ("mesh", "ratio"),
+    [("fsdp=8", "experts / top_k"), ("tensor=8", "experts")],
+    ids=["capacity-buffers", "ragged-dot"],
+)
+def test_the_dropless_moe_step_reports_how_its_expert_gemms_compiled(mesh, ratio):
+    """`moe_gemm` of the tiny-moe dropless step on 8 x H100. With the batch split (fsdp=8) dropless is the capacity
+    dispatch with a whole sequence of slots per expert: every expert multiplies S slots, E/k times the routed FLOPs.
+    With every expert local and no batch axis (tensor=8) it is `jax.lax.ragged_dot`, which this XLA lowers to a
+    dense matmul of every routed row with every expert: E times. Dense either way, counted from the compiled dots."""
+    config = parse_flags(f"{SMALL} --model tiny-moe --moe-dispatch dropless --mesh {mesh}".split(), TrainConfig())
+    report = compile_for_target(config)
+    gemm, model = report["moe_gemm"], config.model.build()
+    expected = model.experts / model.top_k if ratio == "experts / top_k" else model.experts
+    assert gemm["kind"] == "dense" and gemm["grouped"] == 0 and gemm["dense"] > 0, gemm
+    assert gemm["ratio"] == pytest.approx(expected, rel=0.01), gemm
+    assert f"MoE GEMMs    dense: {expected:.2f} x the routed FLOPs" in format_report(report)
+
+
+def test_llama3_8b_on_8_h100_fits_with_cudnn_and_the_planner_within_10_percent():
+    """README's 8B compile (fsdp=8, seq 8192, remat full) on this jaxlib: it fits, cuDNN runs the attention, no
+    flag is left out, and the planner's bytes are XLA's within 10%."""
+    flags = "--model llama3-8b --mesh fsdp=8 --seq-len 8192 --batch-size 8 --model.remat full"
+    report = compile_for_target(parse_flags(flags.split(), TrainConfig()))
+    assert report["fits"] and report["attention_kernel"] == "cudnn" and report["flags_left_out"] == []
+    assert 0.9 < report["planner_ratio"] < 1.1, (report["planner_ratio"], report["planner_memory"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,14 +97,6 @@ def dot_attention(
 def platform() -> str:
     """Where the model runs: the platform (`device_platform`) of the mesh in force, else of JAX's first device."""
     return device_platform(mesh_device())
-
-
-def in_manual_region() -> bool:
-    """Is the trace inside a `shard_map` that is manual over some mesh axes and automatic over others (pipeline
-    stages, accumulation over replica axes)?"""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(mesh.manual_axes)
-    return bool(manual) and any(a not in manual for a in mesh.axis_names)
 
 
 def context_size() -> int:
@@ -188,8 +181,9 @@ def cudnn_attention(
     when the kv heads do not split over the head axes (kv_heads < tensor), K/V are repeated to the query heads
     first. The region spans all free axes, size-1 ones included: cuDNN's custom partitioner fails inside a
     `shard_map` that leaves some mesh axes automatic (`get_num_ways_dim_sharded` AssertionError in XLA:GPU's SPMD
-    partitioner). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests). `window` and
-    `scale` as the module doc; cuDNN has no logit soft cap, so `softcap` > 0 raises SpmdkitError.
+    partitioner). Inside a partly manual region (pipeline stages, accumulation over replica axes) that region nests
+    in it (`_nested_cudnn`). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
+    `window` and `scale` as the module doc; cuDNN has no logit soft cap, so `softcap` > 0 raises SpmdkitError.
     """
     if softcap:
         raise SpmdkitError(f"cuDNN attention has no logit soft-capping (softcap={softcap}): use the blockwise kernel")
@@ -204,8 +198,6 @@ def cudnn_attention(
     free = tuple(a for a in mesh.axis_names if a not in manual)
     if not free:  # already per device (inside a shard_map over every axis)
         return kernel(q, k, v, segment_ids)
-    if manual:  # see spmdkit.models.attention_choice: no way to place cuDNN's kernel in a partly manual region
-        raise SpmdkitError("cuDNN attention cannot run inside a partly manual shard_map: use the blockwise kernel")
     batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
     for what, size, axes in (("batch", q.shape[0], batch), ("heads", q.shape[2], heads)):
         if size % math.prod(mesh.shape[a] for a in axes):
@@ -221,10 +213,60 @@ def cudnn_attention(
     def local(q: jax.Array, k: jax.Array, v: jax.Array, *segments: jax.Array) -> jax.Array:
         return kernel(q, k, v, segments[0] if segments else None)
 
+    if manual:  # a partly manual region (pipeline stages, accumulation over replica axes): nested regions
+        return _nested_cudnn(local, specs, tokens, set(free), *args)
     # check_vma=False: no collective runs inside, and the cuDNN custom call does not declare how it varies.
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=set(free), check_vma=False)(
         *args
     )
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes `x` varies over (its type's, JAX >= 0.11)."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` typed as varying over the manual axes `like` varies over (a type cast: nothing moves)."""
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _nested_cudnn(local: Any, specs: tuple, out_spec: PartitionSpec, free: set[str], *args: jax.Array) -> jax.Array:
+    """`local(*args)` inside a partly manual region, manual over the `free` axes too: a `shard_map` nested over
+    the context's abstract mesh for the forward, and another for the backward, which takes the kernel's vjp per
+    device (JAX's transpose of a nested check_vma=False region drops the cotangents' varying axes and fails its
+    own check, `docs/jax-limits.md`); the backward recomputes the forward kernel for its statistics. Output and
+    cotangents are typed as varying over the manual axes the inputs vary over."""
+    nested = functools.partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names=free)
+    floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+
+    def local_backward(*inputs: jax.Array) -> tuple[jax.Array, ...]:
+        *primals, ct = inputs
+
+        def call(*diff: jax.Array) -> jax.Array:
+            full = list(primals)
+            for i, a in zip(floats, diff, strict=True):
+                full[i] = a
+            return local(*full)
+
+        return jax.vjp(call, *(primals[i] for i in floats))[1](ct)
+
+    @jax.custom_vjp
+    def typed(*inputs: jax.Array) -> jax.Array:
+        out = nested(local, in_specs=specs, out_specs=out_spec, check_vma=False)(*inputs)
+        return _varying_like(out, inputs[floats[0]])
+
+    def forward(*inputs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        return typed(*inputs), inputs
+
+    def backward(inputs: tuple[jax.Array, ...], ct: jax.Array) -> tuple[jax.Array | None, ...]:
+        region = nested(local_backward, in_specs=(*specs, out_spec), out_specs=tuple(specs[i] for i in floats))
+        grads = dict(zip(floats, region(*inputs, ct), strict=True))
+        return tuple(_varying_like(grads[i], a) if i in grads else None for i, a in enumerate(inputs))
+
+    typed.defvjp(forward, backward)
+    return typed(*args)
 
 
 def attend(
@@ -244,9 +286,12 @@ def attend(
     kernel's query and key block size. `window` (0: unlimited), `scale` (None: 1/sqrt(head_dim)), `softcap`
     (0: off): the module doc; every kernel gives the same numbers."""
     device = mesh_device()
+    # A kernel a program chose, traced with no mesh in force (a pipeline's per-device shape check before its
+    # shard_map), runs on the program's devices, not on JAX's first: its platform is not checked again there.
+    platform = device_platform(device) if kind == "auto" or active_rules() is not None else None
     kernel = choose_attention(
-        kind, context=context_size(), platform=device_platform(device), dtype=q.dtype.name, head_dim=q.shape[3],
-        compute_capability=compute_capability(device), manual_region=in_manual_region(), softcap=softcap,
+        kind, context=context_size(), platform=platform, dtype=q.dtype.name, head_dim=q.shape[3],
+        compute_capability=compute_capability(device), softcap=softcap,
     )  # fmt: skip
     options = {"window": window, "scale": scale, "softcap": softcap}
     if kernel == "ring":

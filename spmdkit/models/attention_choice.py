@@ -3,13 +3,10 @@
 `choose_attention(kind, ...)` turns the model's `attention` setting into the kernel that runs:
 
 - `auto`: ring attention when the mesh has a context axis > 1; else cuDNN's fused kernel on an NVIDIA GPU where
-  cuDNN supports the shape (bfloat16 or float16, head_dim a multiple of 8 up to 128, 256 on Hopper) and the
-  attention does not run inside a partly manual region; else the blockwise kernel.
-- A partly manual region: pipeline stages, and gradient accumulation over replica axes, run the model inside a
-  `shard_map` that is manual over some mesh axes and automatic over the rest. cuDNN's kernel cannot be placed
-  there in JAX 0.10: called directly, its custom partitioner fails (`get_num_ways_dim_sharded`); in a nested
-  `shard_map` over the remaining axes, its residuals lose their varying-axes type (checked by compiling for an
-  H100 target, `tests/test_gpu_compile.py`). There `auto` runs the blockwise kernel and `cudnn` is refused.
+  cuDNN supports the shape (bfloat16 or float16, head_dim a multiple of 8 up to 128, 256 on Hopper); else the
+  blockwise kernel. Pipeline stages and gradient accumulation over replica axes run the model inside a partly
+  manual `shard_map`; cuDNN runs there too, in regions nested over the axes still automatic
+  (`spmdkit.models.attention`; its backward recomputes the forward kernel, docs/jax-limits.md says why).
   cuDNN has no attention-logit soft cap (Gemma 2): with `softcap` > 0 `auto` runs the blockwise kernel and
   `cudnn` is refused. On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
   (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
@@ -46,21 +43,19 @@ def choose_attention(
     dtype: str,
     head_dim: int,
     compute_capability: int = 0,
-    manual_region: bool = False,
     softcap: float = 0.0,
 ) -> str:
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
 
     context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
     or None (unknown: the platform rules are not checked); dtype: the compute dtype's name; compute_capability:
-    the GPU's major version (0: unknown); manual_region: the attention runs inside a partly manual `shard_map`
-    (pipeline stages, accumulation over replica axes); softcap: the attention-logit soft cap (0: none; cuDNN has
+    the GPU's major version (0: unknown); softcap: the attention-logit soft cap (0: none; cuDNN has
     none). Raises SpmdkitError when an explicit choice cannot run.
     """
     if kind == "auto":
         if context > 1:
             return "ring"
-        cudnn_ok = cudnn_refusal(dtype, head_dim, compute_capability) is None and not manual_region and not softcap
+        cudnn_ok = cudnn_refusal(dtype, head_dim, compute_capability) is None and not softcap
         return "cudnn" if platform == "cuda" and cudnn_ok else "blockwise"
     if kind not in KERNELS:
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
@@ -79,10 +74,5 @@ def choose_attention(
         if softcap:
             raise SpmdkitError(
                 f"--attention cudnn has no logit soft-capping (softcap={softcap}): use blockwise (or auto)"
-            )
-        if manual_region:
-            raise SpmdkitError(
-                "--attention cudnn cannot run inside pipeline stages or gradient accumulation over replica axes "
-                "(cuDNN's partitioner fails in a partly manual shard_map): use blockwise (or auto)"
             )
     return kind

@@ -26,7 +26,6 @@ from spmdkit.models.device_facts import compute_capability, device_platform
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
-from spmdkit.plan.memory import manual_region
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import Rules, make_rules
 from spmdkit.train.config import TrainConfig, with_data_vocab
@@ -146,9 +145,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     device = mesh.devices.flat[0]
     kernel = choose_attention(
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
-        head_dim=model.head_dim, compute_capability=compute_capability(device),
-        manual_region=manual_region(planned),  # pipeline stages, accumulation over replica axes
-        softcap=model.attention_softcap,
+        head_dim=model.head_dim, compute_capability=compute_capability(device), softcap=model.attention_softcap,
     )  # fmt: skip
     settings, run = config.mesh, config.run
     pipeline = None
