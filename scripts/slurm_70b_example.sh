@@ -3,15 +3,15 @@
 #
 #   spmdkit launch --slurm --nodes 8 --gpus-per-node 8 --partition h100 --time 48:00:00 \
 #       --account YOUR_ACCOUNT --job-name llama70b --env-setup 'source /shared/venvs/spmdkit/bin/activate' \
-#       --dry-run -- spmdkit train --model 70b --mesh data=2,fsdp=32 (the srun line's flags below)
+#       --dry-run -- spmdkit train --model 70b --mesh fsdp=32,tensor=2 (the srun line's flags below)
 #
 # The layout is what `spmdkit plan --model 70b --devices 64 --device-type h100` recommends (its defaults: a
 # 256 x 4096-token batch, bfloat16; tests/test_readme.py checks the flags below against it):
-#   mesh data=2,fsdp=32, ZeRO-3, remat full, no gradient accumulation:
-#   ~76.9 of 80 GB per GPU, ~20.5 s per step, ~51,200 tokens/s, ~35% MFU (the planner's estimate).
-# SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on the second, ...: each
-# data-parallel replica is 4 nodes (ranks 0-31, 32-63) and each FSDP group of 32 spans its replica's 4 nodes, so
-# FSDP's and DP's traffic crosses InfiniBand.
+#   mesh fsdp=32,tensor=2 with sequence parallelism, ZeRO-3, remat save_dot_except_mlp, 2 accumulation steps:
+#   ~73.3 of 80 GB per GPU, ~17.9 s per step, ~58,700 tokens/s, ~40% MFU (the planner's estimate; XLA:GPU
+#   compiles the step to 66.0 GB per GPU: `spmdkit compile --devices 64` with these flags).
+# SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on the second, ...: each tensor pair is
+# two GPUs of one node (NVLink) and each FSDP group of 32 spans all 8 nodes, so FSDP's traffic crosses InfiniBand.
 # The 70b vocabulary (128,256 ids) needs uint32 tokens. Edit the partition, account, paths and the environment
 # line (`spmdkit launch --slurm` writes the activation of the environment it runs in, or --env-setup's lines),
 # then: sbatch scripts/slurm_70b_example.sh (a rerun resumes from the newest checkpoint in RUN_DIR/checkpoints).
@@ -50,8 +50,8 @@ export SPMDKIT_HEARTBEAT_TIMEOUT=${SPMDKIT_HEARTBEAT_TIMEOUT:-30}
 
 # srun's tasks get the CPUs asked for above (since SLURM 22.05 srun does not read them from sbatch itself).
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=none spmdkit train \
-    --model 70b --mesh data=2,fsdp=32 --zero 3 \
-    --remat full --dtype bfloat16 \
+    --model 70b --mesh fsdp=32,tensor=2 --zero 3 --sequence-parallel \
+    --remat save_dot_except_mlp --grad-accum 2 --dtype bfloat16 \
     --batch-size 256 --seq-len 4096 \
     --data /shared/data/tokens.bin --token-dtype uint32 \
     --steps 10000 --checkpoint-every 200 --run-dir /shared/runs/llama70b --no-progress

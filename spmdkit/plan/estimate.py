@@ -289,8 +289,11 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    if attention_kernel(m, sizes["context"], planner_platform(dev), manual_region(s), dev.compute_capability) != "dot":
+    kernel = attention_kernel(m, sizes["context"], planner_platform(dev), dev.compute_capability)
+    if kernel != "dot":
         extra += attention_forward / 2
+    if kernel == "cudnn" and manual_region(s):  # its backward there recomputes the forward kernel (attention.py)
+        extra += attention_forward
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
@@ -305,7 +308,10 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     moments = optimizer_bytes(s) if s.offload else 0.0  # host -> device before the update, back after it
     offload_s = 2 * moments / dev.host_bw
     step = compute + exposed + bubble_s + offload_s
-    host = s.stage_layers * s.tokens / s.microbatches * host_kept_bytes(m, sizes["tensor"], s.sequence_parallel)
+    # one layer more than the stage has: the layer loop's double buffering (XLA 0.11 on) holds the next
+    # iteration's offloaded residuals in pinned host memory beside the stack's
+    layers = s.stage_layers + (s.stage_layers > 1)
+    host = layers * s.tokens / s.microbatches * host_kept_bytes(m, sizes["tensor"], s.sequence_parallel)
     return Estimate(
         model=model_name(m), mesh=sizes, device=dev.name, batch_size=s.batch_size, seq_len=s.seq_len,
         dtype=m.dtype, remat=m.remat, zero=s.zero, sequence_parallel=s.sequence_parallel and sizes["tensor"] > 1,

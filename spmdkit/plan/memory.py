@@ -31,13 +31,14 @@ Transient: the largest of three phases, each on top of the persistent part.
             scores, made in the kernel's loops before they are copied into the layers' stack) + two gathered
             layers (ZeRO-3, compute dtype) + TP's 2 t_m E a.
             No gradients yet: XLA allocates them after the forward when memory is short.
-  loss:     the gradients + the LM head's float32 gradient accumulators (two inside the loss's shard_map over the
-            token axes, else one beside the gradient; 4EV/T each) + its cast aEV/T + (ZeRO-3, inside that
-            shard_map) its float32 gathered copy 4EV/T + one loss chunk's float32 logits and their gradient,
-            8V/(T n) per token, + aE + 4 per token (`spmdkit.models.loss`).
+  loss:     the gradients + the LM head's float32 gradient accumulator 4EV/T (gathered over fsdp when the loss
+            runs in its shard_map over the token axes) + its cast aEV/T (XLA 0.11 on casts the head before it
+            gathers it, and keeps one accumulator: 0.10 kept two and a float32 gathered copy) + one loss chunk's
+            float32 logits and their gradient, 8V/(T n) per token, + aE + 4 per token (`spmdkit.models.loss`).
   backward: the gradients + one layer's recompute t_m x (none - kept) + the blockwise scratch + the gathered
             layers + one layer's float32 gradient before its reduce-scatter (gradients split over fsdp) + TP's.
-Gradients: float32, split as the rules split them; accumulation over M > 1 microbatches in a loop: `_gradients`.
+Gradients: float32, split as the rules split them; accumulation over M > 1 microbatches in a loop, and 1F1B's
+accumulator of the stage's layers: `_gradients`.
 XLA's scheduler may also use spare memory to overlap one microbatch's backward with the next one's forward (two
 residual stacks); the planner counts the schedule that needs the least, one microbatch in flight.
 """
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import functools
 
-from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.block_plan import BlockPlan
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, loss_chunks
@@ -77,21 +77,13 @@ def manual_region(s: Layout) -> bool:
     return s["pipeline"] > 1 or (s.microbatches > 1 and replicas and not s.model.moe_layers)
 
 
-def attention_kernel(
-    m: TransformerConfig, C: int, platform: str | None, manual: bool = False, capability: int = 0
-) -> str:
-    """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`); an explicit
-    cudnn in a manual region, which the trainer refuses, is sized as the blockwise kernel. `capability`: the GPU's
-    major compute capability (0: unknown, the limits every GPU runs)."""
-    try:
-        return choose_attention(
-            m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim, manual_region=manual,
-            softcap=m.attention_softcap, compute_capability=capability,
-        )  # fmt: skip
-    except SpmdkitError:
-        if not manual:
-            raise
-        return "blockwise"
+def attention_kernel(m: TransformerConfig, C: int, platform: str | None, capability: int = 0) -> str:
+    """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`). `capability`:
+    the GPU's major compute capability (0: unknown, the limits every GPU runs)."""
+    return choose_attention(
+        m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim,
+        softcap=m.attention_softcap, compute_capability=capability,
+    )  # fmt: skip
 
 
 def _ring_tile(chunk: int) -> int:
@@ -130,14 +122,13 @@ def activation_bytes(
     C: int,
     seq: int,
     platform: str | None = None,
-    manual: bool = False,
     capability: int = 0,
 ) -> tuple[float, float]:
     """(bytes kept per token per layer under `m.remat`, bytes per token of one layer's recompute); module doc."""
     a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
     K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
     s = 1 / T if sp else 1
-    kernel = attention_kernel(m, C, platform, manual, capability)
+    kernel = attention_kernel(m, C, platform, capability)
     statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
     none = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + MLP_KEPT * a * F
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
@@ -204,13 +195,12 @@ def _layer_bytes(s: Layout, gathered: bool) -> float:
 def _kept(s: Layout, platform: str | None, capability: int) -> tuple[float, float, str]:
     """(kept bytes per token and layer, one layer's recompute per token, the attention kernel), MoE included."""
     m, T = s.model, s["tensor"]
-    manual = manual_region(s)
     sp, C = s.sequence_parallel, s["context"]
-    kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, manual, capability)
+    kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, capability)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
         moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
         kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
-    return kept, recompute, attention_kernel(m, C, platform, manual, capability)
+    return kept, recompute, attention_kernel(m, C, platform, capability)
 
 
 def _residuals(s: Layout, kept: float) -> float:
@@ -244,7 +234,12 @@ def _gradients(s: Layout) -> float:
         kind = "params" if manual_region(s) else "grads"
         vocab = s.model.vocab_size / (1 if s.sequence_parallel else s["tensor"])
         return 3 * sum(s.local(p, kind) for p in s.params) + s.a * vocab * s.model.embed
-    return sum(s.local(p, "grads") for p in s.params)
+    grads = sum(s.local(p, "grads") for p in s.params)
+    if s["pipeline"] > 1 and s.schedule != "gpipe":  # 1F1B's tick loop carries a float32 accumulator of the stage's
+        # layers laid out as their parameters (the loop is manual over the batch axes: ZeRO-2's split comes after
+        # it), live beside the reduced gradient (XLA 0.11 on; measured on H100 compiles, docs/jax-limits.md)
+        grads += sum(s.local(p, "params") for p in s.params if p.stacked)
+    return grads
 
 
 def _loss_phase(s: Layout) -> dict[str, float]:
@@ -255,14 +250,11 @@ def _loss_phase(s: Layout) -> dict[str, float]:
     accumulating = s["pipeline"] == 1 and manual_region(s)  # the replica axes are manual around the loss
     manual = ({"data", "fsdp"} if s.zero < 3 else {"data"}) if accumulating else set()
     token_axes = [x for x in (*BATCH_AXES, "context") if s[x] > 1 and x not in manual]
-    in_shard_map = chunks > 1 and bool(token_axes)
     whole = s.local(head, "params", gathered="fsdp" in token_axes)  # float32 [E, V/T] as the loss sees it
-    gathered = whole if in_shard_map and whole > s.local(head, "params") else 0.0
     mb = s.tokens / s.microbatches
     return {
-        "gradients": (2 if in_shard_map else 1) * whole,
+        "gradients": whole,
         "compute_copies": whole * a / 4,
-        "comm_buffers": gathered,
         "activations": mb * (m.vocab_size / T * 4 * 2 / chunks + m.embed * a + 4),
     }
 

@@ -28,7 +28,9 @@ def candidate_meshes(
     """Meshes worth trying: TP a power of two within a node dividing heads, mlp and vocab; PP dividing the layers;
     CP (a power of two) only for sequences of LONG_CONTEXT tokens or more; EP (mixture of experts only) dividing
     the experts, and then no PP (spmdkit's pipeline runs dense blocks only); data x fsdp take the rest, and
-    data x fsdp x expert (the batch axes) must divide the batch."""
+    data x fsdp x expert (the batch axes) must divide the batch. A pipeline goes with data parallelism, not fsdp:
+    its stages' float32 gradient accumulators are whole on every fsdp device, several times over (XLA 0.12
+    compiles a 70B pipeline=4,fsdp=8,tensor=2 step to 2.7 x what the planner counts; docs/jax-limits.md)."""
     powers = [2**k for k in range(devices.bit_length()) if devices % 2**k == 0]
     moe = m.moe_layers > 0
     for T in (t for t in powers if t <= gpus_per_node and not (m.heads % t or m.mlp % t or m.vocab_size % t)):
@@ -36,7 +38,7 @@ def candidate_meshes(
             for X in (x for x in _divisors(m.experts) if devices % (T * C * x) == 0) if moe else [1]:
                 rest = devices // (T * C * X)
                 for P in (p for p in _divisors(rest) if m.layers % p == 0 and not (moe and p > 1)):
-                    for F in (f for f in _divisors(rest // P) if m.embed % f == 0):
+                    for F in (f for f in _divisors(rest // P) if m.embed % f == 0 and (P == 1 or f == 1)):
                         D = rest // P // F
                         if batch % (D * F * X) == 0:
                             yield {"data": D, "pipeline": P, "fsdp": F, "context": C, "expert": X, "tensor": T}
@@ -94,15 +96,15 @@ def search(
 ) -> tuple[list[Estimate], Estimate | None]:
     """(the layouts that fit, fastest first; the smallest one that does not fit, or None).
 
-    Per mesh and per (ZeRO stage, schedule) of `_variants`: the least-recompute remat policy that fits, with its
-    fastest microbatch count. Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout
+    Per mesh and per (ZeRO stage, schedule) of `_variants`: the fastest remat policy and microbatch count that fit
+    (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch). Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout
     keeps the optimizer state in host memory (`--optimizer.offload`)."""
     fitting, smallest = [], (math.inf, None)
     settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages)
     for mesh in meshes:
         for by_policy in _variants(model, mesh, batch_size, seq_len, *settings):
+            fit = []
             for layouts in by_policy:
-                fit = []
                 for layout in layouts:
                     layout = dataclasses.replace(layout, offload=offload)
                     try:
@@ -113,8 +115,7 @@ def search(
                     if need <= dev.hbm_bytes:
                         fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
                     smallest = min(smallest, (need, layout), key=lambda x: x[0])
-                if fit:
-                    fitting.append(min(fit, key=lambda e: e.step_s))
-                    break
+            if fit:  # the fastest policy and microbatch count: more recompute can be faster than accumulating
+                fitting.append(min(fit, key=lambda e: e.step_s))
     fitting.sort(key=lambda e: (e.step_s, e.total_memory))
     return fitting, (evaluate(smallest[1], dev, efficiency, comm_efficiency) if smallest[1] else None)
