@@ -97,8 +97,9 @@ def search(
     """(the layouts that fit, fastest first; the smallest one that does not fit, or None).
 
     Per mesh and per (ZeRO stage, schedule) of `_variants`: the fastest remat policy and microbatch count that fit
-    (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch). Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout
-    keeps the optimizer state in host memory (`--optimizer.offload`)."""
+    (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch).
+    Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout keeps the optimizer state in
+    host memory (`--optimizer.offload`)."""
     fitting, smallest = [], (math.inf, None)
     settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages)
     for mesh in meshes:
