@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TRAIN_TINY
 from flax import nnx
-from support import error_lines, run_spmdkit
+from support import compile_in_parallel, error_lines, run_spmdkit
 
 from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.models.fp8 import HISTORY, Fp8Meta, Fp8Scales, project
@@ -178,12 +178,11 @@ def test_every_dense_matmul_of_the_blocks_compiles_to_an_fp8_gemm_on_h100(mesh="
     from spmdkit.train.program import build_program
 
     devices = target_devices("h100", 8, 8)
-    texts = {}
-    for fp8 in (True, False):
-        flags = f"{SMALL_8B} --mesh {mesh}" + (" --model.fp8 True" if fp8 else "")
-        program = build_program(parse_flags(flags.split(), TrainConfig()), devices)
-        texts[fp8] = lower_train_step(program).compile(compiler_options=gpu_compiler_options()).as_text()
-        assert attention_in_hlo(texts[fp8]) == "cudnn"
+    flags = {fp8: f"{SMALL_8B} --mesh {mesh}" + (" --model.fp8 True" if fp8 else "") for fp8 in (True, False)}
+    lowered = [lower_train_step(build_program(parse_flags(f.split(), TrainConfig()), devices)) for f in flags.values()]
+    compiled = compile_in_parallel(lowered, gpu_compiler_options())
+    texts = {fp8: c.as_text() for fp8, c in zip(flags, compiled, strict=True)}
+    assert all(attention_in_hlo(text) == "cudnn" for text in texts.values())
     dots = _dots(texts[True])
     assert sum(fp8 for fp8, _ in dots) >= 21, dots
     assert [source for fp8, source in dots if not fp8 and "bse,ev->bsv" not in source] == []

@@ -25,7 +25,7 @@ import pytest
 from flax.linen import fp8_ops
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import run_spmdkit
+from support import compile_in_parallel, run_spmdkit
 
 from spmdkit.cli.train import add_run_flags, parse_flags
 from spmdkit.inspect import levers
@@ -238,11 +238,10 @@ def test_overlap_tp_under_sequence_parallelism_runs_every_projection_as_a_ring()
     """fsdp=4,tensor=2 with SP compiled for 8 x H100: with `--overlap-tp` the 7 projections of a block (5 column-,
     2 row-parallel) run as spmdkit's collective matmuls, forward and backward (one hop each over 2 devices); off,
     there is none."""
-    found = {}
-    for extra in ("", " --overlap-tp"):
-        program = build_program(parse_flags(f"{SP}{extra}".split(), TrainConfig()), target_devices("h100"))
-        compiled = lower_train_step(program).compile(compiler_options=gpu_compiler_options())
-        found[extra] = windowed_einsums(compiled)
+    extras, devices = ("", " --overlap-tp"), target_devices("h100")
+    lowered = [lower_train_step(build_program(parse_flags(f"{SP}{e}".split(), TrainConfig()), devices)) for e in extras]
+    compiled = compile_in_parallel(lowered, gpu_compiler_options())
+    found = {extra: windowed_einsums(c) for extra, c in zip(extras, compiled, strict=True)}
     assert found[""]["collective_permutes"] == 0
     assert found[" --overlap-tp"]["collective_permutes"] >= 3 * 7, found  # forward, and two per backward
 

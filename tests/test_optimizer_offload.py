@@ -12,6 +12,7 @@ import signal
 import jax
 import numpy as np
 import pytest
+from support import compile_in_parallel
 
 from spmdkit.cli.train import parse_flags
 from spmdkit.models.presets import PRESETS
@@ -146,12 +147,12 @@ def test_the_h100_compile_moves_the_optimizer_state_from_device_to_host_memory()
     from spmdkit.targets.flags import gpu_compiler_options
     from spmdkit.tools.gpu_compile import lower_train_step, memory_bytes, planner_estimate
 
-    devices, memory, plans = target_devices("h100", 8, 8), {}, {}
-    for offload in ("", " --optimizer.offload"):
-        flags = f"--model llama3-8b --mesh fsdp=8 --model.remat full --seq-len 2048 --batch-size 8{offload}"
-        program = build_program(parse_flags(flags.split(), TrainConfig()), devices)
-        memory[offload] = memory_bytes(lower_train_step(program).compile(compiler_options=gpu_compiler_options()))
-        plans[offload] = planner_estimate(program, "h100")
+    devices, offloads = target_devices("h100", 8, 8), ("", " --optimizer.offload")
+    flags = "--model llama3-8b --mesh fsdp=8 --model.remat full --seq-len 2048 --batch-size 8"
+    programs = [build_program(parse_flags(f"{flags}{offload}".split(), TrainConfig()), devices) for offload in offloads]
+    compiled = compile_in_parallel([lower_train_step(p) for p in programs], gpu_compiler_options())
+    memory = {offload: memory_bytes(c) for offload, c in zip(offloads, compiled, strict=True)}
+    plans = {offload: planner_estimate(p, "h100") for offload, p in zip(offloads, programs, strict=True)}
     share = plans[""].memory["optimizer"]
     assert share > 0 and plans[" --optimizer.offload"].host_bytes == pytest.approx(share)
     assert memory[""]["host"] == 0

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support import autodiff_kept_bytes
+from support import autodiff_kept_bytes, compile_in_parallel
 
 from spmdkit.cli import main
 from spmdkit.cli.train import parse_flags
@@ -128,12 +128,16 @@ def test_the_search_order_recomputes_more_and_keeps_less_at_each_step():
 def gpu_steps() -> dict[str, tuple[dict, str, object]]:
     """remat -> (XLA:GPU memory_bytes, the compiled HLO text, the planner's estimate) of `GPU_FLAGS`' train step
     compiled for 8 x H100: 16 layers of `tiny` at seq 512, so that the layers' residuals dominate the temporaries."""
-    h100, out = target_devices("h100", 8, 8), {}
-    for remat in (*GPU_POLICIES, "offload_qkv_proj", CUSTOM):
-        program = build_program(parse_flags(f"{GPU_FLAGS} --model.remat {remat}".split(), TrainConfig()), h100)
-        compiled = lower_train_step(program).compile(compiler_options=gpu_compiler_options())
-        out[remat] = (memory_bytes(compiled), compiled.as_text(), planner_estimate(program, "h100"))
-    return out
+    h100, remats = target_devices("h100", 8, 8), (*GPU_POLICIES, "offload_qkv_proj", CUSTOM)
+    programs = [
+        build_program(parse_flags(f"{GPU_FLAGS} --model.remat {remat}".split(), TrainConfig()), h100)
+        for remat in remats
+    ]
+    compiled = compile_in_parallel([lower_train_step(p) for p in programs], gpu_compiler_options())
+    return {
+        remat: (memory_bytes(c), c.as_text(), planner_estimate(p, "h100"))
+        for remat, p, c in zip(remats, programs, compiled, strict=True)
+    }
 
 
 def test_xla_gpu_temporaries_lie_between_none_and_full_in_the_planners_order(gpu_steps):

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import jax
+import jaxlib
 
 from spmdkit.distributed.platform import cuda_plugin
 from spmdkit.inspect.flops import hlo_flops
@@ -226,8 +227,6 @@ def base_report(
 def compiler() -> str:
     """What compiled the program: jaxlib's version and the CUDA plugin ("jaxlib 0.12.0.1, jax-cuda13-plugin
     0.12.0.1")."""
-    import jaxlib
-
     return f"jaxlib {jaxlib.__version__}, {cuda_plugin() or 'no CUDA plugin'}"
 
 
