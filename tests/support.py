@@ -1,5 +1,7 @@
-"""Helpers the test modules share: running the `spmdkit` command as a user does."""
+"""Helpers the test modules share: running the `spmdkit` command as a user does, and the files and directories it
+must leave alone (their hashes, a read-only directory)."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -96,3 +98,22 @@ def compile_in_parallel(lowered: list, options: dict) -> list:
 
     with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
         return list(pool.map(lambda one: one.compile(compiler_options=options), lowered))
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file (and '<dir>' for every directory) under `directory`."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        key = str(path.relative_to(directory))
+        found[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "<dir>"
+    return found
+
+
+def read_only_dir(path: Path) -> bool:
+    """Make `path` a directory this process cannot write: file modes, or (as root) a read-only tmpfs."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return True
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0

@@ -14,24 +14,23 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from fixtures import (
+    MODEL,
+    abstract,  # noqa: F401 - a fixture: the tests name it as an argument
+    random_state,
+    run_cli,
+    shardings_for,
+    synthetic_stream,
+)
 from support import flip_byte
 
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
 from spmdkit.cli.train import parse
-from spmdkit.data.config import DataConfig
-from spmdkit.data.stream import make_data
 from spmdkit.errors import SpmdkitError
-from spmdkit.models import Transformer, TransformerConfig
-from spmdkit.sharding.mesh import make_mesh
-from spmdkit.sharding.partition import abstract_state
-from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, apply_overrides, checkpoint_directory
 from spmdkit.train.loop import Trainer
 from spmdkit.train.metrics import read_metrics
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
 from spmdkit.train.preemption import StopRequest
-from spmdkit.train.state import train_state_shardings
 
 STEPS, EVERY = 12, 2
 TIMEOUT = 240
@@ -225,38 +224,6 @@ def test_ten_sigkills_during_asynchronous_saves_each_resume_bit_identical(tmp_pa
 
 # ----------------------------------------------------------------------------------------------- in process
 
-MODEL = TransformerConfig(dtype="float32")
-RULES = make_rules(3, False)
-
-
-@pytest.fixture(scope="module")
-def abstract():
-    tx = make_optimizer(OptimizerConfig(), 10)
-
-    def make():
-        model = Transformer(MODEL, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    return abstract_state(make)[1]
-
-
-def _layout(abstract, mesh, devices=None):
-    return train_state_shardings(abstract, make_mesh(mesh, devices), RULES)
-
-
-def _random_state(abstract, shardings, seed):
-    """A train-state tree with random values, placed on `shardings` (no compilation needed)."""
-    rng = np.random.default_rng(seed)
-    leaves, treedef = jax.tree.flatten(abstract)
-    values = []
-    for leaf, sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
-        if leaf.dtype.kind == "f":
-            value = rng.standard_normal(leaf.shape).astype(leaf.dtype)
-        else:
-            value = rng.integers(0, 100, leaf.shape).astype(leaf.dtype)
-        values.append(jax.device_put(value, sharding))
-    return treedef.unflatten(values)
-
 
 def _assert_same_values(got, want):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -264,8 +231,8 @@ def _assert_same_values(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_restore_onto_other_meshes_and_device_counts(tmp_path, abstract):
-    saved = _random_state(abstract, _layout(abstract, "fsdp=4,tensor=2"), seed=1)
+def test_restore_onto_other_meshes_and_device_counts(tmp_path, abstract):  # noqa: F811 - the fixture
+    saved = random_state(abstract, shardings_for(abstract, "fsdp=4,tensor=2"), seed=1)
     checkpointer = Checkpointer(tmp_path / "ckpt", every=1)
     assert checkpointer.save(3, saved, config={"note": "fsdp x tensor"})
     checkpointer.close()
@@ -273,7 +240,7 @@ def test_restore_onto_other_meshes_and_device_counts(tmp_path, abstract):
     fresh = Checkpointer(tmp_path / "ckpt")
     devices = jax.devices()
     for mesh, subset in (("data=8", devices), ("fsdp=4", devices[:4]), ("fsdp=1", devices[:1])):
-        shardings = _layout(abstract, mesh, subset)
+        shardings = shardings_for(abstract, mesh, subset)
         step, restored = fresh.restore_latest(abstract, shardings)
         assert step == 3
         _assert_same_values(restored, saved)
@@ -283,10 +250,10 @@ def test_restore_onto_other_meshes_and_device_counts(tmp_path, abstract):
     fresh.close()
 
 
-def test_shape_mismatch_names_the_array_and_both_shapes(tmp_path, abstract):
-    shardings = _layout(abstract, "data=8")
+def test_shape_mismatch_names_the_array_and_both_shapes(tmp_path, abstract):  # noqa: F811 - the fixture
+    shardings = shardings_for(abstract, "data=8")
     checkpointer = Checkpointer(tmp_path / "ckpt")
-    checkpointer.save(1, _random_state(abstract, shardings, seed=0), force=True)
+    checkpointer.save(1, random_state(abstract, shardings, seed=0), force=True)
     checkpointer.wait()
     leaves, treedef = jax.tree.flatten(abstract)
     saved = tuple(leaves[0].shape)  # blocks/attention/k: [layers, embed, kv_heads, head_dim]
@@ -298,10 +265,6 @@ def test_shape_mismatch_names_the_array_and_both_shapes(tmp_path, abstract):
     assert f"model/blocks/attention/k has shape {saved} in the checkpoint but has shape {wanted}" in message
     assert "\n" not in message and checkpointer.steps() == [1]  # a mismatch is not damage: nothing set aside
     checkpointer.close()
-
-
-def _stream():
-    return make_data(DataConfig(source="synthetic"), seq_len=8, global_batch=2, vocab_size=50, seed=0)
 
 
 def _damage(step_dir, how):
@@ -326,25 +289,25 @@ DAMAGE = ["arrays deleted", "files truncated", "data state deleted", "data state
 
 
 @pytest.mark.parametrize("how", [*DAMAGE, "data state edited, saved before its checksum"])
-def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):
-    shardings = _layout(abstract, "data=8")
+def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):  # noqa: F811 - the fixture
+    shardings = shardings_for(abstract, "data=8")
     directory = tmp_path / "ckpt"
     checkpointer = Checkpointer(directory, every=2)
-    stream, states = _stream(), {}
+    stream, states = synthetic_stream(), {}
     for step in range(1, 7):
         next(stream)
-        states[step] = _random_state(abstract, shardings, seed=step)
+        states[step] = random_state(abstract, shardings, seed=step)
         checkpointer.save(step, states[step], stream.iterator)  # saved at 2, 4, 6
     checkpointer.close()
     (directory / "8.orbax-checkpoint-tmp").mkdir()  # an unfinished save: never a candidate
     _damage(directory / "6", how)
 
-    fresh, restored_stream = Checkpointer(directory, every=2), _stream()
+    fresh, restored_stream = Checkpointer(directory, every=2), synthetic_stream()
     with pytest.warns(CheckpointWarning, match="checkpoint step 6 .* is damaged"):
         step, restored = fresh.restore_latest(abstract, shardings, restored_stream.iterator)
     assert step == 4
     _assert_same_values(restored, states[4])
-    reference = _stream()
+    reference = synthetic_stream()
     for _ in range(5):
         want = next(reference)
     np.testing.assert_array_equal(next(restored_stream)["inputs"], want["inputs"])  # batch 5 comes next
@@ -353,11 +316,11 @@ def test_damaged_newest_step_falls_back_with_a_warning(tmp_path, abstract, how):
     fresh.close()
 
 
-def test_every_step_damaged_is_an_error_not_a_fresh_start(tmp_path, abstract):
-    shardings = _layout(abstract, "data=8")
+def test_every_step_damaged_is_an_error_not_a_fresh_start(tmp_path, abstract):  # noqa: F811 - the fixture
+    shardings = shardings_for(abstract, "data=8")
     checkpointer = Checkpointer(tmp_path / "ckpt", every=1)
     for step in (1, 2):
-        checkpointer.save(step, _random_state(abstract, shardings, seed=step))
+        checkpointer.save(step, random_state(abstract, shardings, seed=step))
     checkpointer.close()
     for step in (1, 2):
         _damage(tmp_path / "ckpt" / str(step), "arrays deleted")
@@ -404,54 +367,46 @@ def test_stop_request_catches_sigterm_and_restores_the_handler():
 
 
 @pytest.fixture
-def saved_run(tmp_path, abstract):
+def saved_run(tmp_path, abstract):  # noqa: F811 - the fixture
     """Steps 2, 4, 6 with data and config items, as training writes them."""
-    shardings = _layout(abstract, "fsdp=4,tensor=2")
-    checkpointer, stream = Checkpointer(tmp_path / "ckpt", every=2), _stream()
+    shardings = shardings_for(abstract, "fsdp=4,tensor=2")
+    checkpointer, stream = Checkpointer(tmp_path / "ckpt", every=2), synthetic_stream()
     config = json.loads(TrainConfig().to_json())
     for step in (2, 4, 6):
         next(stream)
-        checkpointer.save(step, _random_state(abstract, shardings, seed=step), stream.iterator, config)
+        checkpointer.save(step, random_state(abstract, shardings, seed=step), stream.iterator, config)
     checkpointer.close()
     return tmp_path / "ckpt"
 
 
-def _spmdkit(capsys, *args):
-    from spmdkit.cli import main
-
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_ckpt_inspect_text_and_json(saved_run, capsys):
-    code, out, _ = _spmdkit(capsys, "ckpt", "inspect", str(saved_run))
+    code, out, _ = run_cli(capsys, "ckpt", "inspect", str(saved_run))
     assert code == 0
     assert "steps       2, 4, 6 (showing 6)" in out
     assert f"parameters  {MODEL.num_params():,}" in out and "saved by    model tiny" in out
     assert re.search(r"model/embedding\s+\(264, 64\)\s+float32\s+66\.0 KiB", out)
     assert "data        process_0-of-1.json" in out
 
-    code, out, _ = _spmdkit(capsys, "ckpt", "inspect", str(saved_run), "--step", "4", "--json")
+    code, out, _ = run_cli(capsys, "ckpt", "inspect", str(saved_run), "--step", "4", "--json")
     info = json.loads(out)
     assert code == 0 and info["step"] == 4 and info["steps"] == [2, 4, 6]
     assert info["parameters"] == MODEL.num_params() and info["config"]["model"]["name"] == "tiny"
     arrays = {a["path"]: a for a in info["arrays"]}
     assert arrays["optimizer/step"]["shape"] == [] and arrays["model/lm_head"]["bytes"] == 64 * 264 * 4
 
-    code, _, err = _spmdkit(capsys, "ckpt", "inspect", str(saved_run), "--step", "5")
+    code, _, err = run_cli(capsys, "ckpt", "inspect", str(saved_run), "--step", "5")
     assert code == 2 and "step 5 is not in" in err and "holds steps 2, 4, 6" in err
-    code, _, err = _spmdkit(capsys, "ckpt", "inspect", str(saved_run / "nope"))
+    code, _, err = run_cli(capsys, "ckpt", "inspect", str(saved_run / "nope"))
     assert code == 2 and "does not exist" in err
 
 
 def test_ckpt_verify_reports_damaged_steps_and_exits_1(saved_run, capsys):
-    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(saved_run))
+    code, out, _ = run_cli(capsys, "ckpt", "verify", str(saved_run))
     assert code == 0 and "step 2: ok" in out and "3 of 3 steps intact" in out
 
     _damage(saved_run / "6", "arrays deleted")
     _damage(saved_run / "4", "data state deleted")
-    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(saved_run))
+    code, out, _ = run_cli(capsys, "ckpt", "verify", str(saved_run))
     assert code == 1
     assert "step 2: ok" in out
     assert "step 4: DAMAGED (data/ holds no process_*-of-*.json file)" in out

@@ -6,9 +6,16 @@ import json
 import jax
 import numpy as np
 import pytest
+from fixtures import (
+    MODEL,
+    abstract,  # noqa: F401 - a fixture: the tests name it as an argument
+    random_state,
+    run_cli,
+    shardings_for,
+    synthetic_stream,
+)
 from flax import nnx
 from safetensors.numpy import load_file
-from test_checkpoint import MODEL, _layout, _random_state, _spmdkit, _stream, abstract  # noqa: F401 - fixture
 
 from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.errors import SpmdkitError
@@ -21,16 +28,16 @@ MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, abstract):  # noqa: F811 - the fixture imported above
+def saved(tmp_path_factory, abstract):  # noqa: F811 - the fixture
     """Step 3 of a tiny float32 model saved on fsdp=4,tensor=2 with data and config items; (dir, state)."""
     directory = tmp_path_factory.mktemp("saved") / "ckpt"
-    checkpointer, stream = Checkpointer(directory, every=1), _stream()
+    checkpointer, stream = Checkpointer(directory, every=1), synthetic_stream()
     for _ in range(3):
         next(stream)
     config = json.loads(TrainConfig().to_json())
     config["model"]["dtype"] = "float32"
     config["mesh"]["mesh"] = "fsdp=4,tensor=2"
-    state = _random_state(abstract, _layout(abstract, "fsdp=4,tensor=2"), seed=7)
+    state = random_state(abstract, shardings_for(abstract, "fsdp=4,tensor=2"), seed=7)
     assert checkpointer.save(3, state, stream.iterator, config)
     checkpointer.close()
     return directory, state
@@ -40,10 +47,10 @@ def _flat(tree):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def test_reshard_onto_another_mesh_keeps_values_and_data_position(saved, tmp_path, abstract, capsys):  # noqa: F811
+def test_reshard_onto_another_mesh_keeps_values_and_data_position(saved, tmp_path, abstract, capsys):  # noqa: F811 - the fixture
     directory, state = saved
     out = tmp_path / "resharded"
-    code, stdout, err = _spmdkit(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
+    code, stdout, err = run_cli(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
     assert code == 0, err
     assert "resharded step 3" in stdout
 
@@ -56,22 +63,22 @@ def test_reshard_onto_another_mesh_keeps_values_and_data_position(saved, tmp_pat
         assert dict(shape) == {a: 8 if a == "data" else 1 for a in MESH_AXES}, jax.tree_util.keystr(path)
     assert fresh.read_config(3)["mesh"]["mesh"] == "data=8"
 
-    shardings = _layout(abstract, "data=8")
-    stream = _stream()
+    shardings = shardings_for(abstract, "data=8")
+    stream = synthetic_stream()
     restored = fresh.restore(3, abstract, shardings, stream.iterator)
     fresh.close()
     want, got = _flat(state), _flat(restored)
     assert want.keys() == got.keys() and len(want) == 42
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value, err_msg=key)
-    reference = _stream()
+    reference = synthetic_stream()
     for _ in range(4):
         expected = next(reference)
     np.testing.assert_array_equal(next(stream)["inputs"], expected["inputs"])  # batch 4 comes next
 
-    code, _, err = _spmdkit(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
+    code, _, err = run_cli(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
     assert code == 2 and "is not empty" in err
-    code, _, err = _spmdkit(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=3", "--out", str(tmp_path / "x"))
+    code, _, err = run_cli(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=3", "--out", str(tmp_path / "x"))
     assert code == 2 and "\n" not in err.strip()
 
 
@@ -183,7 +190,7 @@ def test_export_matches_an_independent_hf_llama_forward(saved, exported):
 
 def test_export_then_import_round_trips_parameters_and_logits(saved, exported, tmp_path, capsys):
     out = tmp_path / "imported"
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(exported), "--out", str(out))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(exported), "--out", str(out))
     assert code == 0, err
     step, config, params = read_params(out)
     _, _, original = read_params(saved[0])
@@ -279,7 +286,7 @@ print("saved", jax.process_index(), flush=True)
 
 
 @pytest.mark.slow
-def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, abstract):  # noqa: F811
+def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, abstract):  # noqa: F811 - the fixture
     import os
     import socket
     import subprocess
@@ -313,7 +320,7 @@ def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, 
         for x in jax.tree.leaves(abstract)
     ]
     device = jax.devices()[0]
-    shardings = _layout(abstract, "fsdp=1", [device])
+    shardings = shardings_for(abstract, "fsdp=1", [device])
     checkpointer = Checkpointer(directory, read_only=True)
     restored = checkpointer.restore(5, abstract, shardings)  # checks the checksums the two processes summed
     assert checkpointer.read_config(5) == {"processes": 2}
@@ -334,7 +341,7 @@ def test_two_process_checkpoint_restores_in_one_process_on_one_device(tmp_path, 
         np.testing.assert_array_equal(value, expected[name])
 
 
-def test_the_model_of_any_step_on_any_layout_through_one_reader(saved, tmp_path, abstract):  # noqa: F811
+def test_the_model_of_any_step_on_any_layout_through_one_reader(saved, tmp_path, abstract):  # noqa: F811 - the fixture
     """`load_model(..., step=)` reads that step's parameters (never the newest by mistake), onto one device or a
     mesh, cast as asked; a name or shape that differs is one line; a damaged byte is a damaged step."""
     from spmdkit.checkpoint.manager import DamagedStep
@@ -346,7 +353,7 @@ def test_the_model_of_any_step_on_any_layout_through_one_reader(saved, tmp_path,
     directory, config = tmp_path / "two-steps", json.loads(TrainConfig().to_json())
     config["model"]["dtype"] = "float32"
     checkpointer = Checkpointer(directory, every=1)
-    states = {step: _random_state(abstract, _layout(abstract, "fsdp=8"), seed=step) for step in (1, 2)}
+    states = {step: random_state(abstract, shardings_for(abstract, "fsdp=8"), seed=step) for step in (1, 2)}
     for step, state in states.items():
         assert checkpointer.save(step, state, config=config)
     checkpointer.close()

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 import transformers
+from fixtures import run_cli
 from hf_reference import load, logits, max_relative_error, save_model, save_tokenizer
 from safetensors import safe_open
 from support import error_lines
-from test_checkpoint import _spmdkit
 from transformers import LlamaConfig, Qwen2Config
 
 import spmdkit
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_trained_models_load_in_transformers_with_the_same_logits(name, runs, tmp_path, capsys):
     out = tmp_path / "hf"
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(runs[name]), "--out", str(out), "--max-shard-size", "60KB")
+    code, _, err = run_cli(capsys, "ckpt", "export", str(runs[name]), "--out", str(out), "--max-shard-size", "60KB")
     assert code == 0, err
     theirs = load(out)  # asserts no missing / unexpected keys
     assert max_relative_error(spmdkit.load_model(runs[name])(TOKENS), logits(theirs, TOKENS)) <= 1e-4
@@ -90,9 +90,9 @@ def test_hf_to_spmdkit_to_hf_is_bit_identical(source, tmp_path, capsys):
     original = tmp_path / "original"
     save_tokenizer(original, 300)
     save_model(source, original, seed=5, max_shard_size="60KB" if source.model_type == "llama" else "5GB")
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(original), "--out", str(tmp_path / "ckpt"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(original), "--out", str(tmp_path / "ckpt"))
     assert code == 0, err
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "again"),
+    code, _, err = run_cli(capsys, "ckpt", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "again"),
                             "--max-shard-size", "60KB" if source.model_type == "llama" else "5GB")  # fmt: skip
     assert code == 0, err
     want, got = _tensors(original), _tensors(tmp_path / "again")
@@ -129,16 +129,16 @@ def test_export_refuses_to_overwrite_and_leaves_nothing_half_written(runs, tmp_p
     out = tmp_path / "hf"
     out.mkdir()
     (out / "config.json").write_text("mine")
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))
+    code, _, err = run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))
     assert code == 2 and len(error_lines(err)) == 1 and "--force" in err
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "mine"
 
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out), "--force")
+    code, _, err = run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out), "--force")
     assert code == 2 and "--force replaces only an earlier export" in err  # a user's directory: never replaced
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "mine"
     (out / "config.json").unlink()
     out.rmdir()
-    assert _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))[0] == 0  # an earlier export
+    assert run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))[0] == 0  # an earlier export
     earlier = {p.name: p.read_bytes() for p in out.iterdir()}
 
     import safetensors.numpy
@@ -161,6 +161,6 @@ def test_export_refuses_to_overwrite_and_leaves_nothing_half_written(runs, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # and no temporary directory is left
     monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
 
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out), "--force")
+    code, _, err = run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out), "--force")
     assert code == 0, err
     assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())["num_hidden_layers"]

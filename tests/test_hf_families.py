@@ -200,7 +200,7 @@ def test_family_presets_are_their_published_configs_and_count_their_parameters(n
 @pytest.mark.parametrize("name", ["gemma2", "qwen2_moe"])
 def test_the_first_fine_tuning_step_loss_is_transformers_loss(name, saved, tmp_path, capsys):
     """`spmdkit train --init-from DIR` on a mesh: step 1's loss is transformers' on the same batch (float32)."""
-    from test_checkpoint import _spmdkit
+    from fixtures import run_cli
 
     from spmdkit.data.config import DataConfig
     from spmdkit.data.stream import make_data
@@ -210,7 +210,7 @@ def test_the_first_fine_tuning_step_loss_is_transformers_loss(name, saved, tmp_p
     args = ["train", "--init-from", str(directory), "--mesh", _mesh(name), "--dtype", "float32", "--steps", "1",
             "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--log-every", "1", "--run-dir",
             str(tmp_path / "run"), "--no-progress", "--data", "synthetic"]  # fmt: skip
-    code, _, err = _spmdkit(capsys, *args)
+    code, _, err = run_cli(capsys, *args)
     assert code == 0, err
     batch = next(
         make_data(DataConfig(source="synthetic"), seq_len=32, global_batch=8, vocab_size=VOCAB, seed=0, split="train")

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from fixtures import run_cli
 from hf_reference import load, loss, save_model, save_tokenizer
-from test_checkpoint import _spmdkit
 from transformers import LlamaConfig
 
 from spmdkit.data.config import DataConfig
@@ -33,7 +33,7 @@ def _train_args(source, run_dir, steps=STEPS):
 
 
 def _train(capsys, source, run_dir, steps=STEPS):
-    code, out, err = _spmdkit(capsys, *_train_args(source, run_dir, steps))
+    code, out, err = run_cli(capsys, *_train_args(source, run_dir, steps))
     assert code == 0, err
     return out
 
@@ -75,7 +75,7 @@ def test_step_1_loss_is_transformers_loss_on_the_same_batch(hf_model, run):
 
 def test_the_run_exports_and_transformers_reproduces_its_eval_loss(run, tmp_path, capsys):
     assert find_tokenizer_dir(run) == run / "checkpoints" / "hf"  # training carried the tokenizer along
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(run), "--out", str(tmp_path / "out"))
+    code, _, err = run_cli(capsys, "ckpt", "export", str(run), "--out", str(tmp_path / "out"))
     assert code == 0, err
     model = load(tmp_path / "out")
     theirs = np.mean([loss(model, b["inputs"], b["targets"]) for b in _batches("eval", 2)])
@@ -101,7 +101,7 @@ def test_a_resumed_run_ignores_init_from(hf_model, run, tmp_path, capsys):
 
 
 def test_an_imported_checkpoint_starts_the_same_run(hf_model, run, tmp_path, capsys):
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(hf_model), "--out", str(tmp_path / "ckpt"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(hf_model), "--out", str(tmp_path / "ckpt"))
     assert code == 0, err
     _train(capsys, tmp_path / "ckpt", tmp_path / "run", steps=2)
     # the same weights and a fresh optimizer: the same first two steps

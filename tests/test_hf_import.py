@@ -10,8 +10,8 @@ import json
 import jax
 import numpy as np
 import pytest
+from fixtures import run_cli
 from hf_reference import edit_config, load, logits, max_relative_error, save_model, save_tokenizer
-from test_checkpoint import _spmdkit
 from transformers import LlamaConfig, Qwen2Config
 
 from spmdkit.interop import find_tokenizer_dir, load_model
@@ -106,7 +106,7 @@ def test_import_hf_takes_a_directory_an_index_or_a_file(form, models, tmp_path, 
     path = {"directory": directory, "index": directory / "model.safetensors.index.json",
             "file": directory / "model.safetensors"}[form]  # fmt: skip
     out = tmp_path / "ckpt"
-    code, stdout, err = _spmdkit(capsys, "ckpt", "import-hf", str(path), "--out", str(out))
+    code, stdout, err = run_cli(capsys, "ckpt", "import-hf", str(path), "--out", str(out))
     assert code == 0, err
     assert f"--init-from {out}" in stdout
     step, config, params = read_params(out)
@@ -125,14 +125,14 @@ def test_import_keeps_bfloat16_unless_told_and_carries_the_tokenizer(tmp_path, c
     config = LlamaConfig(**SHAPE, num_key_value_heads=2, bos_token_id=ids["bos_token_id"],
                          eos_token_id=ids["eos_token_id"], dtype=torch.bfloat16)  # fmt: skip
     save_model(config, source, seed=3)
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "kept"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "kept"))
     assert code == 0, err
     assert str(read_params(tmp_path / "kept")[2]["blocks"]["mlp"]["down"].dtype) == "bfloat16"
     assert find_tokenizer_dir(tmp_path / "kept") == tmp_path / "kept" / "hf"
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
         assert (tmp_path / "kept" / "hf" / name).read_bytes() == (source / name).read_bytes(), name
 
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "f32"), "--dtype",
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "f32"), "--dtype",
                             "float32")  # fmt: skip
     assert code == 0, err
     kept, widened = read_params(tmp_path / "kept")[2], read_params(tmp_path / "f32")[2]
@@ -154,7 +154,7 @@ def test_import_hf_refuses_nan_weights_and_writes_nothing(models, tmp_path, caps
     tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
     save_file(tensors, str(file), metadata={"format": "pt"})
     before = {p.name: p.read_bytes() for p in source.iterdir()}
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "ckpt"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "ckpt"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "NaN/Inf values in model/blocks/mlp/down (1)" in err and "nothing was written" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nan-model"]  # no checkpoint, no staging directory

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 import torch
+from fixtures import run_cli
 from hf_reference import edit_config, load, logits, max_relative_error, save_model, save_tokenizer
-from test_checkpoint import _spmdkit
 from transformers import Qwen3Config
 
 import spmdkit
@@ -92,9 +92,9 @@ def _tensors(directory):
 
 def test_hf_to_spmdkit_to_hf_is_bit_identical(models, tmp_path, capsys):
     original = models["biased-legacy-rope"][0]
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(original), "--out", str(tmp_path / "ckpt"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(original), "--out", str(tmp_path / "ckpt"))
     assert code == 0, err
-    code, _, err = _spmdkit(capsys, "ckpt", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "again"))
+    code, _, err = run_cli(capsys, "ckpt", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "again"))
     assert code == 0, err
     load(tmp_path / "again")  # no missing or unexpected keys
     want, got = _tensors(original), _tensors(tmp_path / "again")

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures import run_cli
 from hf_reference import edit_config, save_model
 from support import error_lines
-from test_checkpoint import _spmdkit
 from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -82,7 +82,7 @@ def test_import_refuses_in_one_line_and_writes_nothing(case, tmp_path, capsys):
     make, message = CASES[case]
     make(tmp_path / "model")
     out = tmp_path / "out"
-    code, stdout, err = _spmdkit(capsys, "ckpt", "import-hf", str(tmp_path / "model"), "--out", str(out))
+    code, stdout, err = run_cli(capsys, "ckpt", "import-hf", str(tmp_path / "model"), "--out", str(out))
     assert code == 2 and len(error_lines(err)) == 1 and "Traceback" not in err, err
     assert message in err, err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
@@ -91,7 +91,7 @@ def test_import_refuses_in_one_line_and_writes_nothing(case, tmp_path, capsys):
 def test_a_missing_shard_is_named_when_the_index_is_given(tmp_path, capsys):
     _missing_shard(tmp_path / "model")
     index = tmp_path / "model" / "model.safetensors.index.json"
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(index), "--out", str(tmp_path / "out"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(index), "--out", str(tmp_path / "out"))
     assert code == 2 and "missing shard" in err and "model-00002-of-" in err
     assert not (tmp_path / "out").exists()
 
@@ -103,7 +103,7 @@ def test_init_from_refuses_a_conflicting_model(tmp_path, capsys):
         (["--model", "1b"], "--model 1b conflicts with --init-from"),
         (["--model.layers", "3"], "--model.layers 3 conflicts with --init-from"),
     ]:
-        code, _, err = _spmdkit(capsys, *base, *extra)
+        code, _, err = run_cli(capsys, *base, *extra)
         assert code == 2 and len(error_lines(err)) == 1 and message in err, err
     assert not (tmp_path / "run").exists()
 
@@ -131,6 +131,6 @@ def test_a_tied_model_may_carry_the_head_only_as_a_copy_of_the_embedding(tmp_pat
     assert load_model(tmp_path / "model").config.tie_embeddings
 
     save_file(tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, str(file), {"format": "pt"})
-    code, _, err = _spmdkit(capsys, "ckpt", "import-hf", str(tmp_path / "model"), "--out", str(tmp_path / "out"))
+    code, _, err = run_cli(capsys, "ckpt", "import-hf", str(tmp_path / "model"), "--out", str(tmp_path / "out"))
     assert code == 2 and len(error_lines(err)) == 1 and "lm_head.weight differs from model.embed_tokens" in err
     assert not (tmp_path / "out").exists()

@@ -9,8 +9,14 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from fixtures import (
+    abstract,  # noqa: F401 - a fixture: the tests name it as an argument
+    random_state,
+    run_cli,
+    shardings_for,
+    synthetic_stream,
+)
 from support import flip_byte
-from test_checkpoint import _layout, _random_state, _spmdkit, _stream, abstract  # noqa: F401 - fixture
 
 from spmdkit.checkpoint.integrity import array_problems, checksum_record, fingerprints
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning, NonFiniteState
@@ -101,22 +107,22 @@ FLIPS = {
 
 
 @pytest.fixture(scope="module")
-def saved_steps(tmp_path_factory, abstract):  # noqa: F811 - the fixture imported above
+def saved_steps(tmp_path_factory, abstract):  # noqa: F811 - the fixture
     """Steps 2, 4, 6 of random states with data and config items, as training writes them; the states too."""
     directory = tmp_path_factory.mktemp("integrity") / "ckpt"
-    shardings = _layout(abstract, "fsdp=4,tensor=2")
-    checkpointer, stream, states = Checkpointer(directory, every=2), _stream(), {}
+    shardings = shardings_for(abstract, "fsdp=4,tensor=2")
+    checkpointer, stream, states = Checkpointer(directory, every=2), synthetic_stream(), {}
     config = json.loads(TrainConfig().to_json())
     for step in range(1, 7):
         next(stream)
         if step % 2 == 0:
-            states[step] = _random_state(abstract, shardings, seed=step)
+            states[step] = random_state(abstract, shardings, seed=step)
             checkpointer.save(step, states[step], stream.iterator, config)
     checkpointer.close()
     return directory, states
 
 
-def test_three_flipped_arrays_are_each_named_by_verify_and_the_step_skipped(saved_steps, tmp_path, abstract, capsys):  # noqa: F811
+def test_three_flipped_arrays_are_each_named_by_verify_and_the_step_skipped(saved_steps, tmp_path, abstract, capsys):  # noqa: F811 - the fixture
     """One byte flipped in each of three arrays of step 6 (a parameter, an Adam first and second moment)."""
     source, states = saved_steps
     directory = tmp_path / "ckpt"
@@ -124,15 +130,15 @@ def test_three_flipped_arrays_are_each_named_by_verify_and_the_step_skipped(save
     for stored in FLIPS:
         flip_byte(directory / "6" / "state", stored)
 
-    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(directory))
+    code, out, _ = run_cli(capsys, "ckpt", "verify", str(directory))
     assert code == 1
     assert "step 2: ok" in out and "step 4: ok" in out
     (line,) = [line for line in out.splitlines() if "step 6:" in line]
     mismatched = re.search(r"DAMAGED \(checksum mismatch in ([^;)]*)", line)
     assert mismatched and sorted(mismatched.group(1).split(", ")) == sorted(FLIPS.values()), line
 
-    shardings = _layout(abstract, "data=8")  # another mesh than the one saved on
-    restored_stream = _stream()
+    shardings = shardings_for(abstract, "data=8")  # another mesh than the one saved on
+    restored_stream = synthetic_stream()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, restored = Checkpointer(directory).restore_latest(abstract, shardings, restored_stream.iterator)
@@ -142,18 +148,18 @@ def test_three_flipped_arrays_are_each_named_by_verify_and_the_step_skipped(save
     assert step == 4
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(states[4]), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    reference = _stream()
+    reference = synthetic_stream()
     for _ in range(5):
         want = next(reference)
     np.testing.assert_array_equal(next(restored_stream)["inputs"], want["inputs"])  # batch 5 comes next
     assert sorted(p.name.split(".")[0] for p in directory.iterdir() if ".damaged-" in p.name) == ["6"]
 
 
-def test_non_finite_state_is_never_saved_and_never_resumed_from(tmp_path, abstract, capsys):  # noqa: F811
-    shardings = _layout(abstract, "data=8")
+def test_non_finite_state_is_never_saved_and_never_resumed_from(tmp_path, abstract, capsys):  # noqa: F811 - the fixture
+    shardings = shardings_for(abstract, "data=8")
     directory = tmp_path / "ckpt"
     checkpointer = Checkpointer(directory, every=1, keep=2)
-    good = {step: _random_state(abstract, shardings, seed=step) for step in (1, 2)}
+    good = {step: random_state(abstract, shardings, seed=step) for step in (1, 2)}
     for step, state in good.items():
         assert checkpointer.save(step, state)
     leaves, treedef = jax.tree.flatten(good[2])
@@ -173,7 +179,7 @@ def test_non_finite_state_is_never_saved_and_never_resumed_from(tmp_path, abstra
 
     checkpointer.manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saved_tree(bad))), force=True)
     checkpointer.close()
-    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(directory))
+    code, out, _ = run_cli(capsys, "ckpt", "verify", str(directory))
     assert code == 1 and "step 3: DAMAGED (NaN/Inf values in optimizer/" in out and "step 2: ok" in out
     with pytest.warns(CheckpointWarning, match="step 3 .* is damaged \\(NaN/Inf values in optimizer/"):
         step, restored = Checkpointer(directory, keep=2).restore_latest(abstract, shardings)
@@ -182,18 +188,20 @@ def test_non_finite_state_is_never_saved_and_never_resumed_from(tmp_path, abstra
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_verify_and_resume_agree_on_a_missing_data_item(saved_steps, tmp_path, abstract, capsys):  # noqa: F811
+def test_verify_and_resume_agree_on_a_missing_data_item(saved_steps, tmp_path, abstract, capsys):  # noqa: F811 - the fixture
     directory = tmp_path / "ckpt"
     shutil.copytree(saved_steps[0], directory)
     shutil.rmtree(directory / "6" / "data")  # the step lists a data item it no longer holds
-    code, out, _ = _spmdkit(capsys, "ckpt", "verify", str(directory))
+    code, out, _ = run_cli(capsys, "ckpt", "verify", str(directory))
     assert code == 1 and "step 6: DAMAGED (data/ is missing)" in out
     with pytest.warns(CheckpointWarning, match="step 6 .* is damaged \\(data/ is missing\\)"):
-        step, _ = Checkpointer(directory).restore_latest(abstract, _layout(abstract, "data=8"), _stream().iterator)
+        step, _ = Checkpointer(directory).restore_latest(
+            abstract, shardings_for(abstract, "data=8"), synthetic_stream().iterator
+        )
     assert step == 4
 
 
-def test_data_positions_of_another_process_count_are_refused_not_set_aside(saved_steps, tmp_path, abstract):  # noqa: F811
+def test_data_positions_of_another_process_count_are_refused_not_set_aside(saved_steps, tmp_path, abstract):  # noqa: F811 - the fixture
     directory = tmp_path / "ckpt"
     shutil.copytree(saved_steps[0], directory)
     for step in (2, 4, 6):  # as if two processes had saved them
@@ -202,5 +210,5 @@ def test_data_positions_of_another_process_count_are_refused_not_set_aside(saved
             shutil.copy(data / "process_0-of-1.json", data / f"process_{i}-of-2.json")
         (data / "process_0-of-1.json").unlink()
     with pytest.raises(SpmdkitError, match="step 6 .* holds the data positions of 2 process\\(es\\), this run has 1"):
-        Checkpointer(directory).restore_latest(abstract, _layout(abstract, "data=8"), _stream().iterator)
+        Checkpointer(directory).restore_latest(abstract, shardings_for(abstract, "data=8"), synthetic_stream().iterator)
     assert sorted(p.name for p in directory.iterdir()) == ["2", "4", "6"]  # nothing set aside as damaged

@@ -1,7 +1,7 @@
 """The architecture holds: `lint-imports` checks the layers contract of pyproject.toml (cli > tools > train >
-checkpoint | data | plan > models > parallel > kernels > targets > sharding | inspect | distributed > errors, and a
-JAX-free planner), and the package keeps its shape (no loose top-level modules, no module over 400 lines, no
-function over 60 lines outside an allow-list that may only shrink)."""
+checkpoint | data | plan > rundir > models > parallel > kernels > targets > sharding | inspect | distributed >
+errors, and a JAX-free planner), and the package keeps its shape (no loose top-level modules, no module over 400
+lines, no function over 60 lines outside an allow-list that may only shrink)."""
 
 import shutil
 import subprocess

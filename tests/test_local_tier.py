@@ -17,16 +17,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import flip_byte, job_env, run_spmdkit
-from test_bad_input import _files, _read_only
-from test_checkpoint import _layout, _random_state, _stream, abstract  # noqa: F401 - fixture
+from fixtures import (
+    abstract,  # noqa: F401 - a fixture: the tests name it as an argument
+    random_state,
+    shardings_for,
+    synthetic_stream,
+)
+from support import file_hashes, flip_byte, job_env, read_only_dir, run_spmdkit
 
+from spmdkit.checkpoint.layout import PER_PROCESS, process_directory
 from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
-from spmdkit.checkpoint.process_tier import ProcessCheckpointer, process_directory
-from spmdkit.checkpoint.run_lock import LOCK_FILE, RunLock
-from spmdkit.checkpoint.tiers import TieredCheckpointer
+from spmdkit.checkpoint.tiers import LocalTier
 from spmdkit.cli import main
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import LOCK_FILE, RunLock
 from spmdkit.train.config import TrainConfig
 
 STEPS = 12
@@ -79,11 +83,17 @@ def test_sigkill_at_step_9_resumes_from_local_step_8_bit_identically(tmp_path):
         np.testing.assert_array_equal(resumed_params[key], value, err_msg=key)
 
 
-def _restore(tiers: TieredCheckpointer, abstract, shardings):  # noqa: F811
+def _tiers(persistent: Checkpointer, local: Checkpointer) -> Checkpointer:
+    """The persistent store holding the local one as its local tier (what `tiers.open_checkpointer` builds)."""
+    persistent.local = LocalTier(local)
+    return persistent
+
+
+def _restore(tiers: Checkpointer, abstract, shardings):  # noqa: F811 - the fixture
     """(step, state, directory it came from, the steps warned about as damaged) of `restore_latest`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step, state = tiers.restore_latest(abstract, shardings, _stream().iterator)
+        step, state = tiers.restore_latest(abstract, shardings, synthetic_stream().iterator)
     damaged = [int(str(w.message).split()[2]) for w in caught if issubclass(w.category, CheckpointWarning)]
     return step, state, tiers.restored_from, damaged
 
@@ -93,15 +103,15 @@ def _assert_same(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa: F811
-    shardings = _layout(abstract, "fsdp=8")
+def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa: F811 - the fixture
+    shardings = shardings_for(abstract, "fsdp=8")
     persistent, local = tmp_path / "persistent", tmp_path / "local"
-    tiers = TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
-    stream, config, states = _stream(), json.loads(TrainConfig().to_json()), {}
+    tiers = _tiers(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
+    stream, config, states = synthetic_stream(), json.loads(TrainConfig().to_json()), {}
     for step in range(1, 11):
         next(stream)
         if tiers.due(step):
-            states[step] = _random_state(abstract, shardings, seed=step)
+            states[step] = random_state(abstract, shardings, seed=step)
             assert tiers.save(step, states[step], stream.iterator, config)
     tiers.close()
     # Step 10, due on both tiers, is saved once (persistent); the local tier keeps its newest 2.
@@ -109,7 +119,7 @@ def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa
     assert Checkpointer(persistent).steps() == [5, 10] and Checkpointer(local).steps() == [6, 8]
 
     def reopen():
-        return TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
+        return _tiers(Checkpointer(persistent, every=5, keep=3), Checkpointer(local, every=2, keep=2))
 
     step, state, where, damaged = _restore(reopen(), abstract, shardings)
     assert (step, where, damaged) == (10, persistent, [])  # the persistent tier's newest is newer than the local's
@@ -132,22 +142,22 @@ def test_the_newest_intact_step_of_either_tier_wins(tmp_path, abstract):  # noqa
     _assert_same(state, states[5])
 
 
-def test_a_local_tier_per_process_checks_its_own_part_and_its_layout(tmp_path, abstract):  # noqa: F811
-    """`ProcessCheckpointer` (the local tier of a job on several hosts), in one process: its steps restore with
+def test_a_local_tier_per_process_checks_its_own_part_and_its_layout(tmp_path, abstract):  # noqa: F811 - the fixture
+    """A `PER_PROCESS` store (the local tier of a job on several hosts), in one process: its steps restore with
     this process's checksums (a damaged one falls back); a step of another mesh is not read: with no persistent step
     the run is refused in one line, else it resumes from the persistent step and sets the newer local one aside."""
-    shardings = _layout(abstract, "fsdp=8")
+    shardings = shardings_for(abstract, "fsdp=8")
     persistent, local = tmp_path / "persistent", tmp_path / "local"
 
     def tiers():
-        local_tier = ProcessCheckpointer(process_directory(local), every=2, keep=2)
-        return TieredCheckpointer(Checkpointer(persistent, every=5, keep=3), local_tier)
+        local_tier = Checkpointer(process_directory(local), every=2, keep=2, layout=PER_PROCESS)
+        return _tiers(Checkpointer(persistent, every=5, keep=3), local_tier)
 
-    saving, stream, config, states = tiers(), _stream(), json.loads(TrainConfig().to_json()), {}
+    saving, stream, config, states = tiers(), synthetic_stream(), json.loads(TrainConfig().to_json()), {}
     for step in range(1, 9):
         next(stream)
         if saving.due(step):
-            states[step] = _random_state(abstract, shardings, seed=step)
+            states[step] = random_state(abstract, shardings, seed=step)
             assert saving.save(step, states[step], stream.iterator, config)
     saving.close()
     assert _steps(local / "process-0") == ["6", "8"] and _steps(persistent) == ["5"]
@@ -160,7 +170,7 @@ def test_a_local_tier_per_process_checks_its_own_part_and_its_layout(tmp_path, a
     assert (step, where, damaged) == (6, local / "process-0", [8])
     _assert_same(state, states[6])
 
-    other = _layout(abstract, "fsdp=4,tensor=2")  # another mesh: not read; with no persistent step, refused
+    other = shardings_for(abstract, "fsdp=4,tensor=2")  # another mesh: not read; with no persistent step, refused
     persistent.rename(tmp_path / "elsewhere")
     with pytest.raises(SpmdkitError, match="step 6, the newest all hold, was saved on another mesh") as refused:
         _restore(tiers(), abstract, other)
@@ -180,7 +190,7 @@ def directories(tmp_path):
     (tmp_path / "afile").write_text("not a directory\n")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("my own notes\n")
-    readonly = _read_only(tmp_path / "readonly")
+    readonly = read_only_dir(tmp_path / "readonly")
     yield tmp_path, readonly
     if readonly:
         if os.geteuid() == 0:
@@ -204,12 +214,12 @@ def test_bad_local_directory_is_one_line_exit_2_nothing_written(directories, cap
     if "readonly" in " ".join(extra) and not readonly:
         pytest.skip("cannot make a read-only directory here")
     monkeypatch.chdir(d)
-    before = _files(d)
+    before = file_hashes(d)
     argv = [*TRAIN.split(), "--steps", "2", "--run-dir", f"{d}/run", *extra]
     assert main([a.format(D=d) for a in argv]) == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("spmdkit: error: ") and fragment.format(D=d) in err, err
-    assert _files(d) == before  # nothing written
+    assert file_hashes(d) == before  # nothing written
 
 
 LAUNCH = ["launch", "--processes", "2", "--devices-per-process", "1", "--processes-per-host", "1", "--", "spmdkit"]

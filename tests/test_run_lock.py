@@ -1,4 +1,4 @@
-"""One writer per run directory (`spmdkit.checkpoint.run_lock`): two trainers started together on one run directory,
+"""One writer per run directory (`spmdkit.rundir.lock`): two trainers started together on one run directory,
 a lock left by a killed process, and a refused acquirer that leaves nothing behind."""
 
 import json
@@ -11,8 +11,8 @@ import sys
 import pytest
 from support import error_lines
 
-from spmdkit.checkpoint.run_lock import LOCK_FILE, RunLock, RunLockWarning
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import LOCK_FILE, RunLock, RunLockWarning
 
 TRAIN = ("--seq-len", "32", "--batch-size", "8", "--dtype", "float32", "--eval-every", "0", "--no-progress")
 TRAIN += ("--cpu-devices", "8", "--mesh", "fsdp=8", "--checkpoint-every", "2")
@@ -91,7 +91,7 @@ def test_two_trainers_on_one_run_directory_one_runs_one_is_refused(tmp_path):
 def _holder(path):
     """A process holding the lock of `path` until killed; its pid once it holds it."""
     code = (
-        "import sys; from spmdkit.checkpoint.run_lock import RunLock; lock = RunLock(sys.argv[1], 'spmdkit train'); "
+        "import sys; from spmdkit.rundir.lock import RunLock; lock = RunLock(sys.argv[1], 'spmdkit train'); "
         "print('held', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(

@@ -57,14 +57,18 @@ def drop_orphaned_reads() -> None:
     warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
+# Orbax's notices that every read of a checkpoint, or every save of a per-process directory, would print.
+_NOTICES = ("Given directory is read only", "Global object size logging disabled")
+
+
 class _OrbaxErrors(logging.Filter):
     """Drops Orbax's ERROR records (each with a traceback: the Checkpointer turns the failure into one line) and its
-    "Given directory is read only" notice, which every read of a checkpoint would print."""
+    `_NOTICES`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if f"{os.sep}orbax{os.sep}" not in record.pathname:
             return True
-        return record.levelno < logging.ERROR and not record.getMessage().startswith("Given directory is read only")
+        return record.levelno < logging.ERROR and not record.getMessage().startswith(_NOTICES)
 
 
 class _AbandonedWrites(logging.Filter):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.checkpoint.item_checks import item_digests, items_problem
+from spmdkit.distributed.gather import gather_over_processes
 
 FORMAT = "spmdkit-checksum-1"
 _GOLDEN, _OFFSET = 0x9E3779B1, 0x7F4A7C15
@@ -114,19 +115,32 @@ def block_sums(data: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...
     return int(first), int(second), bad
 
 
-def _host_leaf(x: Any) -> np.ndarray:
+def _host_leaf(x: Any, own: bool = False) -> np.ndarray:
     """[3] uint32: this process's partial (sum1, sum2, non-finite count) of `x`, a jax.Array (summed shard by
-    shard) or a host array (counted by process 0 only, so that the sums over processes count it once)."""
+    shard) or a host array (counted by process 0 only, so that the sums over processes count it once). `own`: of
+    every block this process holds, each once (its own checksum: copies other processes hold count there too)."""
     total = np.zeros(3, np.uint64)
     if not isinstance(x, jax.Array):
         if jax.process_index() == 0:
             total += np.array(block_sums(np.asarray(x), (0,) * np.ndim(x), tuple(np.shape(x))), np.uint64)
         return (total % 2**32).astype(np.uint32)
+    seen = set()
     for shard in x.addressable_shards:
-        if shard.replica_id == 0:  # each element once, whichever devices and processes hold copies
-            offsets = tuple(s.indices(n)[0] for s, n in zip(shard.index, x.shape, strict=True))
+        offsets = tuple(s.indices(n)[0] for s, n in zip(shard.index, x.shape, strict=True))
+        if (offsets not in seen) if own else shard.replica_id == 0:  # each element once, whoever holds copies
+            seen.add(offsets)
             total += np.array(block_sums(np.asarray(shard.data), offsets, x.shape), np.uint64)
     return (total % 2**32).astype(np.uint32)
+
+
+def process_fingerprints(tree: Any) -> dict[str, tuple[str, int]]:
+    """`fingerprints` of the elements this process's shards hold (each once): the checksums of a step each process
+    saves alone. Local: no other process is asked."""
+    found = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        first, second, bad = (int(v) for v in _host_leaf(x, own=True))
+        found[path_text(path)] = (fingerprint_text(first, second), bad)
+    return found
 
 
 def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[str, int]]:
@@ -168,9 +182,7 @@ def sum_over_processes(parts: list[np.ndarray]) -> list[tuple[int, int, int]]:
     `block_sums` gives them): a collective when there are several processes (every process must call it)."""
     stacked = (np.stack(parts).astype(np.uint64) % 2**32).astype(np.uint32)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        gathered = np.asarray(multihost_utils.process_allgather(stacked), np.uint32)
+        gathered = np.stack(gather_over_processes(stacked)).astype(np.uint32)
         stacked = gathered.sum(axis=0, dtype=np.uint32)  # mod 2^32, as the sums themselves
     return [(row[0], row[1], row[2]) for row in stacked.tolist()]
 
@@ -213,16 +225,17 @@ def array_problems(saved: Mapping[str, Any] | None, found: Mapping[str, tuple[st
     return problems
 
 
-def item_problem(step_dir: Path, listed: set[str] | None = None, saved: Mapping[str, Any] | None = None) -> str | None:
+def item_problem(
+    step_dir: Path, listed: set[str] | None = None, saved: Mapping[str, Any] | None = None, every_process: bool = True
+) -> str | None:
     """None if every item the step lists (or holds) is complete, and its data and config files match the digests
-    of the step's checksum record `saved` and are within bounds (`item_checks`); else what is missing or broken."""
-    listed = set(listed or ())
-    if not (step_dir / "state").is_dir():
-        return "state/ is missing"
-    for item in sorted(listed - {"state"}):
-        if not (step_dir / item).is_dir():
-            return f"{item}/ is missing"
-    if (step_dir / "data").exists() and (problem := data_problem(step_dir / "data")):
+    of the step's checksum record `saved` and are within bounds (`item_checks`); else what is missing or broken.
+    `every_process`: the data item holds every process's iterator file (else only this process's, checked by its
+    digest)."""
+    missing = [item for item in ["state", *sorted(set(listed or ()) - {"state"})] if not (step_dir / item).is_dir()]
+    if missing:
+        return f"{missing[0]}/ is missing"
+    if every_process and (step_dir / "data").exists() and (problem := data_problem(step_dir / "data")):
         return problem
     return items_problem(step_dir, (saved or {}).get("items") if isinstance(saved, Mapping) else None)
 

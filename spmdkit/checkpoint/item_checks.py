@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from spmdkit.distributed.gather import gather_over_processes
+
 CONFIG_FILE = "config/metadata"  # what Orbax's JsonSave writes for the `config` item
 
 
@@ -26,21 +28,11 @@ def digest(value: Any) -> str:
 def item_digests(data: Any = None, config: dict[str, Any] | None = None) -> dict[str, str]:
     """'data/process_<i>-of-<n>.json' (every process's, gathered: a collective with several processes) and 'config'
     -> the digest of what the step saves for them (`data`: the grain iterator saved, `config`: the config dict)."""
-    import jax
-    import numpy as np
-
     digests = {}
     if data is not None:
-        own = np.frombuffer(bytes.fromhex(digest(data.get_state())), np.uint8)
-        count = jax.process_count()
-        if count > 1:
-            from jax.experimental import multihost_utils
-
-            rows = np.asarray(multihost_utils.process_allgather(own), np.uint8).reshape(count, -1)
-        else:
-            rows = own.reshape(1, -1)
-        for index, row in enumerate(rows):
-            digests[f"data/process_{index}-of-{count}.json"] = bytes(row).hex()
+        every = gather_over_processes(digest(data.get_state()))
+        for index, own in enumerate(every):
+            digests[f"data/process_{index}-of-{len(every)}.json"] = own
     if config is not None:
         digests["config"] = digest(config)
     return digests

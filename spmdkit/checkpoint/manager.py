@@ -1,8 +1,8 @@
-"""Checkpoints: a thin layer over Orbax's `CheckpointManager` (async, sharded, one directory per step).
+"""Checkpoints: one store over Orbax's `CheckpointManager` (async, sharded, one directory per step).
 
 A step directory holds three items:
 - `state`: the train state (model parameters and optimizer state, the step count included) as a pure nested
-  dict `{"model": ..., "optimizer": ...}`, saved sharded (OCDBT) with `StandardSave`;
+  dict `{"model": ..., "optimizer": ...}`, saved sharded (OCDBT);
 - `data`: the grain iterator state, one JSON file per JAX process (`grain.checkpoint.CheckpointSave`);
 - `config`: the run's resolved configuration as JSON (a plain dict: this module knows nothing of training).
 
@@ -14,149 +14,126 @@ finiteness. A damaged step (unreadable, incomplete, checksums wrong, NaN/Inf) is
 aside as `<step>.damaged-<time>`, and the next newest step is tried; `ckpt verify` applies the same rules. A
 checkpoint whose shapes differ from the model raises `SpmdkitError` naming the first differing array. A save
 that fails in the background is raised by the next `poll()`, `save()` or `wait()` as one line.
+
+Composed in, not subclassed: who writes the directory (`layout`: all processes together, or each its own
+`process-<i>/`), and a fast local tier (`tiers.LocalTier`: a store of the local directory) for the steps between.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.experimental import multihost_utils
-from orbax.checkpoint import checkpoint_managers as policies
 
-from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_reason, quiet_orbax_errors
-from spmdkit.checkpoint.integrity import (
-    array_problems,
-    checksum_record,
-    data_process_count,
-    fingerprints,
-    item_problem,
-    name_list,
-    path_text,
-)
+from spmdkit.checkpoint.backend import open_manager, store_directory
+from spmdkit.checkpoint.damage import CheckpointWarning, Damage, DamagedStep, LayoutMismatch, NonFiniteState
+from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_reason
+from spmdkit.checkpoint.integrity import array_problems, fingerprints, name_list, path_text
+from spmdkit.checkpoint.layout import SHARED, Layout
 from spmdkit.checkpoint.tree import abstract_target, first_mismatch, from_saved_tree, read_arrays, to_saved_tree
-from spmdkit.errors import SpmdkitError, SpmdkitWarning
+from spmdkit.errors import SpmdkitError
+
+if TYPE_CHECKING:
+    from spmdkit.checkpoint.tiers import LocalTier
 
 __all__ = ["Checkpointer", "CheckpointWarning", "DamagedStep", "NonFiniteState", "abstract_target", "to_saved_tree"]
 
-
-class CheckpointWarning(SpmdkitWarning):
-    """A damaged checkpoint step was skipped."""
-
-
-class DamagedStep(SpmdkitError):
-    """A step that cannot be restored as saved: unreadable, incomplete, wrong checksums, or NaN/Inf."""
-
-    def __init__(self, step: int, directory: Path, problem: str):
-        self.step, self.problem = step, problem
-        super().__init__(
-            f"checkpoint step {step} in {directory} is damaged ({problem}): see 'spmdkit ckpt verify {directory}'"
-        )
-
-
-class _Damage(Exception):
-    """What is wrong with a step (internal: `restore` raises it as DamagedStep, `verify` reports it)."""
-
-
-class NonFiniteState(SpmdkitError):
-    """A state holding NaN or Inf values, refused by `save`."""
-
-
-def item_handlers() -> dict[str, ocp.CheckpointHandler]:
-    """Handlers for every item, so a fresh manager (new process) can read metadata and restore."""
-    return {
-        "state": ocp.StandardCheckpointHandler(),
-        "data": grain.checkpoint.CheckpointHandler(),
-        "config": ocp.JsonCheckpointHandler(),
-    }
+Accept = Callable[[int, dict[str, Any] | None], None]  # refuses a step (SpmdkitError) given its saved config
+Data = grain.DatasetIterator | None
+_OK, _DAMAGED, _OTHER_LAYOUT = 0, 1, 2  # what a process found of a step (agreed over the processes)
 
 
 class Checkpointer:
-    """Save and restore train states under one directory; `every` steps (0: only forced saves), keep `keep`."""
+    """Save and restore train states under one directory: `every` steps (0: only forced saves), keep `keep`.
+    `layout` says who writes the directory (`layout.SHARED` or `PER_PROCESS`); `local`, set by
+    `tiers.open_checkpointer`, a fast tier the steps between persistent ones go to. With a per-process layout or a
+    local tier of one, `save`, `steps`, `agreed_steps` and `restore_latest` are collectives."""
 
-    def __init__(self, directory: str | Path, *, every: int = 100, keep: int = 3, read_only: bool = False):
-        if keep < 1:
-            raise SpmdkitError(f"--keep {keep} must be at least 1")
-        if every < 0:
-            raise SpmdkitError(f"--checkpoint-every {every} must be >= 0 (0 saves only at the end)")
-        self.directory = Path(directory).expanduser().absolute()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise SpmdkitError(f"checkpoint directory {self.directory} is a file: pass a directory")
-        if read_only and not self.directory.is_dir():
-            raise SpmdkitError(f"checkpoint directory {self.directory} does not exist: check the path")
-        if read_only and (self.directory / "checkpoints").is_dir():  # a run directory: read its checkpoints
-            self.directory = self.directory / "checkpoints"
-        self.every, self.keep = every, keep
-        quiet_orbax_errors()
-        options = ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.FixedIntervalPolicy(every) if every else policies.SpecificStepsPolicy(()),
-            save_interval_steps=0 if read_only else 1,  # what Orbax sets for a reader, with a warning
-            preservation_policy=policies.LatestN(keep),
-            enable_async_checkpointing=True,
-            # Directories made in the calling thread: made in the background, a failure (a read-only directory)
-            # left the save waiting for their signal until the async timeout (20 minutes), deaf to SIGTERM.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-            cleanup_tmp_directories=not read_only,
-            create=not read_only,
-            read_only=read_only,
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every: int = 100,
+        keep: int = 3,
+        read_only: bool = False,
+        layout: Layout = SHARED,
+    ):
+        self.directory = store_directory(directory, read_only)
+        self.every, self.keep, self.layout = every, keep, layout
+        self.manager = open_manager(
+            self.directory, every=every, keep=keep, read_only=read_only, per_process=layout.per_process
         )
-        try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers())
-        except OSError as error:
-            raise SpmdkitError(
-                f"cannot use checkpoint directory {self.directory} ({error.strerror or error}): pass a writable "
-                "directory"
-            ) from None
-        self.last_saved: int | None = None
+        self.local: LocalTier | None = None
+        self.restored_from: Path | None = None  # with a local tier: the directory of the step restored
+        self._saved: int | None = None
         self._pending: int | None = None  # the step whose asynchronous save may still be running
 
+    def _stores(self) -> list[Checkpointer]:
+        """This store and its local tier's, persistent first."""
+        return [self] if self.local is None else [self, self.local.store]
+
+    @property
+    def last_saved(self) -> int | None:
+        saved = [store._saved for store in self._stores() if store._saved is not None]
+        return max(saved) if saved else None
+
+    @last_saved.setter
+    def last_saved(self, step: int | None) -> None:  # a resumed step is saved by no tier again
+        for store in self._stores():
+            store._saved = step
+
     # -- saving -------------------------------------------------------------------------------------------------
+
+    def _due_store(self, step: int, force: bool) -> Checkpointer | None:
+        """The store `step` is saved to: this one when due (or forced), else the local tier's when due there."""
+        if force or self.manager.should_save(step):
+            return self
+        return self.local.store if self.local is not None and self.local.store.due(step) else None
+
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `save(step, force=force)` would save (on either tier)."""
+        return self._due_store(step, force) is not None
 
     def save(
         self,
         step: int,
         state: nnx.State,
-        data: grain.DatasetIterator | None = None,
+        data: Data = None,
         config: dict[str, Any] | None = None,
         *,
         force: bool = False,
     ) -> bool:
-        """Start an async save of `step` (when due, or `force`); returns whether a save started. NonFiniteState if
+        """Start an async save of `step` (when due, or `force`) on the tier it is due on; returns whether a save
+        started. One save in flight at a time; a local tier's save is complete when this returns. NonFiniteState if
         the state holds NaN/Inf (nothing written); SpmdkitError if this or the previous save failed."""
-        if step == self.last_saved or not self.due(step, force):
+        store = self._due_store(step, force)
+        if store is None or step == self.last_saved:
             return False
-        if self._pending is not None:
-            self.wait()  # Orbax waits for the previous save anyway; a failure of it is reported as its own
+        self.wait()  # Orbax waits for the previous save anyway; a failure of it is reported as its own
         tree = to_saved_tree(state)
-        found = self._fingerprints(tree)
-        if self._any_non_finite(found):
+        found = store.layout.fingerprints(tree)
+        if store.layout.any_non_finite(found):
             bad = [f"{path} ({count})" for path, (_, count) in found.items() if count]
             raise NonFiniteState(
                 f"step {step} not saved: NaN/Inf values in {name_list(bad, 3) or 'another process'}; the "
-                f"checkpoints in {self.directory} are left as they are (newest: {self.newest()})"
+                f"checkpoints in {store.directory} are left as they are (newest: {store.newest()})"
             )
-        if step in self.manager.all_steps():  # asked after the check above, a collective in a process tier
+        if step in store.manager.all_steps():  # asked after the check above, a collective per process
             return False
-        return self._write(step, tree, data, config, force, self._record(tree, found, data, config))
-
-    @staticmethod
-    def _any_non_finite(found: dict[str, tuple[str, int]]) -> bool:
-        return any(count for _, count in found.values())
-
-    @staticmethod
-    def _record(tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
-        return checksum_record(found, data, config)
+        saved = store._write(step, tree, data, config, force, store.layout.record(tree, found, data, config))
+        if saved and store is not self:
+            store.wait()
+        return saved
 
     def _write(self, step: int, tree: Any, data: Any, config: Any, force: bool, record: dict[str, Any]) -> bool:
         """Start the save of the items (`record`: the step's checksums); the one line of a failed write."""
-        items: dict[str, Any] = {"state": self._state_save(tree)}
+        items: dict[str, Any] = {"state": self.layout.state_save(tree)}
         if data is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data)
         if config is not None:
@@ -167,38 +144,52 @@ class Checkpointer:
         except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
             raise self._write_error(step, error) from None
         if saved:
-            self.last_saved = self._pending = step
+            self._saved = self._pending = step
         return saved
-
-    def due(self, step: int, force: bool = False) -> bool:
-        return force or self.manager.should_save(step)
 
     def poll(self) -> None:
         """Raise (as one line) the failure of an asynchronous save that has finished; never blocks."""
-        if self._pending is not None and not self.manager.is_saving_in_progress():
-            self.wait()
+        for store in self._stores():
+            if store._pending is not None and not store.manager.is_saving_in_progress():
+                store.wait()
 
     def wait(self) -> None:
-        """Block until the asynchronous save is done; SpmdkitError if it failed."""
+        """Block until the asynchronous saves are done; SpmdkitError if one failed."""
         step, self._pending = self._pending, None
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - a failed background write, reported as one line
             raise self._write_error(step, error) from None
+        finally:
+            if self.local is not None:
+                self.local.store.wait()
 
     def close(self) -> None:
+        """Wait for the saves, then close the managers."""
         try:
             self.wait()
         finally:
-            self.manager.close()
+            try:
+                self.manager.close()
+            finally:
+                if self.local is not None:
+                    self.local.store.close()
 
     def newest(self) -> str:
-        """'step N' of the newest complete step on disk, or 'none'."""
-        try:
-            steps = self.steps()
-        except Exception:  # noqa: BLE001 - only for messages: a broken disk must not hide the first error
-            return "unknown"
-        return f"step {steps[-1]}" if steps else "none"
+        """'step N' of the newest complete step (a local tier's named with its directory), 'none', or 'unknown' for
+        a directory that cannot be listed; for messages: no other process is asked."""
+        newest, unknown = None, False
+        for store in self._stores():
+            try:
+                steps = store.own_steps()
+            except Exception:  # noqa: BLE001 - only for messages: a broken disk must not hide the first error
+                unknown = True
+                continue
+            if steps and (newest is None or steps[-1] > newest[0]):
+                newest = (steps[-1], store)
+        if newest is None:
+            return "unknown" if unknown else "none"
+        return f"step {newest[0]}" + ("" if newest[1] is self else f" (in {newest[1].directory})")
 
     def _write_error(self, step: int | None, error: BaseException) -> SpmdkitError:
         drop_orphaned_reads()
@@ -209,17 +200,31 @@ class Checkpointer:
             "then run again to resume"
         )
 
-    # -- reading ------------------------------------------------------------------------------------------------
+    # -- listing ------------------------------------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
+    def own_steps(self) -> list[int]:
+        """The steps of this directory (no other process asked)."""
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
-    def read_config(self, step: int) -> dict[str, Any]:
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    def held(self) -> list[list[int]]:
+        """Every process's steps of this directory (a collective with a per-process layout)."""
+        return self.layout.gather(self.own_steps())
 
-    def has_item(self, step: int, item: str) -> bool:
-        return (self.directory / str(step) / item).is_dir()
+    def agreed_steps(self) -> list[int]:
+        """The steps of this directory every process holds: the ones a restore may read."""
+        held = self.held()
+        return sorted(set(held[0]).intersection(*held[1:]))
+
+    def steps(self) -> list[int]:
+        """The steps any process holds, of either tier."""
+        return sorted({step for store in self._stores() for steps in store.held() for step in steps})
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def read_config(self, step: int) -> dict[str, Any]:
+        """The config item of `step`."""
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """'model/embedding' -> (shape, dtype) of every saved array, from metadata only."""
@@ -241,7 +246,7 @@ class Checkpointer:
         try:
             saved = self.saved_shapes(step)
         except Exception as error:  # noqa: BLE001 - unreadable metadata is damage
-            raise _Damage(f"unreadable array metadata: {describe_error(error)}") from None
+            raise Damage(f"unreadable array metadata: {describe_error(error)}") from None
         mismatch = first_mismatch(saved, target)
         if mismatch:
             raise SpmdkitError(
@@ -249,53 +254,43 @@ class Checkpointer:
                 f"settings it was saved with (see 'spmdkit ckpt inspect {self.directory}'), or a fresh --checkpoint-dir"
             )
 
-    def _step_record(self, step: int) -> tuple[set[str], dict[str, Any] | None]:
-        """(the items the step lists, its checksum record or None) from its `_CHECKPOINT_METADATA`."""
-        metadata = self.manager.metadata(step)
-        listed = set((metadata.item_handlers or {}) if isinstance(metadata.item_handlers, dict) else ())
-        return listed, (metadata.custom_metadata or {}).get("checksums")
-
     def _check_items(self, step: int) -> dict[str, Any] | None:
-        """The step's checksum record; _Damage if its metadata is unreadable or an item is incomplete."""
+        """The step's checksum record; Damage if its metadata is unreadable or an item is incomplete."""
         try:
-            listed, checksums = self._step_record(step)
+            metadata = self.manager.metadata(step)
         except Exception as error:  # noqa: BLE001 - unreadable step metadata is damage
-            raise _Damage(f"unreadable metadata: {describe_error(error)}") from None
-        problem = item_problem(self.directory / str(step), listed, checksums)
+            raise Damage(f"unreadable metadata: {describe_error(error)}") from None
+        listed = set((metadata.item_handlers or {}) if isinstance(metadata.item_handlers, dict) else ())
+        checksums = (metadata.custom_metadata or {}).get("checksums")
+        problem = self.layout.items_problem(self.directory / str(step), listed, checksums)
         if problem:
-            raise _Damage(problem)
+            raise Damage(problem)
         return checksums
 
-    def restore(
-        self, step: int, state: nnx.State, shardings: Any, data: grain.DatasetIterator | None = None
-    ) -> nnx.State:
+    def restore(self, step: int, state: nnx.State, shardings: Any, data: Data = None) -> nnx.State:
         """The train state of `step`, placed on `shardings` (any mesh); restores `data`'s position in place (when
         the step holds one). DamagedStep (one line) if the step is damaged: see the module docstring."""
         target = abstract_target(state, shardings)
         try:
             self.check_compatible(step, target)
             checksums = self._check_items(step)
-            items: dict[str, Any] = {"state": self._state_restore(target)}
-            if data is not None and self.has_item(step, "data"):
-                self._check_process_count(step)
+            items: dict[str, Any] = {"state": self.layout.state_restore(target)}
+            if data is not None and (self.directory / str(step) / "data").is_dir():
+                self.layout.check_data(self.directory, step)
                 items["data"] = grain.checkpoint.CheckpointRestore(data)
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as error:  # noqa: BLE001 - any failure to read a step means it is damaged
                 drop_orphaned_reads()
-                raise _Damage(describe_error(error)) from None
+                raise Damage(describe_error(error)) from None
             if jax.tree.structure(restored["state"]) != jax.tree.structure(target):
-                raise _Damage("it holds a tree of a different structure")
-            problems = array_problems(checksums, self._fingerprints(restored["state"]))
+                raise Damage("it holds a tree of a different structure")
+            problems = array_problems(checksums, self.layout.fingerprints(restored["state"]))
             if problems:
-                raise _Damage("; ".join(problems))
-        except _Damage as damage:
+                raise Damage("; ".join(problems))
+        except Damage as damage:
             raise DamagedStep(step, self.directory, str(damage)) from None
         return from_saved_tree(restored["state"], state)
-
-    # How the state item is written and read, and its checksums (a process tier overrides the three).
-    _state_save, _state_restore = staticmethod(ocp.args.StandardSave), staticmethod(ocp.args.StandardRestore)
-    _fingerprints = staticmethod(fingerprints)
 
     def check_read(self, step: int, found: dict[str, tuple[str, int]]) -> None:
         """DamagedStep unless the arrays another reader took from the step (`found`: 'model/...' -> (checksum,
@@ -303,64 +298,75 @@ class Checkpointer:
         checksum matching, every value finite."""
         try:
             problems = array_problems(self._check_items(step), found)
-        except _Damage as damage:
+        except Damage as damage:
             problems = [str(damage)]
         if problems:
             raise DamagedStep(step, self.directory, "; ".join(problems))
 
-    def _check_process_count(self, step: int) -> None:
-        """SpmdkitError (not damage) when the step's data positions were saved by another number of processes."""
-        saved = data_process_count(self.directory / str(step) / "data")
-        if saved is not None and saved != jax.process_count():
-            raise SpmdkitError(
-                f"checkpoint step {step} in {self.directory} holds the data positions of {saved} process(es), this "
-                f"run has {jax.process_count()}: resume it with {saved} process(es) (spmdkit launch --processes "
-                f"{saved}, or as many SLURM tasks); the mesh and the devices per process may change"
-            )
-
     def restore_latest(
-        self,
-        state: nnx.State,
-        shardings: Any,
-        data: grain.DatasetIterator | None = None,
-        accept: Callable[[int, dict[str, Any] | None], None] | None = None,
+        self, state: nnx.State, shardings: Any, data: Data = None, accept: Accept | None = None
     ) -> tuple[int, nnx.State] | None:
-        """(step, state) of the newest intact step, or None when there is no checkpoint at all. `accept(step,
-        saved_config)` runs before a step is read (its config item, or None) and raises SpmdkitError to refuse it.
-        Damaged steps are warned about once each, renamed `<step>.damaged-<time>` (so that training can save that
-        step again) and skipped; SpmdkitError if every step is damaged."""
-        steps = self.steps()
-        damaged = []
-        for step in reversed(steps):
-            try:
+        """(step, state) of the newest intact step (of either tier), or None when there is no checkpoint at all.
+        `accept(step, saved_config)` runs before a step is read (its config item, or None) and raises SpmdkitError
+        to refuse it. Damaged steps are warned about once each, renamed `<step>.damaged-<time>` (so that training
+        can save that step again) and skipped; SpmdkitError if every step is damaged. With a local tier, see
+        `tiers.LocalTier.restore_latest`; `restored_from` names the directory of the step read."""
+        if self.local is not None:
+            return self.local.restore_latest(self, state, shardings, data, accept)
+        return self.restore_newest(state, shardings, data, accept)
+
+    def restore_newest(
+        self, state: nnx.State, shardings: Any, data: Data, accept: Accept | None
+    ) -> tuple[int, nnx.State] | None:
+        """`restore_latest` of this directory alone, over the steps every process holds, the processes agreeing on
+        each: a step damaged on any process is set aside by all; LayoutMismatch when the newest is of another
+        process layout or mesh."""
+        wanted, damaged = self.layout.wanted(abstract_target(state, shardings)), []
+        for step in reversed(self.agreed_steps()):
+            found, config = self._verdict(step, wanted, accept is not None)
+            verdicts = self.layout.gather(found)
+            if _OTHER_LAYOUT in verdicts:
+                raise LayoutMismatch(f"step {step}, the newest all hold, was saved on another mesh or process layout")
+            restored = None
+            if max(verdicts) == _OK:
                 if accept is not None:
-                    try:
-                        config = self._saved_config(step)
-                    except _Damage as damage:
-                        raise DamagedStep(step, self.directory, str(damage)) from None
-                    accept(step, config)
-                restored = self.restore(step, state, shardings, data)
-            except DamagedStep as error:
-                warnings.warn(f"{error}; falling back to the previous step", CheckpointWarning, stacklevel=2)
-                damaged.append(step)
-            else:
-                self._set_aside(damaged)
+                    accept(step, config)  # the same on every process: the same config and step
+                try:
+                    restored = self.restore(step, state, shardings, data)
+                except DamagedStep as error:
+                    warnings.warn(f"{error}; falling back to the previous step", CheckpointWarning, stacklevel=3)
+            if all(self.layout.gather(int(restored is not None))) and restored is not None:
+                self.set_aside(damaged)
                 return step, restored
+            damaged.append(step)
         if damaged:
-            raise SpmdkitError(
-                f"every checkpoint step in {self.directory} is damaged ({', '.join(map(str, damaged))}): "
-                "see 'spmdkit ckpt verify', then delete the damaged steps or use a fresh --checkpoint-dir"
-            )
+            listed = ", ".join(map(str, damaged))
+            raise SpmdkitError(f"every checkpoint step in {self.directory} is damaged ({listed}){self.layout.advice}")
         return None
+
+    def _verdict(self, step: int, wanted: str | None, with_config: bool) -> tuple[int, dict[str, Any] | None]:
+        """(what this process finds of `step` without reading its arrays, the step's config); warns of damage."""
+        try:
+            record = self._check_items(step) or {}
+            if wanted is not None and record.get("layout") != wanted:
+                return _OTHER_LAYOUT, None
+            return _OK, self._saved_config(step) if with_config else None
+        except Damage as damage:
+            warnings.warn(
+                f"{DamagedStep(step, self.directory, str(damage))}; falling back to the previous step",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return _DAMAGED, None
 
     def _saved_config(self, step: int) -> dict[str, Any] | None:
         self._check_items(step)  # the config is believed only once every item matches its checksum
-        if not self.has_item(step, "config"):
+        if not (self.directory / str(step) / "config").is_dir():
             return None
         try:
             return self.read_config(step)
         except Exception as error:  # noqa: BLE001 - an unreadable config item is damage
-            raise _Damage(f"config/ is unreadable ({describe_error(error)})") from None
+            raise Damage(f"config/ is unreadable ({describe_error(error)})") from None
 
     def verify(self, step: int) -> list[str]:
         """What is wrong with `step` (empty: intact), by the rules `restore` applies; reads every array in full
@@ -368,7 +374,7 @@ class Checkpointer:
         try:
             checksums = self._check_items(step)
             self._saved_config(step)
-        except _Damage as damage:
+        except Damage as damage:
             return [str(damage)]
         device = jax.devices("cpu")[0]
         try:
@@ -383,15 +389,9 @@ class Checkpointer:
             return [f"unreadable: {name_list(names)}" if names else describe_error(error)]
         return array_problems(checksums, fingerprints(state))
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Rename damaged steps out of Orbax's view (it would refuse to save those steps again)."""
-        if steps and jax.process_index() == 0:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            for step in steps:
-                path = self.directory / str(step)
-                if path.exists():
-                    path.rename(self.directory / f"{step}.damaged-{stamp}")
+    def set_aside(self, steps: list[int], why: str = "damaged") -> None:
+        """Rename `steps` out of Orbax's view as `<step>.<why>-<time>` (it would refuse to save those steps
+        again), as the layout says: process 0 for all, or each process its own."""
         if steps:
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices("spmdkit_set_aside_damaged")
+            self.layout.set_aside(self.directory, steps, why)
             self.manager.reload()

@@ -31,6 +31,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from spmdkit.checkpoint.backend import open_manager
+from spmdkit.checkpoint.damage import DamagedStep, NonFiniteState
 from spmdkit.checkpoint.failures import describe_error
 from spmdkit.checkpoint.integrity import (
     block_sums,
@@ -41,7 +43,6 @@ from spmdkit.checkpoint.integrity import (
     path_text,
     sum_over_processes,
 )
-from spmdkit.checkpoint.manager import DamagedStep, NonFiniteState
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.fp8 import is_fp8_state
@@ -217,12 +218,8 @@ def write_params(directory: Path, params: PureTree, config: dict[str, Any]) -> N
     if bad:
         raise NonFiniteState(f"NaN/Inf values in {name_list(bad, 3)}")
     largest = max(shard.data.nbytes for array in jax.tree.leaves(params) for shard in array.addressable_shards)
-    handlers = {
-        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=max(largest, WRITE_CHUNK_BYTES) * 1.01 / 1e9),
-        "config": ocp.JsonCheckpointHandler(),
-    }
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(directory, options=options, item_handlers=handlers) as manager:
+    in_flight = max(largest, WRITE_CHUNK_BYTES) * 1.01 / 1e9
+    with open_manager(Path(directory), asynchronous=False, concurrent_gb=in_flight) as manager:
         chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=WRITE_CHUNK_BYTES), {"model": params})
         items = {
             "state": ocp.args.StandardSave({"model": params}, save_args=chunks),

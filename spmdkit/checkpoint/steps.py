@@ -24,10 +24,12 @@ def check_not_a_step(directory: str | Path, choose: str = " with --step {step}")
         )
 
 
-def open_step(directory: str | Path, step: int | None = None) -> tuple[Checkpointer, int]:
+def open_step(
+    directory: str | Path, step: int | None = None, choose: str = " with --step {step}"
+) -> tuple[Checkpointer, int]:
     """A read-only `Checkpointer` on `directory` and the step to read: `step`, or the newest (the caller closes
-    the checkpointer)."""
-    check_not_a_step(directory)
+    the checkpointer); `choose`: as `check_not_a_step` takes it."""
+    check_not_a_step(directory, choose)
     checkpointer = Checkpointer(directory, read_only=True)
     steps = checkpointer.steps()
     if not steps:

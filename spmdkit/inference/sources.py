@@ -20,7 +20,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from spmdkit.checkpoint.ownership import is_checkpoint_directory, is_run_directory
 from spmdkit.checkpoint.steps import check_not_a_step, open_step, saved_config
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import source_tokenizer
@@ -34,6 +33,7 @@ from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import hf_config_path, source_kind, source_model
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.resolve import build_model
+from spmdkit.rundir.ownership import is_checkpoint_directory, is_run_directory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,19 +16,9 @@ from typing import Any
 import numpy as np
 
 from spmdkit.checkpoint.integrity import data_files
-from spmdkit.checkpoint.manager import Checkpointer
-from spmdkit.checkpoint.steps import check_not_a_step
+from spmdkit.checkpoint.steps import open_step
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
-
-
-def _open(directory: str | Path, choose: str) -> Checkpointer:
-    check_not_a_step(directory, choose)
-    checkpointer = Checkpointer(directory, read_only=True)
-    if not checkpointer.steps():
-        checkpointer.close()
-        raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-    return checkpointer
 
 
 def _leftovers(directory: Path) -> dict[str, list[str]]:
@@ -41,14 +31,9 @@ def _leftovers(directory: Path) -> dict[str, list[str]]:
 
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
     """Metadata of `step` (default: the newest) of the checkpoint directory, as a JSON-ready dict."""
-    checkpointer = _open(directory, " with --step {step}")
+    checkpointer, step = open_step(directory, step)
     try:
         steps = checkpointer.steps()
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise SpmdkitError(
-                f"step {step} is not in {checkpointer.directory}: it holds steps {', '.join(map(str, steps))}"
-            )
         try:
             shapes = checkpointer.saved_shapes(step)
         except Exception as error:  # noqa: BLE001 - unreadable metadata: report, don't crash
@@ -113,7 +98,7 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
     """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`)."""
-    checkpointer = _open(directory, " (verify reads every step)")
+    checkpointer, _ = open_step(directory, choose=" (verify reads every step)")
     try:
         report = []
         for step in checkpointer.steps():

@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 
 from spmdkit.checkpoint.manager import Checkpointer
-from spmdkit.checkpoint.ownership import check_output, enclosing_run, run_inputs
 from spmdkit.checkpoint.params import read_params as checkpoint_params
-from spmdkit.checkpoint.run_lock import lock_run
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import lock_run
+from spmdkit.rundir.ownership import check_output, enclosing_run, run_inputs
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, apply_overrides, config_from_json

@@ -21,7 +21,6 @@ from pathlib import Path
 import jax
 
 from spmdkit.checkpoint.manager import NonFiniteState
-from spmdkit.checkpoint.ownership import check_output, run_inputs
 from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
@@ -33,6 +32,7 @@ from spmdkit.interop.safetensors_files import INDEX, SINGLE, TensorFiles
 from spmdkit.interop.sources import OVERRIDES, hf_config_path, hf_family, source_kind
 from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
 from spmdkit.models.config import TransformerConfig
+from spmdkit.rundir.ownership import check_output, run_inputs
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.tools.convert import check_creatable, fresh_output, read_params, writing_into

@@ -29,13 +29,13 @@ import numpy as np
 
 from spmdkit.checkpoint import tiers
 from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
-from spmdkit.checkpoint.ownership import check_run_directory, lock_run_directories
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
 from spmdkit.interop.loading import check_source
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
+from spmdkit.rundir.ownership import check_run_directory, lock_run_directories
 from spmdkit.train.config import TrainConfig, checkpoint_directory
 from spmdkit.train.faults import Faults, attempt
 from spmdkit.train.goodput import Goodput
@@ -110,8 +110,8 @@ class Trainer:
         self.step_hook: Callable[[int, Trainer], None] | None = None  # called after every step
         # One writer per run directory, decided (on every process) before anything is written; held until `run`
         # ends (or, for a Trainer never run, until it is garbage-collected).
-        self.locks = lock_run_directories(self.run_dir, checkpoint_directory(config), "spmdkit train")
-        tiers.lock_local_dir(self.locks, local_dir, self.run_dir, "spmdkit train")  # the fast tier's, if any
+        written = {"--checkpoint-dir": checkpoint_directory(config), tiers.LOCAL_FLAG: local_dir}
+        self.locks = lock_run_directories(self.run_dir, written, "spmdkit train", tiers.own_local_dirs(local_dir))
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
         # different orders on two processes, and gloo timed out at the first step.
         try:
@@ -166,7 +166,7 @@ class Trainer:
             return
         tokenizer.save(sidecar)  # each file renamed into place
 
-    def _open_checkpointer(self) -> Checkpointer | tiers.TieredCheckpointer:
+    def _open_checkpointer(self) -> Checkpointer:
         """The run's checkpointer (with `checkpoint.local_dir`, the two tiers of `checkpoint.tiers`); with
         `--no-resume` its directories must hold no steps."""
         settings = self.config.checkpoint
@@ -201,7 +201,7 @@ class Trainer:
 
     def _restoring_from(self) -> Path:
         """The directory of the step being restored: with two tiers, the one it came from."""
-        return getattr(self.checkpointer, "restored_from", None) or self.checkpointer.directory
+        return self.checkpointer.restored_from or self.checkpointer.directory
 
     def initialise_from(self) -> None:
         """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a

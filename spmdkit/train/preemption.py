@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit.distributed.gather import gather_over_processes
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -53,9 +55,7 @@ class StopRequest:
         """Whether to stop after this step; the same answer on every process (a collective when there are many)."""
         if jax.process_count() == 1:
             return self.signal is not None
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        flags = gather_over_processes(np.int32(self.signal or 0))
         if self.signal is None and np.any(flags):
             self.signal = int(np.max(flags))
         return bool(np.any(flags))

@@ -19,19 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
+from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.train.phases import PhaseClock
 
 
 def gather_own_times(own: float) -> np.ndarray:
     """Every process's own seconds per step, in process order (a collective: every process calls it)."""
-    if jax.process_count() == 1:
-        return np.array([own])
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(np.float32(own))).reshape(-1).astype(float)
+    return np.asarray(gather_over_processes(np.float32(own)), float)
 
 
 class StragglerWatch:

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spmdkit.checkpoint.run_lock import LOCK_FILE, RunLock, lock_all
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import LOCK_FILE, RunLock, lock_all
 
 CONFIG = "config.json"
 
@@ -128,14 +128,20 @@ def enclosing_run(path: str | Path) -> Path | None:
     return None
 
 
-def lock_run_directories(run_dir: Path, checkpoint_dir: Path, command: str) -> list[RunLock | None]:
-    """The locks a trainer holds (`run_lock.lock_all`): its run directory's and, when its checkpoint directory lies
-    elsewhere, the lock of the run directory holding that one (else of the checkpoint directory itself)."""
-    directories: dict[str, tuple[Path, str | None]] = {"--run-dir": (run_dir, None)}
-    if not checkpoint_dir.is_relative_to(run_dir):
-        owner = enclosing_run(checkpoint_dir) or checkpoint_dir
-        label = f"--checkpoint-dir {checkpoint_dir}"
-        if owner != checkpoint_dir:
-            label += f" lies in the run directory {owner}, which"
-        directories["--checkpoint-dir"] = (owner, label)
-    return lock_all(directories, command)
+def lock_run_directories(
+    run_dir: Path, written: dict[str, Path | None], command: str, each: dict[str, Path] | None = None
+) -> list[RunLock | None]:
+    """The locks a trainer holds (`lock.lock_all`, all or none): its run directory's and, for every other directory
+    it writes (`written`: flag -> directory or None, e.g. its checkpoint directory) that lies elsewhere, the lock of
+    the run directory holding it (else of the directory itself); `each`: flag -> a directory within that one which
+    every process locks, each its own (`<local-dir>/process-<i>/`: each host's disk is its own)."""
+    locks: list[tuple[str, Path, str | None, bool]] = [("--run-dir", run_dir, None, False)]
+    for flag, path in written.items():
+        if path is None or path.is_relative_to(run_dir):
+            continue  # the run directory's lock covers it
+        owner = enclosing_run(path) or path
+        label = f"{flag} {path}" + (f" lies in the run directory {owner}, which" if owner != path else "")
+        locks.append((flag, owner, label, False))
+        if flag in (each or {}):
+            locks.append((flag, each[flag], f"{flag} {each[flag]}", True))
+    return lock_all(locks, command)

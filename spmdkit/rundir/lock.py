@@ -22,10 +22,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
 LOCK_FILE = ".spmdkit-lock"
-_VERDICT_BYTES = 2048  # a refusal gathered from every process, UTF-8, zero-padded
 
 
 class RunLockWarning(SpmdkitWarning):
@@ -198,7 +198,7 @@ def lock_run(
             lock = RunLock(directory, command, flag, label)
         except SpmdkitError as error:
             refusal = str(error)
-    refused = [(index, text) for index, text in enumerate(_gather(refusal)) if text]
+    refused = [(index, text) for index, text in enumerate(gather_over_processes(refusal)) if text]
     if refused:
         if lock is not None:
             lock.release(failed=True)
@@ -207,28 +207,16 @@ def lock_run(
     return lock
 
 
-def lock_all(directories: dict[str, tuple[Path, str | None]], command: str) -> list[RunLock | None]:
-    """`lock_run` of every directory (flag -> (directory, label), in order); all or none: a refusal releases the
-    locks taken."""
+def lock_all(directories: list[tuple[str, Path, str | None, bool]], command: str) -> list[RunLock | None]:
+    """`lock_run` of every directory ((flag, directory, label, each), in order); all or none: a refusal releases
+    the locks taken."""
     locks: list[RunLock | None] = []
     try:
-        for flag, (directory, label) in directories.items():
-            locks.append(lock_run(directory, command, flag, label))
+        for flag, directory, label, each in directories:
+            locks.append(lock_run(directory, command, flag, label, each=each))
     except BaseException:
         for lock in reversed(locks):
             if lock is not None:
                 lock.release(failed=True)
         raise
     return locks
-
-
-def _gather(text: str) -> list[str]:
-    """Every process's `text`, by process index (a collective)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    buffer = np.zeros(_VERDICT_BYTES, np.uint8)
-    data = text.encode()[:_VERDICT_BYTES]
-    buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(buffer), np.uint8).reshape(-1, _VERDICT_BYTES)
-    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]
