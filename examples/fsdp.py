@@ -3,9 +3,7 @@
 What it proves, on 8 simulated CPU devices: each device holds 1/8 of every weight (the `embed` dim goes to the
 `fsdp` axis); the compiled forward+backward all-gathers the weights before use and reduce-scatters the
 gradients (on CPU the reduce-scatter is spelled all-reduce + dynamic-slice; the report names it
-reduce-scatter); and the loss equals the one-device program's. One exception on CPU: with fewer tokens than
-vocab rows, the embedding lookup trades the looked-up rows (all-to-all) instead of gathering the table, and its
-gradient comes back the same way (spmdkit/models/cpu_layout.py). Run: python examples/fsdp.py
+reduce-scatter); and the loss equals the one-device program's. Run: python examples/fsdp.py
 """
 
 import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)

@@ -4,8 +4,7 @@ On a cluster the fsdp group is a node (fast links) and the replicas span nodes (
 8 simulated CPU devices (mesh data=2,fsdp=4): each device holds 1/4 of the parameters (twice FSDP's 1/8, the
 price of keeping the big traffic inside a group); the weights are all-gathered (each device contributes its
 1/4 shard) inside a group; the gradients are reduce-scattered inside a group (4 devices) and only the 1/4
-shards are all-reduced across the replicas (groups of 2: a quarter of the reduce-scatter's bytes, plus the
-embedding table's quarter: on CPU its lookup trades rows by all-to-all, spmdkit/models/cpu_layout.py); the norm
+shards are all-reduced across the replicas (groups of 2: a quarter of the reduce-scatter's bytes); the norm
 scales are all-reduced over all 8; the loss equals the one-device program's.
 Run: python examples/hsdp.py
 """

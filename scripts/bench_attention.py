@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.models.attention import blockwise_attention, dot_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.loss import lm_loss
@@ -41,7 +42,7 @@ def layer(attention, seq: int, causal: bool = True):
     kv = jax.ShapeDtypeStruct((1, seq, KV_HEADS, HEAD_DIM), jnp.float32)
 
     def forward_backward(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=causal), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, None, AttentionSpec(causal)), q, k, v)
         return out, *vjp(dout)
 
     return jax.jit(forward_backward).lower(q, kv, kv, q).compile()

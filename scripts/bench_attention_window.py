@@ -23,6 +23,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.kernels.block_plan import BlockPlan
 from spmdkit.kernels.blockwise_attention import blockwise_attention
 
@@ -36,7 +37,7 @@ def compiled(seq: int, block: int, window: int, backward: bool):
     kv = jax.ShapeDtypeStruct((1, seq, KV_HEADS, HEAD_DIM), jnp.float32)
 
     def attention(q, k, v):
-        return blockwise_attention(q, k, v, block_q=block, block_k=block, window=window)
+        return blockwise_attention(q, k, v, None, AttentionSpec(window=window, block_q=block, block_k=block))
 
     def forward_backward(q, k, v, dout):
         out, vjp = jax.vjp(attention, q, k, v)
@@ -49,7 +50,7 @@ def compiled(seq: int, block: int, window: int, backward: bool):
 
 def measure(seq: int, block: int, window: int) -> dict[str, float]:
     """FLOPs forward, FLOPs forward + backward, widest-step score bytes, compiled temp bytes."""
-    plan = BlockPlan(seq, block, block, True, HEAD_DIM**-0.5, window if window < seq else 0)
+    plan = BlockPlan(seq, AttentionSpec(window=window, block_q=block, block_k=block).resolved(HEAD_DIM, seq))
     both = compiled(seq, block, window, backward=True)
     return {
         "flops_fwd": compiled(seq, block, window, backward=False).cost_analysis()["flops"],

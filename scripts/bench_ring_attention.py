@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from spmdkit.kernels.attention_spec import AttentionSpec  # noqa: E402
 from spmdkit.parallel.context.ring_attention import causal_work_balance, ring_attention  # noqa: E402
 from spmdkit.sharding.mesh import make_mesh  # noqa: E402
 
@@ -53,7 +54,7 @@ def _compiled_temp(fn, mesh, seq: int, spec: P) -> tuple[float, float]:
 def measure(seq: int, key_tile: int) -> dict[str, float]:
     mesh = make_mesh(f"context={N}")
     tile = min(key_tile, seq // (2 * N))
-    ring = _grad_of_sum(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, key_tile=tile))
+    ring = _grad_of_sum(lambda q, k, v: ring_attention(q, k, v, None, AttentionSpec(key_tile=tile), mesh=mesh))
     dense = _grad_of_sum(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
     ring_mib, ring_s = _compiled_temp(ring, mesh, seq, P(None, "context"))
     dense_mib, _ = _compiled_temp(dense, mesh, seq, P(None, "context"))

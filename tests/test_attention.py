@@ -17,6 +17,7 @@ from support import error_lines, run_spmdkit
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.models import TransformerConfig
 from spmdkit.models.attention import blockwise_attention, cudnn_attention, dot_attention
 from spmdkit.models.attention_choice import choose_attention
@@ -66,7 +67,7 @@ GRID = [(causal, group, head_dim) for causal in (True, False) for group in (1, 3
 @pytest.mark.parametrize("causal,group,head_dim", GRID)
 def test_blockwise_equals_dot_product_attention(causal, group, head_dim):
     q, k, v, dout = _inputs(1, 1000, group, 1, head_dim)
-    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, causal=causal))(q, k, v, dout)
+    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, None, AttentionSpec(causal)))(q, k, v, dout)
     want = _out_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal))(q, k, v, dout)
     _assert_close(got, want)
 
@@ -75,7 +76,8 @@ def test_blockwise_equals_dot_product_attention(causal, group, head_dim):
 def test_unequal_blocks(block_q, block_k):
     """Query and key blocks of different sizes, neither dividing the sequence (a gathered schedule, not slices)."""
     q, k, v, dout = _inputs(2, 300, 4, 2, 64, seed=1)
-    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, block_q=block_q, block_k=block_k))(q, k, v, dout)
+    spec = AttentionSpec(block_q=block_q, block_k=block_k)
+    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, None, spec))(q, k, v, dout)
     want = _out_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(q, k, v, dout)
     _assert_close(got, want)
 
@@ -102,14 +104,14 @@ def test_segment_ids(causal):
         out = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)[:, None])
         return jnp.where(jnp.asarray(seg != 0)[..., None, None], out, 0.0)
 
-    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, causal=causal, segment_ids=seg))(q, k, v, dout)
+    got = _out_and_grads(lambda q, k, v: blockwise_attention(q, k, v, seg, AttentionSpec(causal)))(q, k, v, dout)
     want = _out_and_grads(reference)(q, k, v, dout)
     _assert_close(got, want)
     pad = seg == 0
     assert all(np.isfinite(np.asarray(x)).all() for x in got)
     assert np.all(np.asarray(got[0])[pad] == 0) and np.all(np.asarray(got[1])[pad] == 0)  # out, dq of padding
     assert np.all(np.asarray(got[2])[pad] == 0) and np.all(np.asarray(got[3])[pad] == 0)  # dk, dv of padding keys
-    dot = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, causal=causal, segment_ids=seg))(q, k, v, dout)
+    dot = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, seg, AttentionSpec(causal)))(q, k, v, dout)
     _assert_close(dot, want)
 
 
@@ -132,11 +134,11 @@ def test_cudnn_wrapper_runs_per_device_without_communication(mesh_text, kv_heads
 
     def fused(q, k, v):
         with use_rules(rules, mesh):
-            return cudnn_attention(q, k, v, segment_ids=jnp.asarray(seg), implementation="xla")
+            return cudnn_attention(q, k, v, jnp.asarray(seg), implementation="xla")
 
     compiled = _out_and_grads(fused).lower(*args).compile()
     got = compiled(*args)
-    want = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, segment_ids=seg))(q, k, v, dout)
+    want = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, seg))(q, k, v, dout)
     _assert_close(got, want)
     # The region spans every mesh axis (cuDNN's partitioner needs that on GPU); the size-1 ones leave an all-reduce
     # over groups of one device in the backward, which moves nothing (XLA:GPU removes it; the CPU backend keeps it).
@@ -160,7 +162,7 @@ def test_cudnn_wrapper_inside_a_partly_manual_region(backward_inside):
 
     def per_stage(q, k, v, dout, seg):
         with use_rules(rules, mesh):
-            attention = lambda q, k, v: cudnn_attention(q, k, v, segment_ids=seg, implementation="xla")  # noqa: E731
+            attention = lambda q, k, v: cudnn_attention(q, k, v, seg, implementation="xla")  # noqa: E731
             if not backward_inside:
                 return (attention(q, k, v),)
             out, vjp = jax.vjp(attention, q, k, v)
@@ -174,7 +176,7 @@ def test_cudnn_wrapper_inside_a_partly_manual_region(backward_inside):
         got = jax.jit(region)(q, k, v, dout, seg)
     else:
         got = _out_and_grads(lambda q, k, v: region(q, k, v, dout, seg)[0])(q, k, v, dout)
-    want = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, segment_ids=seg))(q, k, v, dout)
+    want = _out_and_grads(lambda q, k, v: dot_attention(q, k, v, seg))(q, k, v, dout)
     _assert_close(got, want)
 
 
@@ -230,6 +232,28 @@ def test_train_command_refuses_cudnn_on_cpu(tmp_path):
     assert error_lines(refused.stderr) == [
         "spmdkit: error: --attention cudnn needs an NVIDIA GPU, not cpu: use blockwise (or auto)"
     ]
+
+
+# Reads of the platform, the backend or the device kind: the model runs the kernel its config names, decided for the
+# run's devices outside it (`spmdkit.train.program.build_program`, the benchmark, the planner).
+DEVICE_READS = {"devices", "local_devices", "default_backend", "get_backend", "platform", "platform_version"}
+DEVICE_READS |= {"device_kind", "compute_capability", "device_facts", "xla_bridge", "device_platform"}
+
+
+def test_no_module_under_models_reads_the_platform():
+    import ast
+    import pathlib
+
+    import spmdkit.models
+
+    reads = []
+    for path in sorted(pathlib.Path(spmdkit.models.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {getattr(node, "attr", None)}  # x.platform, jax.devices(), ...; and what is imported
+            names |= {part for alias in getattr(node, "names", []) for part in alias.name.split(".")}
+            names |= set((getattr(node, "module", None) or "").split("."))
+            reads += [f"{path.name}:{node.lineno} {name}" for name in sorted(names & DEVICE_READS)]
+    assert not reads, reads
 
 
 # --- the training step -----------------------------------------------------------------------------------------

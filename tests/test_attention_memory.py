@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.models import TransformerConfig
 from spmdkit.models.attention import blockwise_attention, dot_attention
 from spmdkit.models.loss import lm_loss
@@ -30,7 +31,7 @@ def _compiled_layer(attention, seq: int, causal: bool = True):
     kv = jax.ShapeDtypeStruct((1, seq, KV_HEADS, HEAD_DIM), jnp.float32)
 
     def forward_backward(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=causal), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, None, AttentionSpec(causal)), q, k, v)
         return out, *vjp(dout)
 
     return jax.jit(forward_backward).lower(q, kv, kv, q).compile(compiler_options=FAST)
@@ -126,7 +127,7 @@ def test_planner_picks_the_kernel_of_the_device_and_chunks_the_logits():
     """On an H100, auto is cuDNN: no [seq, seq] term; the explicit dot kernel at seq 8192 costs its scores. The
     logits of the loss count one chunk (Llama 3 8B-like: 128,256 vocabulary)."""
     model = TransformerConfig(vocab_size=128_256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336)
-    plan = functools.partial(estimate, mesh="fsdp=8", device="h100", batch_size=8, seq_len=8192)
+    plan = lambda model: estimate(model, "fsdp=8", device="h100", batch_size=8, seq_len=8192)  # noqa: E731
     auto, dot = plan(model), plan(model.replace(attention="dot"))
     scores = 32 * 8192 * 8192 * (4 + 2) * 32  # per sequence: layers x [heads, seq, seq] float32 + bfloat16
     assert dot.memory["activations"] - auto.memory["activations"] == pytest.approx(scores, rel=0.01)

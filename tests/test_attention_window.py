@@ -21,10 +21,11 @@ import pytest
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.inference.attention import cache_attention
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.kernels.block_plan import BlockPlan
 from spmdkit.models.attention import attend, blockwise_attention, cudnn_attention, dot_attention
 from spmdkit.models.attention_choice import choose_attention
-from spmdkit.parallel.context.ring_attention import from_zigzag, ring_attention, to_zigzag
+from spmdkit.parallel.context.ring_attention import RingLayout, from_zigzag, ring_attention, to_zigzag
 from spmdkit.parallel.context.zigzag import DIAG, EDGE, FULL, SKIP, pair_mode
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
@@ -112,7 +113,7 @@ WINDOWS = [1, 3, 100]  # one key (itself), a few keys, longer than the sequence
 @pytest.mark.parametrize("segments", [False, True], ids=["one-doc", "documents"])
 def test_dot_attention(window, options, segments):
     seg = _documents() if segments else None
-    kernel = lambda q, k, v: dot_attention(q, k, v, segment_ids=seg, window=window, **options)  # noqa: E731
+    kernel = lambda q, k, v: dot_attention(q, k, v, seg, AttentionSpec(window=window, **options))  # noqa: E731
     _assert_matches(kernel, window=window, options=options, seg=seg)
 
 
@@ -127,16 +128,15 @@ BLOCKS = [(8, 8), (4, 7), (16, 3), (5, 5), (12, 6)]
 def test_blockwise_attention(window, block_q, block_k, segments):
     seg = _documents() if segments else None
     options = CAPPED if (block_q + window) % 2 else PLAIN  # both, across the grid
-    kernel = lambda q, k, v: blockwise_attention(  # noqa: E731
-        q, k, v, segment_ids=seg, block_q=block_q, block_k=block_k, window=window, **options
-    )
+    spec = AttentionSpec(window=window, block_q=block_q, block_k=block_k, **options)
+    kernel = lambda q, k, v: blockwise_attention(q, k, v, seg, spec)  # noqa: E731
     _assert_matches(kernel, window=window, options=options, seg=seg)
 
 
 @pytest.mark.parametrize("options", [{"softcap": 0.5}, {"scale": 2.0}, {"softcap": 30.0, "scale": 0.1}])
 def test_scale_and_softcap_without_a_window(options):
     """A cap small enough to bite (0.5: every score is squashed), a large scale, Gemma 2's 30 with a small scale."""
-    kernel = lambda q, k, v: blockwise_attention(q, k, v, block_q=16, block_k=16, **options)  # noqa: E731
+    kernel = lambda q, k, v: blockwise_attention(q, k, v, None, AttentionSpec(block_q=16, block_k=16, **options))  # noqa: E731
     _assert_matches(kernel, window=0, options=options, seed=4)
 
 
@@ -148,7 +148,7 @@ def test_blockwise_plan_lists_exactly_the_scores_a_window_needs(seq, block_q, bl
     """Every visible (query, key) is computed by exactly one listed pair (whole blocks or, splitting the partially
     visible ones, sub-blocks), and every listed pair holds a visible one; a step never repeats a query block; its
     causal / window / length mask is set whenever one of its pairs holds a key that rule hides."""
-    plan = BlockPlan(seq, block_q, block_k, True, 1.0, window)
+    plan = _plan(seq, block_q, block_k, window)
     rows, cols = plan.num_q * block_q, plan.num_k * block_k
     i, j = np.indices((rows, cols))  # each score's query and key position
     visible = np.zeros((rows, cols), bool)
@@ -168,12 +168,16 @@ def test_blockwise_plan_lists_exactly_the_scores_a_window_needs(seq, block_q, bl
     assert plan.widest_step() <= max(len(plan.key_blocks(i)) for i in range(plan.num_q)) * block_q * block_k
 
 
+def _plan(seq: int, block_q: int, block_k: int, window: int = 0) -> BlockPlan:
+    return BlockPlan(seq, AttentionSpec(window=window, block_q=block_q, block_k=block_k).resolved(HEAD_DIM, seq))
+
+
 def _compiled_flops(seq: int, window: int, backward: bool = False) -> float:
     q = jax.ShapeDtypeStruct((1, seq, 4, 64), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.float32)
 
     def attention(q, k, v):
-        return blockwise_attention(q, k, v, block_q=512, block_k=512, window=window)
+        return blockwise_attention(q, k, v, None, AttentionSpec(window=window))
 
     def forward_backward(q, k, v, dout):
         out, vjp = jax.vjp(attention, q, k, v)
@@ -192,11 +196,11 @@ def test_a_window_cuts_the_compiled_flops_and_the_scratch():
     kept 45 of the 136 causal block pairs, 0.33); splitting the partially visible pairs down to 64 positions
     keeps 31.9 pairs' worth (0.234), window 512 17.4 (0.128)."""
     seq, block = 8192, 512
-    full = BlockPlan(seq, block, block, True, 1.0)
+    full = _plan(seq, block, block)
     computed = lambda plan: sum(map(plan.scores, plan.steps))  # noqa: E731
     full_flops = {backward: _compiled_flops(seq, 0, backward) for backward in (False, True)}
     for window in (512, 1024):
-        plan = BlockPlan(seq, block, block, True, 1.0, window)
+        plan = _plan(seq, block, block, window)
         scores = computed(plan) / computed(full)
         assert scores <= 0.24, (window, scores)
         for backward in (False, True):
@@ -230,10 +234,11 @@ def test_ring_attention(mesh_text, load_balance, window, segments, options):
     seg = _documents() if segments else None
 
     def kernel(q, k, v):
+        spec = AttentionSpec(window=window, key_tile=3, **options)
+        layout = RingLayout(load_balance=load_balance, batch_axes=())
         out = ring_attention(
-            order(q), order(k), order(v), mesh=mesh, load_balance=load_balance, batch_axes=(), key_tile=3,
-            segment_ids=None if seg is None else order(seg), window=window, **options,
-        )  # fmt: skip
+            order(q), order(k), order(v), None if seg is None else order(seg), spec, mesh=mesh, layout=layout
+        )
         return back(out)
 
     _assert_matches(kernel, window=window, options=options, seg=seg)
@@ -262,7 +267,7 @@ def test_cudnn_wrapper_window_and_scale(window, segments):
     seg = _documents() if segments else None
     options = {"scale": 0.3}
     kernel = lambda q, k, v: cudnn_attention(  # noqa: E731
-        q, k, v, segment_ids=seg, implementation="xla", window=window, **options
+        q, k, v, seg, AttentionSpec(window=window, **options), implementation="xla"
     )
     _assert_matches(kernel, window=window, options=options, seg=seg)
 
@@ -272,7 +277,7 @@ def test_cudnn_wrapper_under_rules_runs_per_device():
 
     def kernel(q, k, v):
         with use_rules(rules, mesh):
-            return cudnn_attention(q, k, v, implementation="xla", window=5)
+            return cudnn_attention(q, k, v, None, AttentionSpec(window=5), implementation="xla")
 
     _assert_matches(kernel, window=5, options=PLAIN, seed=5, batch=4)
 
@@ -287,7 +292,11 @@ def test_cache_attention_prefill_and_decode(window, options):
     for pos, sl in ((prefill_pos, slice(None)), (np.array([[17], [40]]), slice(0, 1))):
         qs, ds = q[:, sl], dout[:, sl]
         got = _out_and_grads(
-            lambda q, k, v, p=pos: cache_attention(q, k, v, jnp.asarray(p), window=window, **options), qs, k, v, ds
+            lambda q, k, v, p=pos: cache_attention(q, k, v, jnp.asarray(p), AttentionSpec(window=window, **options)),
+            qs,
+            k,
+            v,
+            ds,
         )
         want = _out_and_grads(
             lambda q, k, v, p=pos: reference(q, k, v, window=window, q_pos=p, **options), qs, k, v, ds
@@ -299,7 +308,7 @@ def test_cache_attention_prefill_and_decode(window, options):
 @pytest.mark.parametrize("kind", ["dot", "blockwise"])
 def test_attend_passes_the_options_on(kind):
     options = {"scale": 0.4, "softcap": 1.5}
-    kernel = lambda q, k, v: attend(q, k, v, kind, block=16, window=6, **options)  # noqa: E731
+    kernel = lambda q, k, v: attend(q, k, v, kind, None, AttentionSpec(window=6, block_q=16, block_k=16, **options))  # noqa: E731
     _assert_matches(kernel, window=6, options=options, seed=7)
 
 
@@ -313,7 +322,7 @@ def test_cudnn_is_never_chosen_with_a_soft_cap():
     assert "\n" not in str(info.value)
     q, k, v, _ = _inputs()
     with pytest.raises(SpmdkitError, match="cuDNN attention has no logit soft-capping"):
-        cudnn_attention(q, k, v, implementation="xla", softcap=50.0)
+        cudnn_attention(q, k, v, None, AttentionSpec(softcap=50.0), implementation="xla")
 
 
 @pytest.mark.parametrize(
@@ -326,8 +335,7 @@ def test_cudnn_is_never_chosen_with_a_soft_cap():
     ],
 )
 def test_bad_options_are_one_clear_error(options, message):
-    q, k, v, _ = _inputs()
-    for kernel in (dot_attention, blockwise_attention):
-        with pytest.raises(SpmdkitError, match=re.escape(message)) as info:
-            kernel(q, k, v, **options)
-        assert "\n" not in str(info.value)
+    """The spec every kernel takes refuses them once, when it is made."""
+    with pytest.raises(SpmdkitError, match=re.escape(message)) as info:
+        AttentionSpec(**options)
+    assert "\n" not in str(info.value)

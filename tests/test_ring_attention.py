@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.parallel.context.ring_attention import (
+    RingLayout,
     causal_work_balance,
     from_zigzag,
     inverse_zigzag_indices,
@@ -96,11 +98,10 @@ def test_matches_dense_attention_and_sends_only_kv(
     mesh = _mesh(mesh_text)
     n = mesh.shape["context"]
     q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim)
-    ring = _out_and_grads(
-        lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, load_balance=load_balance, key_tile=key_tile)
-    )
-    layout = (lambda x: to_zigzag(x, n=n)) if load_balance == "zigzag" else (lambda x: x)
-    args = [layout(x) for x in (q, k, v, dout)]
+    spec, layout = AttentionSpec(causal, key_tile=key_tile), RingLayout(load_balance=load_balance)
+    ring = _out_and_grads(lambda q, k, v: ring_attention(q, k, v, None, spec, mesh=mesh, layout=layout))
+    order = (lambda x: to_zigzag(x, n=n)) if load_balance == "zigzag" else (lambda x: x)
+    args = [order(x) for x in (q, k, v, dout)]
     compiled = jax.jit(ring).lower(*args).compile()
     got = [np.asarray(x) for x in compiled(*args)]
     if load_balance == "zigzag":
@@ -153,9 +154,9 @@ def test_segment_ids_travel_with_kv(key_tile):
     q, k, v, dout = _inputs(2, 48, 4, 2, 8, seed=3)
     seg = np.stack([np.repeat([1, 2, 3, 0], [10, 20, 13, 5]), np.repeat([1, 2], [40, 8])]).astype(np.int32)
     zz_seg = to_zigzag(seg, n=n)
-    ring = _out_and_grads(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, key_tile=key_tile, segment_ids=zz_seg))
+    ring = _out_and_grads(lambda q, k, v: ring_attention(q, k, v, zz_seg, AttentionSpec(key_tile=key_tile), mesh=mesh))
     got = [from_zigzag(np.asarray(x), n=n) for x in jax.jit(ring)(*[to_zigzag(x, n=n) for x in (q, k, v, dout)])]
-    want = jax.jit(_out_and_grads(lambda q, k, v: dot_attention(q, k, v, segment_ids=seg)))(q, k, v, dout)
+    want = jax.jit(_out_and_grads(lambda q, k, v: dot_attention(q, k, v, seg)))(q, k, v, dout)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert np.isfinite(g).all() and _rel_err(g, w) < RTOL, (name, _rel_err(g, w))
     assert np.all(got[0][seg == 0] == 0)  # padding rows see nothing
@@ -188,9 +189,18 @@ def test_causal_work_balance():
     assert causal_work_balance(8, "contiguous") == (contiguous, contiguous_ratio)
 
 
-def _call(q_shape=(2, 32, 4, 8), kv_shape=(2, 32, 2, 8), mesh_text="context=4,fsdp=2", **kwargs):
+def _call(q_shape=(2, 32, 4, 8), kv_shape=(2, 32, 2, 8), mesh_text="context=4,fsdp=2", key_tile=None, **layout):
     q, k = np.zeros(q_shape, np.float32), np.zeros(kv_shape, np.float32)
-    return ring_attention(q, k, k, mesh=make_mesh(mesh_text), **kwargs)
+    spec = AttentionSpec(key_tile=key_tile)
+    return ring_attention(q, k, k, None, spec, mesh=make_mesh(mesh_text), layout=RingLayout(**layout))
+
+
+def test_ring_attention_takes_at_most_8_parameters():
+    """q, k, v, segment ids, the spec (`AttentionSpec`: causal, window, scale, softcap, key tile), the mesh, the
+    layout (`RingLayout`: axes and load balance) and return_lse."""
+    import inspect
+
+    assert len(inspect.signature(ring_attention).parameters) <= 8
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ its scaling, the MLP or the mixture of experts, the embedding and the head) is w
     x = model.embed(tokens)
     per block:  q, k, v = block.attention.qkv(block.attention_input(x), positions, kind)
                 write k, v into the layer's cache at the tokens' positions
-                x = block.add(x, block.attention.out(cache_attention(q, keys, values, positions, window...)))
+                x = block.add(x, block.attention.out(cache_attention(q, keys, values, positions, spec)))
                 x = block.mlp_half(x)                           (an MoE's aux is dropped)
     logits = model.head(x at each row's last position)
 
@@ -53,8 +53,7 @@ def block_step(
     # Pin the caches to their layout: with KV heads replicated (tensor > kv_heads) GSPMD would otherwise split
     # them like the query heads and all-gather them afterwards.
     k_cache, v_cache = constrain(k_cache, CACHE_NAMES), constrain(v_cache, CACHE_NAMES)
-    options = attention.scores_options(kind)
-    attended = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, **options)
+    attended = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, attention.spec(kind))
     x = block.add(x, attention.out(attended), "attention_post_norm")
     return block.mlp_half(x)[0], k_cache, v_cache
 

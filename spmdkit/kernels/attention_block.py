@@ -183,18 +183,3 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str, segment_ids
         )
     if segment_ids is not None and tuple(segment_ids.shape) != tuple(q.shape[:2]):
         raise SpmdkitError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {tuple(q.shape[:2])}")
-
-
-def check_attention_options(
-    window: int, scale: float | None, softcap: float, causal: bool, head_dim: int, kernel: str
-) -> float:
-    """The score scale (None: 1/sqrt(head_dim)); one SpmdkitError line for a negative window or soft cap, a window
-    without the causal mask, or a scale that is not positive and finite (`kernel` names the caller)."""
-    if window < 0 or (window > 0 and not causal):
-        raise SpmdkitError(f"{kernel}: window={window} must be 0 (unlimited) or, with causal=True, positive")
-    if softcap < 0 or not np.isfinite(softcap):
-        raise SpmdkitError(f"{kernel}: softcap={softcap} must be 0 (off) or positive")
-    scale = head_dim**-0.5 if scale is None else float(scale)
-    if not (np.isfinite(scale) and scale > 0):
-        raise SpmdkitError(f"{kernel}: scale={scale} must be positive (None: 1/sqrt(head_dim))")
-    return scale

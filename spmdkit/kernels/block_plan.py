@@ -23,8 +23,8 @@ import functools
 import math
 from collections.abc import Iterable
 
-BLOCK_Q = 512  # defaults; both are cut to the sequence length when it is shorter
-BLOCK_K = 512
+from spmdkit.kernels.attention_spec import AttentionSpec
+
 STEP_SCORES = 2**22  # score elements per (batch row, head) one step may hold: it caps the pairs per step
 SPLIT_DEPTH = 3  # a windowed plan halves its partially visible pairs up to this many times (blocks of 512: 64)
 
@@ -46,15 +46,19 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """Static description of one call (hashable: a custom_vjp non-differentiable argument)."""
+    """Static description of one call (hashable: a custom_vjp non-differentiable argument): `spec` resolved for
+    `seq` (`AttentionSpec.resolved`: its blocks at most seq long, its window shorter than seq or 0)."""
 
     seq: int
-    block_q: int
-    block_k: int
-    causal: bool
-    scale: float
-    window: int = 0  # sliding window W (causal only): a query at i sees keys j with i - W < j <= i; 0: unlimited
-    softcap: float = 0.0  # logit soft cap c: scores become c tanh(s / c); 0: off
+    spec: AttentionSpec
+
+    @property
+    def block_q(self) -> int:
+        return self.spec.block_q
+
+    @property
+    def block_k(self) -> int:
+        return self.spec.block_k
 
     @property
     def num_q(self) -> int:
@@ -69,7 +73,7 @@ class BlockPlan:
         """How many times partially visible pairs are halved: under a window, while both block sizes are even, at
         most `SPLIT_DEPTH` times; 0 (nothing split) without a window."""
         depth = 0
-        while self.causal and self.window > 0 and depth < SPLIT_DEPTH:
+        while self.spec.causal and self.spec.window > 0 and depth < SPLIT_DEPTH:
             if (self.block_q >> depth) % 2 or (self.block_k >> depth) % 2:
                 break
             depth += 1
@@ -82,9 +86,9 @@ class BlockPlan:
     def key_blocks(self, i: int) -> range:
         """Key blocks query block i needs: all, or (causal) those starting at or before its last position and
         (window W) ending after its first position - W."""
-        if not self.causal:
+        if not self.spec.causal:
             return range(self.num_k)
-        first = max(0, i * self.block_q - self.window + 1) // self.block_k if self.window > 0 else 0
+        first = max(0, i * self.block_q - self.spec.window + 1) // self.block_k if self.spec.window > 0 else 0
         return range(first, min(self.num_k, ((i + 1) * self.block_q - 1) // self.block_k + 1))
 
     def _seen(self, pair: Pair, split: int) -> tuple[bool, bool]:
@@ -92,9 +96,9 @@ class BlockPlan:
         causal and window rules; padded queries and keys count as hidden for `some`, and are ignored for `all`)."""
         bq, bk = self.block_q // split, self.block_k // split
         q0, q1, k0, k1 = pair[0] * bq, (pair[0] + 1) * bq - 1, pair[1] * bk, (pair[1] + 1) * bk - 1
-        if not self.causal:
+        if not self.spec.causal:
             return q0 < self.seq and k0 < self.seq, True
-        window = self.window if self.window > 0 else self.seq + max(bq, bk)
+        window = self.spec.window if self.spec.window > 0 else self.seq + max(bq, bk)
         some = k0 <= min(q1, self.seq - 1) and min(k1, self.seq - 1) > q0 - window and q0 < self.seq
         return some, k1 <= q0 and k0 > q1 - window
 
@@ -119,7 +123,7 @@ class BlockPlan:
     @functools.cached_property
     def steps(self) -> tuple[Step, ...]:
         most = max(1, STEP_SCORES // (self.block_q * self.block_k))
-        if self.window > 0:  # the scratch of a step scales with the window, not with the sequence
+        if self.spec.window > 0:  # the scratch of a step scales with the window, not with the sequence
             most = min(most, max(len(self.key_blocks(i)) for i in range(self.num_q)))
         return tuple(step for split, pairs in self._levels() for step in self._layers(pairs, most * split**2, split))
 
@@ -138,9 +142,13 @@ class BlockPlan:
 
     def _step(self, pairs: list[Pair], split: int) -> Step:
         bq, bk = self.block_q // split, self.block_k // split
-        causal = self.causal and any((j + 1) * bk - 1 > i * bq for i, j in pairs)
+        causal = self.spec.causal and any((j + 1) * bk - 1 > i * bq for i, j in pairs)
         padded = any((j + 1) * bk > self.seq for _, j in pairs)
-        windowed = self.causal and self.window > 0 and any(j * bk <= (i + 1) * bq - 1 - self.window for i, j in pairs)
+        windowed = (
+            self.spec.causal
+            and self.spec.window > 0
+            and any(j * bk <= (i + 1) * bq - 1 - self.spec.window for i, j in pairs)
+        )
         return Step(tuple(i for i, _ in pairs), tuple(j for _, j in pairs), causal, padded, windowed, split)
 
     def scores(self, step: Step) -> int:

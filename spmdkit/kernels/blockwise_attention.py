@@ -32,19 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import (
-    F32,
-    block_grads,
-    check_attention_options,
-    check_qkv,
-    finish,
-    fold,
-    initial_state,
-    row_delta,
-    visible,
-)
-from spmdkit.kernels.block_plan import BLOCK_K, BLOCK_Q, BlockPlan, Step
+from spmdkit.kernels.attention_block import F32, block_grads, check_qkv, finish, fold, initial_state, row_delta, visible
+from spmdkit.kernels.attention_spec import BLOCK_K, BLOCK_Q, AttentionSpec
+from spmdkit.kernels.block_plan import BlockPlan, Step
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockPlan", "blockwise_attention"]
 
@@ -156,7 +146,7 @@ def _mask(plan: BlockPlan, step: Step, q_seg: jax.Array | None, k_seg: jax.Array
         q_pos,
         k_pos,
         causal=step.causal_mask,
-        window=plan.window if step.window_mask else 0,
+        window=plan.spec.window if step.window_mask else 0,
         q_seg=_take(q_seg, step.q) if segments else None,
         k_seg=_take(k_seg, step.k) if segments else None,
         k_len=plan.seq if step.length_mask and not segments else None,  # padded keys carry segment id 0
@@ -199,7 +189,7 @@ def _forward(plan: BlockPlan, q, k, v, segment_ids):
         mask = _mask(plan, step, q_seg, k_seg)
         rows = tuple(_take(x, step.q) for x in state)
         queries, keys, values = (_after(x, new) for x in (_take(qb, step.q), _take(kb, step.k), _take(vb, step.k)))
-        new = fold(rows, queries, keys, values, mask, plan.scale, plan.softcap)
+        new = fold(rows, queries, keys, values, mask, plan.spec.scale, plan.spec.softcap)
         state = tuple(_put(x, step.q, y) for x, y in zip(state, new, strict=True))
     out, lse = finish(state)
     return from_q_blocks(out.astype(q.dtype), plan.seq), _merge_rows(lse, split, STATE_AXES[2])
@@ -239,7 +229,7 @@ def _attention_bwd(plan: BlockPlan, residuals, dout):
         rows += tuple(_take(x, step.q) for x in blocks[2:4])
         kv = tuple(_after(_take(x, step.k), grads) for x in blocks[4:6])
         mask = _mask(plan, step, *blocks[6:])
-        grads = gq, gk, gv = block_grads(rows[0], *kv, *rows[1:], mask, plan.scale, plan.softcap)
+        grads = gq, gk, gv = block_grads(rows[0], *kv, *rows[1:], mask, plan.spec.scale, plan.spec.softcap)
         acc = _add(acc[0], step.q, gq), _add(acc[1], step.k, gk), _add(acc[2], step.k, gv)
     dq, dk, dv = acc  # blocks of the last step's size: the layouts below read any block size
     return (
@@ -254,37 +244,21 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim)) v over blocks, without ever holding the [seq, seq] scores.
+    """softmax(q k^T * scale) v over blocks, without ever holding the [seq, seq] scores.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], heads a multiple of kv_heads
-    (query head h uses kv head h // (heads / kv_heads)). Returns [batch, seq, heads, head_dim] in q's dtype;
-    scores, softmax statistics and gradient accumulators are float32.
+    (query head h uses kv head h // (heads / kv_heads)); nothing sharded (one device's arrays, or batch and heads
+    split by the compiler). Returns [batch, seq, heads, head_dim] in q's dtype; scores, softmax statistics and
+    gradient accumulators are float32.
 
     `segment_ids` int32 [batch, seq]: 0 is padding, 1, 2, ... the documents packed in a row; a query sees a key
-    of its own document only (and, `causal`, at or before its position). Padding rows see nothing: their output
-    is 0 and they pass no gradient. `None`: one document per row. `block_q`, `block_k`: positions per block (any
-    sequence length; the last block is padded). Gradients: a custom VJP that saves out and the log-sum-exp.
-    `window` W > 0 (causal only): a query at position i sees keys i - W < j <= i (W keys, itself included; both
-    this and the document rule must hold); 0: unlimited. `scale`: the multiplier of q k^T (None: 1/sqrt(head_dim)).
-    `softcap` c > 0: scores become c tanh(s / c) before masking and softmax (0: off).
+    of its own document only (and, causal, at or before its position). Padding rows see nothing: their output
+    is 0 and they pass no gradient. `None`: one document per row. `spec` (`AttentionSpec`; None: causal, the
+    defaults): causal, window, scale, softcap and the positions per block `block_q`, `block_k` (any sequence
+    length; the last block is padded). Gradients: a custom VJP that saves out and the log-sum-exp.
     """
     check_qkv(q, k, v, "blockwise attention", segment_ids)
-    if block_q < 1 or block_k < 1:
-        raise SpmdkitError(f"block_q={block_q} and block_k={block_k} must be positive")
-    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "blockwise attention")
-    seq = q.shape[1]
-    window = window if window < seq else 0  # a window as long as the sequence hides nothing
-    plan = BlockPlan(seq, min(block_q, seq), min(block_k, seq), causal, scale, window, float(softcap))
-    return _attention(plan, q, k, v, segment_ids)
+    spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
+    return _attention(BlockPlan(q.shape[1], spec), q, k, v, segment_ids)

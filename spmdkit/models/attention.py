@@ -1,15 +1,11 @@
-"""Attention kernels: softmax(q k^T / sqrt(head_dim)) v with grouped-query heads, and which one runs.
+"""Attention kernels: softmax(q k^T * scale) v with grouped-query heads, one table of them, and `attend`.
 
-Every kernel also takes the options of the 2026 model families, with one meaning everywhere: `window` W > 0
-(sliding-window attention: a query at position i sees keys i - W < j <= i, W keys including itself; 0: unlimited),
-`scale` (the multiplier of q k^T; None: 1/sqrt(head_dim)) and `softcap` c > 0 (Gemma 2's logit soft cap: scores s
-become c tanh(s / c) before masking and softmax; 0: off). cuDNN has no soft cap: `choose_attention` never picks it
-then.
-
-All kernels take q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] (heads = kv_heads x
-group; K/V are never repeated) and optional `segment_ids` int32 [batch, seq] (0: padding, 1, 2, ...: the documents
-packed in a row; a query sees keys of its own document only, padding sees nothing and gets output 0). They return
-[batch, seq, heads, head_dim] in q's dtype, with scores and softmax statistics in float32.
+Every kernel is `kernel(q, k, v, segment_ids, spec)`: q [batch, seq, heads, head_dim] and k, v [batch, seq,
+kv_heads, head_dim] (heads = kv_heads x group; K/V are never repeated), `segment_ids` int32 [batch, seq] or None
+(0: padding, 1, 2, ...: the documents packed in a row; a query sees keys of its own document only, padding sees
+nothing and gets output 0) and `spec` (`spmdkit.kernels.attention_spec.AttentionSpec`: causal, window, scale,
+softcap, block sizes; None: causal, the defaults). They return [batch, seq, heads, head_dim] in q's dtype, with
+scores and softmax statistics in float32, and give the same numbers.
 
 - `dot_attention`: the reference; materialises the scores [batch, kv_heads, group, seq, seq].
 - `blockwise_attention` (`spmdkit.kernels.blockwise_attention`): online softmax over key blocks with a
@@ -17,17 +13,21 @@ packed in a row; a query sees keys of its own document only, padding sees nothin
 - `cudnn_attention`: cuDNN's fused kernel, `jax.nn.dot_product_attention(implementation="cudnn")`, run per device
   inside a `shard_map` over the batch and head axes of the active rules (its partitioner refuses a sharded
   sequence or head dim). Segment ids become a dense [seq, seq] mask there (cuDNN's public API has no packed
-  documents): O(seq^2) bytes per sequence, where `blockwise` keeps O(seq).
+  documents): O(seq^2) bytes per sequence, where `blockwise` keeps O(seq). No soft cap.
 - `context_attention`: ring attention (`spmdkit.parallel.context`) over the `context` mesh axis of the active
-  rules, in the zigzag layout (the data path permutes every per-token array of a batch once, `zigzag_batch`, and
-  RoPE positions travel with their tokens; the token-mean loss does not depend on token order).
+  rules, seq sharded over it in the zigzag layout (the data path permutes every per-token array of a batch once,
+  `zigzag_batch`, and RoPE positions travel with their tokens; the token-mean loss does not depend on token order).
 
-`attend(q, k, v, kind, segment_ids)` runs the kernel `spmdkit.models.attention_choice.choose_attention` picks for
-the model's `attention` setting (auto, dot, blockwise, cudnn, ring) on the mesh and platform in force.
+`KERNEL_TABLE` maps each kind (dot, blockwise, cudnn, ring) to its kernel. `attend(q, k, v, kind, segment_ids,
+spec)` runs the kernel the model config names: `spmdkit.train.program.build_program` has resolved it for the
+run's devices (`spmdkit.models.attention_choice.choose_attention`). Nothing here reads the platform: a model
+traced with "auto" outside a program runs the choice the mesh in force alone makes (ring under a context axis,
+else blockwise), the same program on every platform.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -37,20 +37,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import check_attention_options, grouped_scores, grouped_values, visible
-from spmdkit.kernels.blockwise_attention import BLOCK_Q, blockwise_attention
+from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible
+from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
+from spmdkit.kernels.blockwise_attention import blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
-from spmdkit.models.cpu_layout import mesh_device
-from spmdkit.models.device_facts import compute_capability, device_platform
-from spmdkit.parallel.context.ring_attention import ring_attention
+from spmdkit.parallel.context.ring_attention import RingLayout, ring_attention
 from spmdkit.sharding.logical import active_rules
 
 __all__ = [
-    "attend", "blockwise_attention", "context_attention", "cudnn_attention", "device_platform", "dot_attention",
-    "platform",
+    "KERNEL_TABLE", "AttentionSpec", "attend", "blockwise_attention", "context_attention", "cudnn_attention",
+    "dot_attention",
 ]  # fmt: skip
-
-KEY_TILE = 512  # keys per tile inside a ring chunk pair: bounds attention scratch at long context
 
 
 def _document_mask(segment_ids: jax.Array, causal: bool, window: int = 0) -> jax.Array:
@@ -60,43 +57,30 @@ def _document_mask(segment_ids: jax.Array, causal: bool, window: int = 0) -> jax
 
 
 def dot_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    *,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
 ) -> jax.Array:
-    """softmax(q k^T * scale) v with grouped-query heads, K/V never repeated.
+    """softmax(q k^T * scale) v with grouped-query heads, K/V never repeated, every score held.
 
-    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group.
-    Scores and softmax in float32. Returns [batch, seq, heads, head_dim] in q's dtype. With `segment_ids`
-    [batch, seq], rows that see no key (padding) give 0 and pass no gradient. `window`, `scale`, `softcap`: the
-    module doc (window needs causal).
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group; any
+    sharding of batch and heads (the compiler's). Scores and softmax in float32. Returns [batch, seq, heads,
+    head_dim] in q's dtype. With `segment_ids` [batch, seq], rows that see no key (padding) give 0 and pass no
+    gradient. `spec`: the module doc.
     """
-    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "dot attention")
-    scores = grouped_scores(q, k, scale, softcap)
+    spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
+    scores = grouped_scores(q, k, spec.scale, spec.softcap)
     if segment_ids is None:
-        if causal:
+        if spec.causal:
             pos = jnp.arange(q.shape[1])
-            scores = jnp.where(visible(pos, pos, causal=True, window=window), scores, -jnp.inf)
+            scores = jnp.where(visible(pos, pos, causal=True, window=spec.window), scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     else:
-        mask = _document_mask(segment_ids, causal, window)[:, None, None]
+        mask = _document_mask(segment_ids, spec.causal, spec.window)[:, None, None]
         scores = jnp.where(mask, scores, -jnp.inf)
         top = jax.lax.stop_gradient(scores.max(-1, keepdims=True))
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exp(-inf) = 0
         total = weights.sum(-1, keepdims=True)
         probs = (weights / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
     return grouped_values(probs, v)
-
-
-def platform() -> str:
-    """Where the model runs: the platform (`device_platform`) of the mesh in force, else of JAX's first device."""
-    return device_platform(mesh_device())
 
 
 def context_size() -> int:
@@ -112,51 +96,31 @@ def _free_axes(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> tuple[str, ...
 
 
 def context_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None = None,
-    *,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
 ) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
-    seq is sharded over `context` in the zigzag layout (segment ids too); `window` counts true token positions.
-    Requires `use_rules` to be active with a context axis > 1.
+    seq is sharded over `context` in the zigzag layout (segment ids too); the window counts true token positions;
+    keys are scanned in tiles of `ring_key_tile(chunk)`. Requires `use_rules` to be active with a context axis > 1.
     """
     rules, mesh = active_rules()
     heads = _free_axes(rules.params["heads"], mesh)
-    chunk = q.shape[1] // (2 * mesh.shape["context"])
-    tile = KEY_TILE if chunk % KEY_TILE == 0 and chunk > KEY_TILE else None
-    return ring_attention(
-        q,
-        k,
-        v,
-        mesh=mesh,
-        axis_name="context",
-        causal=True,
-        load_balance="zigzag",
-        batch_axes=_free_axes(rules.params["batch"], mesh),
-        heads_axis=heads[0] if heads else None,
-        key_tile=tile,
-        segment_ids=segment_ids,
-        window=window,
-        scale=scale,
-        softcap=softcap,
-    )
+    tile = ring_key_tile(q.shape[1] // (2 * mesh.shape["context"]))
+    spec = dataclasses.replace(spec or AttentionSpec(), key_tile=tile)
+    layout = RingLayout("context", "zigzag", _free_axes(rules.params["batch"], mesh), heads[0] if heads else None)
+    return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
 
 
-def _fused_local(q, k, v, segment_ids, *, causal: bool, implementation: str, window: int, scale) -> jax.Array:
+def _fused_local(q, k, v, segment_ids, *, spec: AttentionSpec, implementation: str) -> jax.Array:
     """`jax.nn.dot_product_attention` on one device's shard; segment ids become a [batch, 1, seq, seq] mask.
     Its `local_window_size=(left, right)` lets query i see keys i - left <= j <= i + right: our window W is
     (W - 1, 0), which cuDNN runs as its causal `sliding_window_length` W (keys in (i - W, i])."""
     mask = None if segment_ids is None else _document_mask(segment_ids, False)[:, None]
-    local = (window - 1, 0) if window > 0 else None
+    local = (spec.window - 1, 0) if spec.window > 0 else None
     out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=local, implementation=implementation
-    )
+        q, k, v, mask=mask, scale=spec.scale, is_causal=spec.causal, local_window_size=local,
+        implementation=implementation,
+    )  # fmt: skip
     if segment_ids is not None:  # a fully masked row is a uniform average there: padding gives 0, no gradient
         out = jnp.where((segment_ids != 0)[..., None, None], out, jnp.zeros((), out.dtype))
     return out
@@ -166,13 +130,10 @@ def cudnn_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    *,
-    causal: bool = True,
     segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    *,
     implementation: str = "cudnn",
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
 ) -> jax.Array:
     """cuDNN's fused attention, per device: a `shard_map` over every mesh axis not already manual, the batch split
     over the batch axes of the active rules and the heads over their head axes, whole on the rest.
@@ -183,13 +144,12 @@ def cudnn_attention(
     `shard_map` that leaves some mesh axes automatic (`get_num_ways_dim_sharded` AssertionError in XLA:GPU's SPMD
     partitioner). Inside a partly manual region (pipeline stages, accumulation over replica axes) that region nests
     in it (`_nested_cudnn`). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
-    `window` and `scale` as the module doc; cuDNN has no logit soft cap, so `softcap` > 0 raises SpmdkitError.
+    `spec` as the module doc; cuDNN has no logit soft cap, so a spec's `softcap` > 0 raises SpmdkitError.
     """
-    if softcap:
-        raise SpmdkitError(f"cuDNN attention has no logit soft-capping (softcap={softcap}): use the blockwise kernel")
-    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "cuDNN attention")
-    window = window if window < q.shape[1] else 0
-    kernel = functools.partial(_fused_local, causal=causal, implementation=implementation, window=window, scale=scale)
+    spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
+    if spec.softcap:
+        raise SpmdkitError(f"cuDNN attention has no logit soft-capping (softcap={spec.softcap}): use blockwise")
+    kernel = functools.partial(_fused_local, spec=spec, implementation=implementation)
     active = active_rules()
     if active is None:
         return kernel(q, k, v, segment_ids)
@@ -269,35 +229,27 @@ def _nested_cudnn(local: Any, specs: tuple, out_spec: PartitionSpec, free: set[s
     return typed(*args)
 
 
+KERNEL_TABLE = {
+    "dot": dot_attention,
+    "blockwise": blockwise_attention,
+    "cudnn": cudnn_attention,
+    "ring": context_attention,
+}
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     kind: str,
     segment_ids: jax.Array | None = None,
-    *,
-    block: int = BLOCK_Q,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
+    spec: AttentionSpec | None = None,
 ) -> jax.Array:
-    """Causal attention with the kernel `choose_attention` picks for the setting `kind` here (mesh, platform,
-    dtype, head_dim, soft cap); an explicit kind that cannot run raises SpmdkitError. `block`: the blockwise
-    kernel's query and key block size. `window` (0: unlimited), `scale` (None: 1/sqrt(head_dim)), `softcap`
-    (0: off): the module doc; every kernel gives the same numbers."""
-    device = mesh_device()
-    # A kernel a program chose, traced with no mesh in force (a pipeline's per-device shape check before its
-    # shard_map), runs on the program's devices, not on JAX's first: its platform is not checked again there.
-    platform = device_platform(device) if kind == "auto" or active_rules() is not None else None
+    """The kernel `kind` names (`KERNEL_TABLE`) on q, k, v, segment ids and spec (the module doc). "auto" runs
+    ring attention under a context axis > 1 in the mesh in force, else blockwise; a kind that cannot split the
+    sequence as the mesh does raises SpmdkitError (`choose_attention`, no platform known here)."""
+    softcap = spec.softcap if spec else 0.0
     kernel = choose_attention(
-        kind, context=context_size(), platform=platform, dtype=q.dtype.name, head_dim=q.shape[3],
-        compute_capability=compute_capability(device), softcap=softcap,
-    )  # fmt: skip
-    options = {"window": window, "scale": scale, "softcap": softcap}
-    if kernel == "ring":
-        return context_attention(q, k, v, segment_ids, **options)
-    if kernel == "cudnn":
-        return cudnn_attention(q, k, v, segment_ids=segment_ids, **options)
-    if kernel == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids=segment_ids, block_q=block, block_k=block, **options)
-    return dot_attention(q, k, v, segment_ids=segment_ids, **options)
+        kind, context=context_size(), platform=None, dtype=q.dtype.name, head_dim=q.shape[3], softcap=softcap
+    )
+    return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec)

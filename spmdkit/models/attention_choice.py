@@ -48,9 +48,9 @@ def choose_attention(
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
 
     context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
-    or None (unknown: the platform rules are not checked); dtype: the compute dtype's name; compute_capability:
-    the GPU's major version (0: unknown); softcap: the attention-logit soft cap (0: none; cuDNN has
-    none). Raises SpmdkitError when an explicit choice cannot run.
+    or None (unknown, in a traced model: "auto" never picks cuDNN, and cuDNN's device rules are not checked);
+    dtype: the compute dtype's name; compute_capability: the GPU's major version (0: unknown); softcap: the
+    attention-logit soft cap (0: none; cuDNN has none). Raises SpmdkitError when an explicit choice cannot run.
     """
     if kind == "auto":
         if context > 1:
@@ -66,13 +66,11 @@ def choose_attention(
             f"--attention {kind} cannot split the sequence over context={context}: use ring (or auto), or drop "
             "context from the mesh"
         )
-    if kind == "cudnn":
-        if platform is not None and platform != "cuda":
+    if kind == "cudnn" and platform is not None:
+        if platform != "cuda":
             raise SpmdkitError(f"--attention cudnn needs an NVIDIA GPU, not {platform}: use blockwise (or auto)")
         if reason := cudnn_refusal(dtype, head_dim, compute_capability):
             raise SpmdkitError(reason)
-        if softcap:
-            raise SpmdkitError(
-                f"--attention cudnn has no logit soft-capping (softcap={softcap}): use blockwise (or auto)"
-            )
+    if kind == "cudnn" and softcap:
+        raise SpmdkitError(f"--attention cudnn has no logit soft-capping (softcap={softcap}): use blockwise (or auto)")
     return kind

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.models.attention import attend
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.cpu_layout import on_cpu, token_groups
 from spmdkit.models.fp8 import Fp8Scales, project
 from spmdkit.models.layer_plan import LayerKind, layer_kind
 from spmdkit.models.remat_policy import named
@@ -193,12 +193,11 @@ class Attention(nnx.Module):
             y = y + self.o_bias[...].astype(dt)
         return named(constrain(y, RESIDUAL), "out_proj")
 
-    def scores_options(self, kind: LayerKind | None = None) -> dict:
-        """The keyword arguments every attention kernel takes for this layer, those it sets: window, scale,
-        softcap (a plain layer passes none)."""
+    def spec(self, kind: LayerKind | None = None) -> AttentionSpec:
+        """What every attention kernel takes for this layer besides q, k, v: its window (a local layer's; 0:
+        global), the config's scale, soft cap and block size."""
         c, kind = self.config, kind or layer_kind(self.config, 0)
-        options = {"window": kind.window, "scale": c.attention_scale or None, "softcap": c.attention_softcap}
-        return {name: value for name, value in options.items() if value}
+        return AttentionSpec.of_layer(kind.window, c.attention_scale, c.attention_softcap, c.attention_block)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, kind: LayerKind | None = None
@@ -208,7 +207,7 @@ class Attention(nnx.Module):
         kind: the layer's static kind (its window, its RoPE; None: layer 0's)."""
         c = self.config
         q, k, v = self.qkv(x, positions, kind)
-        attended = attend(q, k, v, c.attention, segment_ids, block=c.attention_block, **self.scores_options(kind))
+        attended = attend(q, k, v, c.attention, segment_ids, self.spec(kind))
         return self.out(attended)
 
 
@@ -265,13 +264,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: str, scale: float =
     """table [vocab, embed], tokens [batch, seq] -> [batch, seq, embed] in `dtype`, times `scale` (Gemma's
     sqrt(embed), Granite's multiplier: a `dtype` constant, as transformers casts it)."""
     table = table.astype(dtype)
-    rows = on_cpu() and token_groups() is not None  # the sequence whole on each device (no context ring)
-    if not (rows and tokens.size * jnp.dtype(dtype).itemsize < table.shape[0] * 4):
-        # Gather the table's `embed` dim first (as FSDP does for every weight). On XLA:CPU, when the table
-        # (float32: XLA gathers before the cast) outweighs the embedded tokens, GSPMD's own lookup moves fewer
-        # bytes (`spmdkit.models.cpu_layout`): it gathers the ids, looks up each device's slice of every row and
-        # trades the rows back (an all-to-all), forward and backward.
-        table = constrain(table, ("vocab", None))
+    table = constrain(table, ("vocab", None))  # its `embed` dim gathered first, as FSDP does for every weight
     x = jnp.take(table, tokens, axis=0)
     if scale != 1.0:
         x = x * jnp.asarray(scale, dtype)

@@ -8,22 +8,15 @@ recomputes each chunk's logits and sends d logits = g (softmax - one_hot) (+ the
 head. Memory: one chunk's logits [batch, seq / n, vocab] float32 (and their gradient), not the sequence's. A
 sequence in one chunk keeps its logits instead of recomputing them (the same peak memory, one matmul fewer).
 
-On XLA:CPU, with fewer tokens than vocab rows (`_fold_axes`), the head runs vocab-parallel over the axes that split
-both the tokens and the head's embed dim (FSDP's): the hidden states are gathered instead of the head, each device
-computes every token's logits over its vocab rows, and the head's gradient stays where it was computed; its
-backward products run row-major (`spmdkit.models.cpu_layout`).
-
 Loss: the mean over the tokens `mask` weights (0/1, [batch, seq]; None: all) of -log p(target); z-loss: the mean
 of log(Z)^2 over the same tokens (Z the softmax normaliser), weighted by `config.z_loss` in the objective.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +24,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from spmdkit.models.config import TransformerConfig, loss_chunks
-from spmdkit.models.cpu_layout import dense, on_cpu, token_groups
 from spmdkit.models.layers import HIDDEN, rms_norm
-from spmdkit.sharding.logical import active_rules, constrain, live_axes, use_rules
+from spmdkit.sharding.logical import active_rules, constrain, live_axes
 
 F32 = jnp.float32
 LOGITS = ("batch", "seq", "vocab")
@@ -49,7 +41,6 @@ class HeadSpec:
     norm_plus_one: bool = False
     divisor: float = 1.0
     softcap: float = 0.0
-    fold: tuple[str, ...] = ()  # mesh axes moved from the tokens to the vocab (`_vocab_parallel`)
 
     @classmethod
     def of(cls, config: TransformerConfig) -> HeadSpec:
@@ -61,12 +52,7 @@ def head_logits(x: jax.Array, norm_scale: jax.Array, head: jax.Array, spec: Head
     """Final RMSNorm and LM head: x [batch, seq, embed] -> float32 logits [batch, seq, vocab] (vocab split over
     `tensor` under TP): z = norm(x) head / divisor, then c tanh(z / c) when soft-capped (Granite, Gemma 2)."""
     x = rms_norm(x, norm_scale, spec.norm_eps, plus_one=spec.norm_plus_one)
-    groups = token_groups() if on_cpu() else None
-    if groups is None:
-        logits = jnp.einsum("bse,ev->bsv", x, head.astype(spec.dtype))
-    else:  # XLA:CPU: the backward's products row-major (`spmdkit.models.cpu_layout`)
-        logits = dense(x.astype(spec.dtype), head, groups)
-    logits = logits.astype(F32)
+    logits = jnp.einsum("bse,ev->bsv", x, head.astype(spec.dtype)).astype(F32)
     if spec.divisor != 1.0:
         logits = logits / spec.divisor
     if spec.softcap:
@@ -114,11 +100,6 @@ def _loss_sums(spec: HeadSpec, xs, scale, head, ts, ws):
     return _forward(spec, xs, scale, head, ts, ws)[:2]
 
 
-def _loss_sums_fwd(spec: HeadSpec, xs, scale, head, ts, ws):
-    with _vocab_parallel(spec):
-        return _fwd(spec, xs, scale, head, ts, ws)
-
-
 def _fwd(spec: HeadSpec, xs, scale, head, ts, ws):
     if xs.shape[0] == 1:  # one chunk: keep its logits (see `_one_chunk_fwd`)
         return _one_chunk_fwd(spec, xs, scale, head, ts, ws)
@@ -143,11 +124,6 @@ def _d_logits(logits, lse, targets, weights, g_ce, g_z):
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     d_ce = jnp.where(vocab == targets[..., None], probs - 1.0, probs)  # softmax - one_hot
     return constrain(w * (g_ce * d_ce + g_z * 2.0 * lse * probs), LOGITS)
-
-
-def _loss_sums_bwd(spec: HeadSpec, residuals, cotangents):
-    with _vocab_parallel(spec):
-        return _bwd(spec, residuals, cotangents)
 
 
 def _bwd(spec: HeadSpec, residuals, cotangents):
@@ -175,7 +151,7 @@ def _bwd(spec: HeadSpec, residuals, cotangents):
     return dxs, d_scale, d_head, None, None
 
 
-_loss_sums.defvjp(_loss_sums_fwd, _loss_sums_bwd)
+_loss_sums.defvjp(_fwd, _bwd)
 
 
 def lm_loss(
@@ -195,63 +171,20 @@ def lm_loss(
     count of weighted tokens: a piece of a batch (a microbatch, one replica's rows) divides its sums by the
     batch's count over the number of pieces, so the mean over pieces is the batch's token mean.
     """
-    spec = dataclasses.replace(HeadSpec.of(config), fold=_fold_axes(x.shape[0] * x.shape[1], head.shape[1]))
+    spec = HeadSpec.of(config)
     weights = jnp.ones(targets.shape, F32) if mask is None else mask.astype(F32)
-    with _vocab_parallel(spec):
-        if spec.fold:
-            x, head = _gathered(x), constrain(head, ("embed", "vocab"))
-        else:
-            x = constrain(x, HIDDEN)
-        batch, seq = live_axes("batch"), live_axes("seq")
-        n = loss_chunks(x.shape[1], config.loss_chunk, math.prod(active_rules()[1].shape[a] for a in seq))
+    x = constrain(x, HIDDEN)
+    batch, seq = live_axes("batch"), live_axes("seq")
+    n = loss_chunks(x.shape[1], config.loss_chunk, math.prod(active_rules()[1].shape[a] for a in seq))
 
-        def sums(x, scale, head, targets, weights):
-            return _loss_sums(spec, _strided(x, n), scale, head, _strided(targets, n), _strided(weights, n))
+    def sums(x, scale, head, targets, weights):
+        return _loss_sums(spec, _strided(x, n), scale, head, _strided(targets, n), _strided(weights, n))
 
-        if n > 1 and batch + seq:
-            sums = _per_device(sums, batch, seq)
-        ce, z = sums(x, norm_scale, head, targets, weights)
+    if n > 1 and batch + seq:
+        sums = _per_device(sums, batch, seq)
+    ce, z = sums(x, norm_scale, head, targets, weights)
     count = jnp.maximum(weights.sum(), 1.0) if denominator is None else denominator
     return ce / count, z / count
-
-
-@jax.custom_vjp
-def _gathered(x: jax.Array) -> jax.Array:
-    """x [batch, seq, embed] gathered over the fold (the rules in force); its gradient is left unconstrained, so
-    XLA reduce-scatters the head's partial sums straight into x's own layout instead of all-reducing them first."""
-    return constrain(x, HIDDEN)
-
-
-_gathered.defvjp(lambda x: (_gathered(x), None), lambda _, g: (g,))
-
-
-def _fold_axes(tokens: int, vocab: int) -> tuple[str, ...]:
-    """On XLA:CPU (`spmdkit.models.cpu_layout`), the mesh axes that split both the tokens and the head's embed dim
-    (FSDP's), when the head run vocab-parallel over them moves fewer bytes: the hidden states [tokens, embed]
-    gathered (bfloat16) and their gradient summed (float32), 6 bytes a value, against the head [embed, vocab]
-    gathered and its gradient summed (float32 both: XLA gathers before the cast), 8."""
-    if tokens * 6 >= vocab * 8 or not on_cpu():
-        return ()
-    return tuple(a for a in live_axes("embed") if a in live_axes("batch"))
-
-
-@contextlib.contextmanager
-def _vocab_parallel(spec: HeadSpec) -> Iterator[None]:
-    """Within: the rules in force with `spec.fold` moved from `batch` and `embed` to `vocab`, so the head's weight
-    is split over them by vocab rows, the tokens gathered, and the logits [batch, seq, vocab / fold] stay local
-    (the softmax's max, sum and target logit are reduced over the fold: [tokens] each). The custom VJP's forward
-    and backward enter it again: JAX traces the backward after this block has closed."""
-    active = active_rules()
-    if not spec.fold or active is None:
-        yield
-        return
-    rules, mesh = active
-    params = dict(rules.params)
-    params["batch"] = tuple(a for a in params["batch"] if a not in spec.fold)
-    params["embed"] = tuple(a for a in params["embed"] if a not in spec.fold)
-    params["vocab"] = (*params["vocab"], *(a for a in spec.fold if a not in params["vocab"]))
-    with use_rules(dataclasses.replace(rules, params=params), mesh):
-        yield
 
 
 def _per_device(sums, batch: tuple[str, ...], seq: tuple[str, ...]):

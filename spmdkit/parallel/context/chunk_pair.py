@@ -9,7 +9,7 @@ the scratch per pair to [heads, c, key_tile]. The math of each tile is `spmdkit.
 
 Masks compare positions relative to the query chunk's first token (causal and window rules depend only on the
 distance between a key and a query): `offset` is the key chunk's first true position less the query chunk's, 0 on
-the diagonal pair. `window` W > 0 hides keys at or before query - W.
+the diagonal pair. A window W > 0 hides keys at or before query - W.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdkit.kernels.attention_block import F32, block_grads, fold, visible
+from spmdkit.kernels.attention_spec import AttentionSpec
 
 __all__ = ["F32", "bwd_pair", "fwd_pair", "merge_kv", "merge_q", "merge_rows", "split_kv", "split_q", "split_rows"]
 __all__ += ["PairOptions", "split_seg"]
@@ -89,32 +90,31 @@ def merge_tiles(x: jax.Array) -> jax.Array:
 
 
 class PairOptions(NamedTuple):
-    """What one chunk pair's masks and scores need besides q, k, v: `diagonal` (the same chunk: keys after the
-    query are hidden), `scale`, `key_tile`, segment ids q_seg, k_seg [B, c] of the query and key chunks (None: one
-    document), `window` and `offset` (the module doc; 0: no window mask) and `softcap`."""
+    """What one chunk pair's masks and scores need besides q, k, v: the call's resolved `spec` (scale, softcap,
+    window, key_tile), `diagonal` (the same chunk: keys after the query are hidden), `windowed` (the window's mask
+    applies to this pair), segment ids q_seg, k_seg [B, c] of the query and key chunks (None: one document) and
+    `offset` (the module doc)."""
 
+    spec: AttentionSpec
     diagonal: bool
-    scale: float
-    key_tile: int
+    windowed: bool = False
     q_seg: jax.Array | None = None
     k_seg: jax.Array | None = None
-    window: int = 0
     offset: jax.Array | int = 0
-    softcap: float = 0.0
 
 
 def _tile_mask(c: int, index: jax.Array, pair: PairOptions, k_seg) -> jax.Array | None:
     """Which keys of tile `index` (segment ids `k_seg`) each of the c queries sees: on the diagonal pair keys after
-    the query are hidden; `window` W > 0: keys W or more positions before the query; with segment ids, keys of
+    the query are hidden; under the window, keys W or more positions before the query; with segment ids, keys of
     other documents."""
-    q_pos = jnp.arange(c)
-    k_pos = pair.offset + index * pair.key_tile + jnp.arange(pair.key_tile)
-    return visible(q_pos, k_pos, causal=pair.diagonal, window=pair.window, q_seg=pair.q_seg, k_seg=k_seg)
+    tile, window = pair.spec.key_tile, pair.spec.window if pair.windowed else 0
+    k_pos = pair.offset + index * tile + jnp.arange(tile)
+    return visible(jnp.arange(c), k_pos, causal=pair.diagonal, window=window, q_seg=pair.q_seg, k_seg=k_seg)
 
 
 def _tiles(k, v, pair: PairOptions) -> tuple:
     """The scanned inputs of a key chunk: tile indices, K, V and segment-id tiles (None without segments)."""
-    tile = pair.key_tile
+    tile = pair.spec.key_tile
     return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(pair.k_seg, tile)
 
 
@@ -123,7 +123,7 @@ def fwd_pair(q, k, v, acc, pair: PairOptions):
 
     def tile_step(acc, xs):
         index, kt, vt, st = xs
-        return fold(acc, q, kt, vt, _tile_mask(q.shape[-2], index, pair, st), pair.scale, pair.softcap), None
+        return fold(acc, q, kt, vt, _tile_mask(q.shape[-2], index, pair, st), pair.spec.scale, pair.spec.softcap), None
 
     return lax.scan(tile_step, acc, _tiles(k, v, pair))[0]
 
@@ -137,7 +137,7 @@ def bwd_pair(rows, k, v, grads, pair: PairOptions):
     def tile_step(dq, xs):
         index, kt, vt, st = xs
         mask = _tile_mask(q.shape[-2], index, pair, st)
-        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, pair.scale, pair.softcap)
+        dq_t, dk_t, dv_t = block_grads(q, kt, vt, do, lse, delta, mask, pair.spec.scale, pair.spec.softcap)
         return dq + dq_t, (dk_t, dv_t)
 
     dq, (dk_t, dv_t) = lax.scan(tile_step, dq, _tiles(k, v, pair))

@@ -19,8 +19,8 @@ Under a causal mask a pair is computed in full (key chunk before query chunk), w
 branch, so skipped pairs cost no FLOPs. A sliding window W (a query at true position i sees keys i - W < j <= i)
 adds two cases, from the chunks' true positions (the zigzag layout permutes chunks, never tokens within one):
 a key chunk wholly before the window of every query is skipped too, and one that crosses the window's edge is
-computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated. `scale`
-multiplies q k^T (default 1/sqrt(head_dim)); `softcap` c > 0 caps the scores to c tanh(s / c) before masking.
+computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated. The scale and
+soft cap are the `AttentionSpec`'s (`spmdkit.kernels.attention_spec`).
 
 Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device). With D = rowsum(dO * O) - dlse:
 
@@ -47,7 +47,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import F32, check_attention_options, check_qkv, finish, initial_state, row_delta
+from spmdkit.kernels.attention_block import F32, check_qkv, finish, initial_state, row_delta
+from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.parallel.context.chunk_pair import (
     PairOptions,
     bwd_pair,
@@ -75,56 +76,63 @@ from spmdkit.parallel.context.zigzag import (
 
 # The layout helpers live in spmdkit.parallel.context.zigzag and are re-exported here.
 __all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
-__all__ += ["ring_attention"]
+__all__ += ["RingLayout", "ring_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    """Which mesh axes ring attention splits: the sequence over `axis_name` in the `load_balance` layout
+    ("zigzag"; None, "none" or "contiguous": natural order), batch over `batch_axes`, heads and kv_heads over
+    `heads_axis` (None: replicated). Axes absent from the mesh or of size 1 are ignored."""
+
+    axis_name: str = "context"
+    load_balance: str | None = "zigzag"
+    batch_axes: tuple[str, ...] = ("data", "fsdp")
+    heads_axis: str | None = "tensor"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """Static description of one ring-attention call (hashable: it is a custom_vjp non-diff argument)."""
+    """Static description of one ring-attention call (hashable: it is a custom_vjp non-diff argument): the layout
+    with its absent axes dropped, the spec resolved (`key_tile` set) and the chunk length seq / (2N)."""
 
     mesh: Mesh
-    axis_name: str
-    batch_axes: tuple[str, ...]
-    heads_axis: str | None
-    causal: bool
-    load_balance: str  # "zigzag" or "none"
-    key_tile: int
-    scale: float
-    window: int = 0  # sliding window in true positions (0: unlimited)
-    softcap: float = 0.0
-    chunk: int = 0  # tokens per chunk, seq / (2N)
+    layout: RingLayout
+    spec: AttentionSpec
+    chunk: int
 
     @property
     def n(self) -> int:
-        return self.mesh.shape[self.axis_name]
+        return self.mesh.shape[self.layout.axis_name]
 
     @property
     def manual_axes(self) -> frozenset[str]:
-        return frozenset({self.axis_name, *self.batch_axes, *([self.heads_axis] if self.heads_axis else [])})
+        axes = self.layout
+        return frozenset({axes.axis_name, *axes.batch_axes, *([axes.heads_axis] if axes.heads_axis else [])})
 
     @property
     def batch_spec(self) -> tuple[str, ...] | None:
-        return self.batch_axes or None
+        return self.layout.batch_axes or None
 
     @property
     def token_spec(self) -> P:
         """[batch, seq, heads, head_dim]."""
-        return P(self.batch_spec, self.axis_name, self.heads_axis, None)
+        return P(self.batch_spec, self.layout.axis_name, self.layout.heads_axis, None)
 
     @property
     def lse_spec(self) -> P:
         """[batch, heads, seq]."""
-        return P(self.batch_spec, self.heads_axis, self.axis_name)
+        return P(self.batch_spec, self.layout.heads_axis, self.layout.axis_name)
 
     def segment_spec(self, seg: jax.Array | None) -> P | None:
         """[batch, seq] segment ids, or None without them."""
-        return None if seg is None else P(self.batch_spec, self.axis_name)
+        return None if seg is None else P(self.batch_spec, self.layout.axis_name)
 
 
 def _hop(x, ring: _Ring):
     """Send `x` (an array or a tuple of them) one step around the ring: device r -> r + 1."""
     perm = [(j, (j + 1) % ring.n) for j in range(ring.n)]
-    return jax.tree.map(lambda a: lax.ppermute(a, ring.axis_name, perm=perm), x)
+    return jax.tree.map(lambda a: lax.ppermute(a, ring.layout.axis_name, perm=perm), x)
 
 
 # ---------------------------------------------------------------- one ring step: the 4 chunk pairs
@@ -141,26 +149,26 @@ def _put(x: jax.Array, i, value: jax.Array) -> jax.Array:
 def _pair_mode(ring: _Ring, r, t, i, j) -> tuple[jax.Array, jax.Array]:
     """(`pair_mode`, offset) of query slot i on device r and key slot j of device (r - t) mod N; offset: the key
     chunk's first true position less the query chunk's."""
-    ids = jnp.asarray(slot_chunk_ids(ring.n, ring.load_balance), jnp.int32)
+    ids = jnp.asarray(slot_chunk_ids(ring.n, ring.layout.load_balance), jnp.int32)
     q_id, k_id = ids[r, i], ids[(r - t) % ring.n, j]
-    return pair_mode(q_id, k_id, ring.chunk, ring.window), (k_id - q_id) * ring.chunk
+    return pair_mode(q_id, k_id, ring.chunk, ring.spec.window), (k_id - q_id) * ring.chunk
 
 
 def _ring_step(pair_fn, state, kv, ring: _Ring, r, t):
-    """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, offset, diagonal, window)` for the 4
+    """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, offset, diagonal, windowed)` for the 4
     pairs (query slot i, key slot j), looped (one traced copy); under `causal`, `lax.switch` runs only the taken
     branch of full / diagonal / skip (/ window edge)."""
     branches = (
-        functools.partial(pair_fn, diagonal=False, window=0),
-        functools.partial(pair_fn, diagonal=True, window=ring.window),
+        functools.partial(pair_fn, diagonal=False, windowed=False),
+        functools.partial(pair_fn, diagonal=True, windowed=True),
         lambda state, kv, i, j, offset: state,
     )
-    if ring.window > 0:
-        branches += (functools.partial(pair_fn, diagonal=False, window=ring.window),)
+    if ring.spec.window > 0:
+        branches += (functools.partial(pair_fn, diagonal=False, windowed=True),)
 
     def pair(p, state):
         i, j = p // 2, p % 2
-        if not ring.causal:
+        if not ring.spec.causal:
             return branches[FULL](state, kv, i, j, 0)
         mode, offset = _pair_mode(ring, r, t, i, j)
         return lax.switch(mode, branches, state, kv, i, j, offset)
@@ -172,7 +180,7 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
     """Run the N steps while K/V rotate; the hop for step t+1 is issued before step t's math. `send_back`
     (the backward's dK, dV hop) is applied after every step: N times, the last one bringing them home."""
     send_back = send_back or (lambda s: s)
-    r = lax.axis_index(ring.axis_name)
+    r = lax.axis_index(ring.layout.axis_name)
 
     def body(t, carry):
         kv, state = carry
@@ -188,10 +196,10 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
 # ---------------------------------------------------------------- forward and backward programs (per device)
 
 
-def _pair_options(ring: _Ring, q_seg, k_seg, i, j, offset, diagonal: bool, window: int) -> PairOptions:
+def _pair_options(ring: _Ring, q_seg, k_seg, i, j, offset, diagonal: bool, windowed: bool) -> PairOptions:
     """The options of query slot i against key slot j; q_seg, k_seg: segment ids [2, B, c] or None."""
     segments = (None, None) if q_seg is None else (_take(q_seg, i), _take(k_seg, j))
-    return PairOptions(diagonal, ring.scale, ring.key_tile, *segments, window, offset, ring.softcap)
+    return PairOptions(ring.spec, diagonal, windowed, *segments, offset)
 
 
 def _forward_local(ring: _Ring, q, k, v, seg):
@@ -202,10 +210,10 @@ def _forward_local(ring: _Ring, q, k, v, seg):
     q_seg = None if seg is None else split_seg(seg)
     state = initial_state(qs)
 
-    def pair(state, kv, i, j, offset, diagonal, window):
+    def pair(state, kv, i, j, offset, diagonal, windowed):
         (kv, k_seg) = kv
         acc = tuple(_take(s, i) for s in state)
-        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, window)
+        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, windowed)
         new = fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, options)
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
@@ -224,11 +232,11 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
     q_seg = None if seg is None else split_seg(seg)
     kv = jnp.stack([split_kv(k), split_kv(v)])
 
-    def pair(state, kv, i, j, offset, diagonal, window):
+    def pair(state, kv, i, j, offset, diagonal, windowed):
         (kv, k_seg), (dq, dk, dv) = kv, state
         grads = (_take(dq, i), _take(dk, j), _take(dv, j))
         kj, vj = _take(kv[0], j), _take(kv[1], j)
-        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, window)
+        options = _pair_options(ring, q_seg, k_seg, i, j, offset, diagonal, windowed)
         dqi, dkj, dvj = bwd_pair(tuple(_take(x, i) for x in rows), kj, vj, grads, options)
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
@@ -292,76 +300,63 @@ def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> N
         )
 
 
-def _make_ring(q, k, v, mesh, axis_name, causal, load_balance, batch_axes, heads_axis, key_tile, options) -> _Ring:
-    """Check the user inputs (but q, k, v and segment ids: `check_qkv`) and resolve the axes (size-1 and absent
-    axes are dropped); options: (window, scale, softcap)."""
-    window, scale, softcap = options
-    scale = check_attention_options(window, scale, softcap, causal, q.shape[3], "ring attention")
-    load_balance = check_load_balance(load_balance)
+def _make_ring(q, k, mesh: Mesh, layout: RingLayout, spec: AttentionSpec) -> _Ring:
+    """Check the user inputs (but q, k, v and segment ids: `check_qkv`), resolve the axes (size-1 and absent axes
+    are dropped) and the spec (its key tile: a divisor of the chunk, default the whole chunk)."""
+    load_balance = check_load_balance(layout.load_balance)
+    axis_name = layout.axis_name
     if axis_name not in mesh.shape:
-        raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: pass axis_name=")
+        raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: set the layout's axis")
     chunk = check_seq_len(q.shape[1], mesh.shape[axis_name])
-    batch_axes = tuple(a for a in batch_axes if _present(mesh, a) and a != axis_name)
-    heads_axis = heads_axis if _present(mesh, heads_axis) else None
+    batch_axes = tuple(a for a in layout.batch_axes if _present(mesh, a) and a != axis_name)
+    heads_axis = layout.heads_axis if _present(mesh, layout.heads_axis) else None
     _check_divides("batch", q.shape[0], batch_axes, mesh)
     if heads_axis:
         _check_divides("heads", q.shape[2], (heads_axis,), mesh)
         _check_divides("kv_heads", k.shape[2], (heads_axis,), mesh)
-    key_tile = chunk if key_tile is None else key_tile
+    key_tile = chunk if spec.key_tile is None else spec.key_tile
     if key_tile < 1 or chunk % key_tile:
         raise SpmdkitError(
             f"key_tile={key_tile} does not divide the chunk length seq/(2 x context) = {chunk}: pick a divisor "
             f"of {chunk} or None"
         )
-    window = window if window < q.shape[1] else 0  # a window as long as the sequence hides nothing
-    return _Ring(
-        mesh, axis_name, batch_axes, heads_axis, causal, load_balance, key_tile, scale, window, float(softcap), chunk
-    )
+    spec = dataclasses.replace(spec.resolved(q.shape[3], q.shape[1]), key_tile=key_tile)
+    return _Ring(mesh, RingLayout(axis_name, load_balance, batch_axes, heads_axis), spec, chunk)
 
 
 def ring_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
     *,
     mesh: Mesh,
-    axis_name: str = "context",
-    causal: bool = True,
-    load_balance: str | None = "zigzag",
-    batch_axes: tuple[str, ...] = ("data", "fsdp"),
-    heads_axis: str | None = "tensor",
-    key_tile: int | None = None,
-    segment_ids: jax.Array | None = None,
-    window: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
+    layout: RingLayout = RingLayout(),
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Scaled dot-product attention (default scale 1/sqrt(head_dim)) with the sequence sharded over `axis_name`.
+    """Scaled dot-product attention with the sequence sharded over `layout.axis_name`.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], heads a multiple of kv_heads
     (GQA: query head h uses kv head h // (heads / kv_heads)). Returns out [batch, seq, heads, head_dim] in
     q's dtype, in the same sequence layout as the inputs.
 
-    Sharding: seq over `axis_name` (N devices; seq divisible by 2N), batch over the `batch_axes` present in
-    the mesh, heads and kv_heads over `heads_axis` (None: replicated). Axes absent from the mesh or of size 1
-    are ignored; the other mesh axes stay automatic. Callable from inside `jax.jit` on an Auto mesh.
+    Sharding (`RingLayout`): seq over `axis_name` (N devices; seq divisible by 2N), batch over the `batch_axes`
+    present in the mesh, heads and kv_heads over `heads_axis`; the other mesh axes stay automatic. Callable from
+    inside `jax.jit` on an Auto mesh. `load_balance="zigzag"`: the caller has put the sequence (and the positions
+    used for RoPE) in the zigzag layout with `to_zigzag(x, n=N)`, so device r holds chunks r and 2N-1-r and causal
+    work is balanced; the layout only matters when causal.
 
-    `load_balance="zigzag"`: the caller has put the sequence (and the positions used for RoPE) in the
-    zigzag layout with `to_zigzag(x, n=N)`, so device r holds chunks r and 2N-1-r and causal work is
-    balanced. `None` (or `"none"`, `"contiguous"`): the natural order. The layout only matters when `causal`.
-    `key_tile` (a divisor of seq / 2N, default the whole chunk) bounds the per-pair scratch memory.
     `segment_ids` int32 [batch, seq], in the same layout as q (they travel the ring with K/V): 0 is padding,
     1, 2, ... the documents packed in a row; a query sees only keys of its own document (padding rows see
-    nothing: output 0, no gradient). None: one document per row. `window` W > 0 (causal only): a query at true
-    position i sees keys i - W < j <= i (chunk pairs wholly outside every window are skipped); `scale`: the
-    multiplier of q k^T (None: 1/sqrt(head_dim)); `softcap` c > 0: scores become c tanh(s / c) (0: off).
+    nothing: output 0, no gradient). None: one document per row. `spec` (`AttentionSpec`; None: causal, the
+    defaults): causal, window (true positions; chunk pairs wholly outside every window are skipped), scale,
+    softcap, and `key_tile` (a divisor of seq / 2N, default the whole chunk), which bounds the per-pair scratch.
     Gradients come from a ring backward pass (`jax.custom_vjp`) that saves only out and lse. `return_lse`:
     return (out, lse), lse [batch, heads, seq] float32 the log-sum-exp of each query row's scaled scores (seq in
     q's layout; -inf for a row that sees no key), differentiable like `out`.
     """
     check_qkv(q, k, v, "ring attention", segment_ids)
-    options = (window, scale, softcap)
-    ring = _make_ring(q, k, v, mesh, axis_name, causal, load_balance, tuple(batch_axes), heads_axis, key_tile, options)
+    ring = _make_ring(q, k, mesh, layout, spec or AttentionSpec())
     out, lse = _attention(ring, q, k, v, segment_ids)
     return (out, lse) if return_lse else out

@@ -1,4 +1,4 @@
-"""What the attention choice needs to know of a device, real or compile-only (`spmdkit.targets`).
+"""What the attention choice needs to know of a device, real or compile-only: the one place that reads it.
 
 - `device_platform`: "cuda" for an NVIDIA GPU (a compile-only one's client version names no CUDA: its
   `device_kind` names NVIDIA), else JAX's platform name ("cpu", "gpu", "tpu").
@@ -6,6 +6,9 @@
 - `cudnn_checks_for(device)`: JAX's Python-side cuDNN checks (head_dim up to 256 on Hopper, ...) read the GPU of
   the *default* backend, which is the CPU when compiling for a GPU target without one; inside this context they
   read `device`'s compute capability instead, so a compile for an H100 target allows what an H100 runs.
+
+The model never reads a device: `spmdkit.train.program.build_program`, the benchmark and the GPU compile read these
+facts of their mesh's devices and pass them to `spmdkit.models.attention_choice.choose_attention`.
 """
 
 from __future__ import annotations
