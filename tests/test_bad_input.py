@@ -8,7 +8,6 @@ and `--init-from` cases read are transformers' own saves, then damaged as downlo
 prepared dataset is `spmdkit data prepare`'s.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import flip_byte
+from support import file_hashes, flip_byte, read_only_dir
 
 from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.cli import main
@@ -75,6 +74,7 @@ CASES = [
     ([*FRESH, "--virtual-stages", "0"], 2, "--virtual-stages 0 must be at least 1"),
     ([*FRESH, "--microbatches", "0"], 2, "--microbatches 0 must be >= 1"),
     ([*FRESH, "--grad-accum", "0"], 2, "--grad-accum must be at least 1"),
+    ([*FRESH, "--microbatches", "2"], 2, "--microbatches counts a pipeline's microbatches: without one, set --grad"),
     ([*FRESH, "--log-every", "0"], 2, "--log-every must be at least 1"),
     ([*FRESH, "--keep", "0"], 2, "--keep must be at least 1"),
     ([*FRESH, "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
@@ -235,7 +235,7 @@ CASES = [
     (["bench", "--batch-size", "0"], 2, "--batch-size 0 must be at least 1"),
     (["bench", "--microbatches", "0"], 2, "--microbatches 0 must be at least 1"),
     (["bench", "--model", "nope"], 2, "unknown model preset 'nope'"),
-    (["bench", "--dtype", "float8"], 2, "unknown dtype 'float8'"),
+    (["bench", "--dtype", "float8"], 2, "model.dtype='float8' must be of type Literal["),
     (["bench", "--out", "{D}/afile"], 2, "--out {D}/afile is a file"),
     (["bench", "--strategies", "nope"], 2, "invalid choice: 'nope'"),
     # -- the command itself
@@ -346,25 +346,6 @@ CASES += [
 ]
 
 
-def _files(directory: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file (and '<dir>' for every directory) under `directory`."""
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        key = str(path.relative_to(directory))
-        found[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "<dir>"
-    return found
-
-
-def _read_only(path: Path) -> bool:
-    """Make `path` a directory this process cannot write: file modes, or (as root) a read-only tmpfs."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        return True
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
-    return done.returncode == 0
-
-
 def _texts_and_datasets(d: Path) -> None:
     """Text inputs, a prepared dataset (`ds`, byte tokens) and two damaged copies of it."""
     (d / "texts").mkdir()
@@ -427,7 +408,7 @@ def _guarded_fixtures(d: Path):
     """What the run-directory and checkpoint cases read (see IN_USE above); returns the lock held on {D}/locked."""
     from safetensors import safe_open
 
-    from spmdkit.checkpoint.run_lock import RunLock
+    from spmdkit.rundir.lock import RunLock
 
     shutil.copytree(d / "run", d / "locked")
     (d / "userdir").mkdir()
@@ -500,7 +481,7 @@ def fixture_dir(tmp_path_factory):
     shutil.copytree(d / "run" / "checkpoints", d / "damaged")
     flip_byte(d / "damaged" / "4" / "state", "model.embedding")
     held = _guarded_fixtures(d)
-    readonly = _read_only(d / "readonly")
+    readonly = read_only_dir(d / "readonly")
     yield d, readonly
     held.release()
     if os.geteuid() == 0:
@@ -521,7 +502,7 @@ def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
         pytest.skip("cannot make a read-only directory here")
     monkeypatch.chdir(d)  # anything written to a relative default path would show up below
     monkeypatch.setenv("PATH", f"{Path(os.sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    before = _files(d)
+    before = file_hashes(d)
     got = main([a.format(D=d) for a in argv])
     out, err = capsys.readouterr()
     fragment = fragment.format(D=d, PID=os.getpid())
@@ -532,7 +513,7 @@ def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
     else:  # `ckpt verify` found damage: its report, on stdout
         assert fragment in out and not err, (out, err)
     assert "Traceback" not in out + err and "usage:" not in err
-    assert _files(d) == before  # nothing changed, nothing written
+    assert file_hashes(d) == before  # nothing changed, nothing written
 
 
 def test_at_least_sixty_cases_over_every_command():
@@ -573,8 +554,8 @@ LIBRARY = [
 @pytest.mark.parametrize("call, fragment", LIBRARY, ids=[f for _, f in LIBRARY])
 def test_library_calls_raise_one_line_spmdkit_errors(fixture_dir, call, fragment):
     d, _ = fixture_dir
-    before = _files(d)
+    before = file_hashes(d)
     with pytest.raises(SpmdkitError) as info:
         call(d)
     assert fragment in str(info.value) and "\n" not in str(info.value)
-    assert _files(d) == before
+    assert file_hashes(d) == before

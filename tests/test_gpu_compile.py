@@ -12,6 +12,7 @@ per strategy for the module.
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from support import compile_in_parallel, error_lines, run_spmdkit
@@ -19,6 +20,7 @@ from support import compile_in_parallel, error_lines, run_spmdkit
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
+from spmdkit.sharding.strategy import Strategy
 from spmdkit.targets import TARGETS, gpu_target, require_aot, target_devices
 from spmdkit.targets.flags import gpu_compiler_options
 from spmdkit.tools.gpu_compile import (
@@ -29,30 +31,33 @@ from spmdkit.tools.gpu_compile import (
     lower_train_step,
     memory_bytes,
 )
+from spmdkit.tools.strategies import STRATEGIES as TABLE
 from spmdkit.train.config import TrainConfig
 from spmdkit.train.program import build_program
 
 SMALL = "--model tiny --seq-len 128 --batch-size 16"
-# README's strategy table: name -> (flags, collectives its compiled GPU step must hold)
+# README's strategy table, from the one table of layouts (`spmdkit.tools.strategies`): name -> (the flags of
+# `spmdkit train`, collectives its compiled GPU step must hold)
+T, MOE = TABLE, "--model tiny-moe "
 STRATEGIES = {
-    "dp": ("--mesh data=8 --zero 0", {"all-reduce"}),
-    "zero1": ("--mesh fsdp=8 --zero 1", {"all-reduce", "all-gather"}),
-    "zero2": ("--mesh fsdp=8 --zero 2", {"reduce-scatter", "all-gather"}),
-    "fsdp": ("--mesh fsdp=8", {"all-gather", "reduce-scatter"}),
-    "hsdp": ("--mesh data=2,fsdp=4", {"all-gather", "reduce-scatter", "all-reduce"}),
-    "tp": ("--mesh tensor=8", {"all-reduce"}),
-    "tp_sp": ("--mesh tensor=8 --sequence-parallel", {"reduce-scatter", "all-gather"}),
-    "cp": ("--mesh context=4,fsdp=2", {"collective-permute"}),
-    "pp_1f1b": ("--mesh pipeline=4,data=2 --microbatches 8 --pipeline-schedule 1f1b", {"collective-permute"}),
+    "dp": (T["dp"].flags(), {"all-reduce"}),
+    "zero1": (T["zero1"].flags(), {"all-reduce", "all-gather"}),
+    "zero2": (T["zero2"].flags(), {"reduce-scatter", "all-gather"}),
+    "fsdp": (T["fsdp"].flags(), {"all-gather", "reduce-scatter"}),
+    "hsdp": (T["hsdp"].flags(), {"all-gather", "reduce-scatter", "all-reduce"}),
+    "tp": (T["tp"].flags(), {"all-reduce"}),
+    "tp_sp": (T["tp_sp"].flags(), {"reduce-scatter", "all-gather"}),
+    "cp": (T["cp"].flags(), {"collective-permute"}),
+    "pp_1f1b": (replace(T["pp"], microbatches=8).flags(), {"collective-permute"}),
     "pp_interleaved": (
-        "--mesh pipeline=2,data=4 --microbatches 4 --pipeline-schedule interleaved --virtual-stages 2",
+        Strategy("pipeline=2,data=4", microbatches=4, schedule="interleaved", virtual_stages=2).flags(),
         {"collective-permute"},
     ),
-    "ep": ("--model tiny-moe --mesh expert=4,data=2", {"all-to-all"}),
+    "ep": (MOE + T["ep"].flags(), {"all-to-all"}),
     # gradient accumulation: over replica axes in a partly manual region (blockwise there); a mixture of experts
     # accumulates under automatic sharding (cuDNN). The kernel chosen must be the one compiled in either case.
-    "hsdp_accum": ("--mesh data=2,fsdp=4 --grad-accum 2", {"all-gather", "reduce-scatter", "all-reduce"}),
-    "ep_accum": ("--model tiny-moe --mesh expert=4,data=2 --grad-accum 2", {"all-to-all"}),
+    "hsdp_accum": (replace(T["hsdp"], microbatches=2).flags(), {"all-gather", "reduce-scatter", "all-reduce"}),
+    "ep_accum": (MOE + replace(T["ep"], microbatches=2).flags(), {"all-to-all"}),
 }
 _COMPILED: dict[str, tuple] = {}
 

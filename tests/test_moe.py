@@ -217,7 +217,7 @@ def test_moe_errors():
         TransformerConfig(experts=4, moe_every=5)
     with pytest.raises(SpmdkitError, match=r"dense_layers=\[4\] must be increasing layers 0..3"):
         TransformerConfig(experts=4, dense_layers=(4,))
-    with pytest.raises(SpmdkitError, match="unknown dispatch 'sorted'"):
+    with pytest.raises(SpmdkitError, match="model.dispatch='sorted' must be of type Literal"):
         TransformerConfig(experts=4, dispatch="sorted")
     mesh, rules = make_mesh("expert=8"), make_rules(3)
     w = ExpertWeights(*(jnp.zeros(s) for s in [(4, 8, 8), (4, 8, 8), (4, 8, 8)]))

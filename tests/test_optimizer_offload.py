@@ -17,6 +17,7 @@ from support import compile_in_parallel
 from spmdkit.cli.train import parse_flags
 from spmdkit.models.presets import PRESETS
 from spmdkit.plan.estimate import estimate
+from spmdkit.sharding.strategy import Strategy
 from spmdkit.train.config import MeshSettings, ModelSettings, OptimizerConfig, RunSettings, TrainConfig
 from spmdkit.train.loop import Trainer
 from spmdkit.train.program import build_program
@@ -130,7 +131,7 @@ def test_the_flag_and_the_planner():
     assert parse_flags(["--optimizer.offload"], TrainConfig()).optimizer.offload is True
     assert parse_flags([], TrainConfig()).optimizer.offload is False
     plain = estimate("llama3-8b", "fsdp=8", batch_size=8, seq_len=2048)
-    moved = estimate("llama3-8b", "fsdp=8", batch_size=8, seq_len=2048, offload=True)
+    moved = estimate("llama3-8b", Strategy("fsdp=8", offload=True), batch_size=8, seq_len=2048)
     moments = 2 * 4 * PRESETS["llama3-8b"].num_params() / 8  # AdamW's two float32 moments, sharded over fsdp=8
     assert plain.memory["optimizer"] == pytest.approx(moments, rel=0.01)
     assert moved.memory["optimizer"] == 0 and moved.host_bytes == pytest.approx(moments, rel=0.01)

@@ -23,6 +23,7 @@ from spmdkit.models.presets import PRESETS
 from spmdkit.plan.devices import AXES, DEVICES, device_for_kind, make_device, parse_mesh
 from spmdkit.plan.estimate import estimate
 from spmdkit.plan.layout import parameters, sharded
+from spmdkit.sharding.strategy import Strategy
 from spmdkit.tools.strategies import STRATEGIES
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
@@ -57,19 +58,21 @@ def test_mixed_precision_adam_is_16_bytes_per_parameter():
 
 
 def test_pipeline_bubble_p4_m8_is_27_percent():
-    e = estimate(PRESETS["7b"], "pipeline=4,fsdp=2", batch_size=16, microbatches=8)
+    e = estimate(PRESETS["7b"], Strategy("pipeline=4,fsdp=2", microbatches=8), batch_size=16)
     assert e.bubble == pytest.approx(3 / 11)  # (P-1)/(M+P-1)
     assert round(100 * e.bubble, 1) == 27.3
     interleaved = estimate(
-        PRESETS["7b"], "pipeline=4,fsdp=2", batch_size=16, microbatches=8, schedule="interleaved", virtual_stages=2
+        PRESETS["7b"],
+        Strategy("pipeline=4,fsdp=2", microbatches=8, schedule="interleaved", virtual_stages=2),
+        batch_size=16,
     )
     assert interleaved.bubble == pytest.approx(3 / 19)  # (P-1)/(vM+P-1)
 
 
 def test_llama3_405b_like_fits_on_16k_h100s_with_tp8_pp16():
     model = PRESETS["405b"].replace(layers=128, remat="full")  # 405B-like: 128 layers so PP=16 divides them
-    e = estimate(model, "fsdp=128,pipeline=16,tensor=8", device="h100", batch_size=2048, seq_len=8192, zero=1,
-                 sequence_parallel=True)  # fmt: skip
+    layout = Strategy("fsdp=128,pipeline=16,tensor=8", zero=1, sequence_parallel=True)
+    e = estimate(model, layout, device="h100", batch_size=2048, seq_len=8192)
     E, H, K, d, F, V = model.embed, model.heads, model.kv_heads, model.head_dim, model.mlp, model.vocab_size
     per_layer = E * d * (2 * H + 2 * K) + 3 * E * F + 2 * E
     # layers split over pipeline and tensor (norms only over pipeline), embedding and head over tensor only
@@ -145,9 +148,9 @@ def test_user_errors_are_one_line_spmdkit_errors():
         {"mesh": "tensor=3"},  # heads=8 not divisible by 3
         {"mesh": "pipeline=3"},  # 4 layers do not split into 3 stages
         {"mesh": "data=8", "batch_size": 4},
-        {"mesh": "data=8", "zero": 5},
+        {"mesh": Strategy("data=8", zero=5)},
         {"mesh": "expert=2"},  # expert parallelism of a dense model
-        {"mesh": "pipeline=2", "schedule": "zigzag"},
+        {"mesh": Strategy("pipeline=2", schedule="zigzag")},
         {"mesh": "expert=2,pipeline=2", "model": MOE_CONFIG},  # spmdkit's pipeline runs dense blocks only
         {"mesh": "expert=3", "model": MOE_CONFIG},  # 8 experts
         {"mesh": "expert=2", "model": MOE_CONFIG.replace(dispatch="dense")},
@@ -241,11 +244,7 @@ def test_planner_matches_the_compiled_step(name):
 
     compiled, mesh = compiled_step(name)
     strategy = STRATEGIES[name]
-    config = _config(strategy.mesh)
-    planned = estimate(
-        config, strategy.mesh, device="cpu", batch_size=BATCH, seq_len=SEQ, zero=strategy.zero,
-        sequence_parallel=strategy.sequence_parallel,
-    )  # fmt: skip
+    planned = estimate(_config(strategy.mesh), strategy, device="cpu", batch_size=BATCH, seq_len=SEQ)
     # inputs, targets, positions: int32 [batch, seq], batch over data x fsdp, sequence over context
     batch_bytes = 3 * BATCH * SEQ * 4 // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"])
     state = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
@@ -262,7 +261,7 @@ def test_planner_predicts_the_all_to_alls_of_expert_parallelism():
 
     compiled, _ = compiled_step("ep")
     report = collective_report(compiled)
-    planned = estimate(MOE_CONFIG, "expert=4,data=2", device="cpu", batch_size=BATCH, seq_len=SEQ, zero=3)
+    planned = estimate(MOE_CONFIG, "expert=4,data=2", device="cpu", batch_size=BATCH, seq_len=SEQ)
     assert report.count("all-to-all", executed=True) == 4 * MOE_CONFIG.moe_layers
     assert planned.collective_bytes["all-to-all"] == 4 * MOE_CONFIG.moe_layers * 1 * 8 * 10 * 64 * 4
     assert planned.collective_bytes["all-to-all"] == pytest.approx(report.bytes("all-to-all"), rel=0.02)
@@ -326,10 +325,8 @@ def test_planner_keeps_what_autodiff_saves_per_layer_and_token(remat):
     inputs and x/rms(x), six [mlp] arrays, ...) are those JAX's autodiff saves for the scanned blocks of a bfloat16
     model: the residuals of the step's vjp (shapes only, nothing runs) that carry the [layers] and batch dims. On
     CPU the kernel is the blockwise one, whose block scores dots_saveable keeps."""
-    from spmdkit.models.attention import KEY_TILE
-    from spmdkit.plan.memory import RING_KEY_TILE, activation_bytes
+    from spmdkit.plan.memory import activation_bytes
 
-    assert RING_KEY_TILE == KEY_TILE
     seq = 256
     config = TransformerConfig(dtype="bfloat16", embed=128, layers=2, heads=8, kv_heads=2, head_dim=16, mlp=384)
     config = config.replace(vocab_size=512, remat=remat)

@@ -22,6 +22,7 @@ from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, 
 from spmdkit.plan.report import explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
 from spmdkit.sharding.mesh_config import format_sizes
+from spmdkit.sharding.strategy import Strategy, mesh_text
 
 
 def parser() -> ArgumentParser:
@@ -146,10 +147,11 @@ def main(argv: Sequence[str]) -> int:
         virtual_stages=args.virtual_stages, offload=args.optimizer_offload, efficiency=args.efficiency,
     )  # fmt: skip
     if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
-        estimate(model, meshes[0], device=dev, batch_size=batch, seq_len=args.seq_len, zero=3 if args.zero is None
-                 else args.zero, sequence_parallel=bool(args.sequence_parallel), microbatches=args.microbatches,
-                 schedule=args.pipeline_schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
-                 offload=args.optimizer_offload)  # fmt: skip
+        given = Strategy(
+            mesh_text(meshes[0]), 3 if args.zero is None else args.zero, bool(args.sequence_parallel),
+            args.microbatches, args.pipeline_schedule or "1f1b", args.virtual_stages or 1, args.optimizer_offload,
+        )  # fmt: skip
+        estimate(model, given, device=dev, batch_size=batch, seq_len=args.seq_len)
     if not fitting and not (args.mesh and smallest):
         raise SpmdkitError(
             f"no layout of {args.devices} x {dev.name} fits {args.model} with batch {batch} x {args.seq_len}"

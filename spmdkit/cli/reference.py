@@ -62,8 +62,8 @@ def render_config() -> str:
     """One table per `TrainConfig` section: key, flags, type, default, help; the section's docstring above it."""
     import inspect
 
+    from spmdkit.models.fields import field_docs
     from spmdkit.train.config import SECTIONS
-    from spmdkit.train.fields import field_docs
 
     lines = [
         "## `spmdkit train`: config keys and flags",

@@ -17,11 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-import tyro
-
 from spmdkit.errors import SpmdkitError
-
-PACKING_CHOICES = ("auto", "documents", "windows")
+from spmdkit.models.fields import arg, check_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,32 +27,29 @@ class DataConfig:
 
     source: Annotated[
         str,
-        tyro.conf.arg(
-            help="stdlib (embedded Python sources), synthetic, a .bin/.npy token file, a prepared dataset directory "
+        arg(
+            "stdlib (embedded Python sources), synthetic, a .bin/.npy token file, a prepared dataset directory "
             "(spmdkit data prepare), or a mixture of prepared datasets: DIR_A=0.7,DIR_B=0.3",
-            aliases=("--data",),
+            "--data",
         ),
     ] = "stdlib"
-    token_dtype: Annotated[
-        Literal["uint16", "uint32"], tyro.conf.arg(help="dtype of a raw .bin token file", aliases=("--token-dtype",))
-    ] = "uint16"
+    token_dtype: Annotated[Literal["uint16", "uint32"], arg("dtype of a raw .bin token file", "--token-dtype")] = (
+        "uint16"
+    )
     eval_fraction: Annotated[
         float,
-        tyro.conf.arg(
-            help="held-out share (stdlib and prepared data: whole documents by name; a token file: its tail)"
-        ),
+        arg("held-out share (stdlib and prepared data: whole documents by name; a token file: its tail)"),
     ] = 0.05
     packing: Annotated[
         Literal["auto", "documents", "windows"],
-        tyro.conf.arg(
-            help="documents: whole documents per row with segment ids and a loss mask; windows: cut across "
+        arg(
+            "documents: whole documents per row with segment ids and a loss mask; windows: cut across "
             "documents; auto: documents for prepared data, windows otherwise",
-            aliases=("--packing",),
+            "--packing",
         ),
     ] = "auto"
 
     def __post_init__(self) -> None:
+        check_types(self, "data")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise SpmdkitError(f"eval_fraction={self.eval_fraction} is out of range: use a value in [0, 1)")
-        if self.packing not in PACKING_CHOICES:
-            raise SpmdkitError(f"--packing {self.packing!r} is unknown: use one of {', '.join(PACKING_CHOICES)}")

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.fields import arg, check_types
 from spmdkit.models.remat import HELP as REMAT_HELP
-from spmdkit.models.remat import PRESETS as REMAT_PRESETS
-from spmdkit.models.remat import check_remat
+from spmdkit.models.remat import RematPolicy, parse_remat
 
 Remat = str  # a preset of `spmdkit.models.remat.PRESETS` or save:/offload: names (`parse_remat` checks it)
 Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring"]
@@ -28,30 +28,12 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 QkNormScope = Literal["head", "layer"]
 RopeType = Literal["default", "linear", "llama3"]
-REMAT_POLICIES: tuple[str, ...] = REMAT_PRESETS
-ATTENTION_KINDS: tuple[str, ...] = typing.get_args(Attention)
-DISPATCH_KINDS: tuple[str, ...] = typing.get_args(Dispatch)
-DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 ACTIVATIONS: tuple[str, ...] = typing.get_args(Activation)
-ROPE_TYPES: tuple[str, ...] = typing.get_args(RopeType)
-QK_NORM_SCOPES: tuple[str, ...] = typing.get_args(QkNormScope)
-
-
-def _field(default: Any, help: str) -> Any:
-    """A field with its one-line help (`metadata["help"]`: the CLI and docs/cli.md show it)."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-def _has_type(value: Any, kind: type) -> bool:
-    """isinstance, where a bool is not an int and an int is a float."""
-    if kind is bool or isinstance(value, bool):
-        return kind is bool and isinstance(value, bool)
-    return isinstance(value, (int, float) if kind is float else kind)
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Decoder shape and numerics (each field's help is in its metadata).
+    """Decoder shape and numerics (each field's help is beside it, `spmdkit.models.fields`).
 
     Parameters are `param_dtype` (float32) and cast to `dtype` where they are used. Mixture of experts
     (`experts` > 0): every `moe_every`-th block (1: all) replaces its MLP by `experts` SwiGLU experts of hidden width
@@ -62,82 +44,97 @@ class TransformerConfig:
     the router z-loss.
     """
 
-    vocab_size: int = _field(264, "tokens in the vocabulary")
-    embed: int = _field(64, "model width (hidden size)")
-    layers: int = _field(4, "decoder blocks (stacked and scanned)")
-    heads: int = _field(8, "query heads")
-    kv_heads: int = _field(4, "key/value heads (grouped-query attention when fewer than heads)")
-    head_dim: int = _field(8, "width of one attention head")
-    mlp: int = _field(256, "SwiGLU hidden width (of each expert, for mixture of experts)")
-    rope_theta: float = _field(10_000.0, "RoPE base")
-    norm_eps: float = _field(1e-5, "RMSNorm epsilon")
-    dtype: Dtype = _field("bfloat16", "compute dtype (parameters stay param_dtype)")
-    param_dtype: Dtype = _field("float32", "dtype the parameters are stored and updated in")
-    remat: Remat = _field("none", REMAT_HELP)
-    attention: Attention = _field(
-        "auto",
-        "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot (the "
-        "reference), blockwise (O(seq) memory), cudnn, ring (context parallelism)",
+    vocab_size: Annotated[int, arg("tokens in the vocabulary")] = 264
+    embed: Annotated[int, arg("model width (hidden size)")] = 64
+    layers: Annotated[int, arg("decoder blocks (stacked and scanned)")] = 4
+    heads: Annotated[int, arg("query heads")] = 8
+    kv_heads: Annotated[int, arg("key/value heads (grouped-query attention when fewer than heads)")] = 4
+    head_dim: Annotated[int, arg("width of one attention head")] = 8
+    mlp: Annotated[int, arg("SwiGLU hidden width (of each expert, for mixture of experts)")] = 256
+    rope_theta: Annotated[float, arg("RoPE base")] = 10_000.0
+    norm_eps: Annotated[float, arg("RMSNorm epsilon")] = 1e-5
+    dtype: Annotated[Dtype, arg("compute dtype (parameters stay param_dtype)")] = "bfloat16"
+    param_dtype: Annotated[Dtype, arg("dtype the parameters are stored and updated in")] = "float32"
+    remat: Annotated[Remat, arg(REMAT_HELP)] = "none"
+    attention: Annotated[
+        Attention,
+        arg(
+            "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot (the "
+            "reference), blockwise (O(seq) memory), cudnn, ring (context parallelism)"
+        ),
+    ] = "auto"
+    attention_block: Annotated[int, arg("positions per query and key block of the blockwise attention kernel")] = 512
+    loss_chunk: Annotated[int, arg("sequence positions per chunk of the LM head + cross-entropy (0: one chunk)")] = 512
+    z_loss: Annotated[float, arg("weight of the z-loss mean(log(Z)^2) on the LM head's logits (0: off)")] = 0.0
+    experts: Annotated[int, arg("mixture of experts: routed experts per MoE block (0: a dense model)")] = 0
+    top_k: Annotated[int, arg("mixture of experts: experts each token is routed to")] = 2
+    moe_every: Annotated[
+        int, arg("mixture of experts: every k-th block is an MoE block, less the layers dense_layers names")
+    ] = 1
+    shared_expert: Annotated[bool, arg("mixture of experts: add a dense MLP that every token runs through")] = False
+    dispatch: Annotated[Dispatch, arg("mixture of experts: capacity, dropless or dense (the reference)")] = "capacity"
+    capacity_factor: Annotated[float, arg("mixture of experts: expert slots per sequence x top_k / experts")] = 1.25
+    load_balance_weight: Annotated[float, arg("mixture of experts: weight of the Switch load-balancing loss")] = 0.01
+    router_z_weight: Annotated[float, arg("mixture of experts: weight of the router z-loss")] = 0.001
+    qkv_bias: Annotated[bool, arg("biases on the q, k and v projections (HF attention_bias; Qwen2)")] = False
+    o_bias: Annotated[bool, arg("a bias on the attention output projection (HF Llama attention_bias)")] = False
+    mlp_bias: Annotated[bool, arg("biases on the gate, up and down projections (HF mlp_bias)")] = False
+    qk_norm: Annotated[bool, arg("RMSNorm over head_dim on each query and key head before RoPE (Qwen3 q/k_norm)")] = (
+        False
     )
-    attention_block: int = _field(512, "positions per query and key block of the blockwise attention kernel")
-    loss_chunk: int = _field(512, "sequence positions per chunk of the LM head + cross-entropy (0: one chunk)")
-    z_loss: float = _field(0.0, "weight of the z-loss mean(log(Z)^2) on the LM head's logits (0: off)")
-    experts: int = _field(0, "mixture of experts: routed experts per MoE block (0: a dense model)")
-    top_k: int = _field(2, "mixture of experts: experts each token is routed to")
-    moe_every: int = _field(1, "mixture of experts: every k-th block is an MoE block")
-    shared_expert: bool = _field(False, "mixture of experts: add a dense MLP that every token runs through")
-    dispatch: Dispatch = _field("capacity", "mixture of experts: capacity, dropless or dense (the reference)")
-    capacity_factor: float = _field(1.25, "mixture of experts: expert slots per sequence x top_k / experts")
-    load_balance_weight: float = _field(0.01, "mixture of experts: weight of the Switch load-balancing loss")
-    router_z_weight: float = _field(0.001, "mixture of experts: weight of the router z-loss")
-    qkv_bias: bool = _field(False, "biases on the q, k and v projections (HF attention_bias; Qwen2)")
-    o_bias: bool = _field(False, "a bias on the attention output projection (HF Llama attention_bias)")
-    mlp_bias: bool = _field(False, "biases on the gate, up and down projections (HF mlp_bias)")
-    qk_norm: bool = _field(False, "RMSNorm over head_dim on each query and key head before RoPE (Qwen3 q/k_norm)")
-    tie_embeddings: bool = _field(False, "the LM head is the embedding table, one parameter (HF tie_word_embeddings)")
-    activation: Activation = _field("silu", "the MLP's gate activation: silu, gelu (erf) or gelu_pytorch_tanh")
-    rope_type: RopeType = _field("default", "RoPE frequency scaling: default (none), linear or llama3")
-    rope_factor: float = _field(1.0, "RoPE scaling factor (linear, llama3)")
-    rope_low_freq_factor: float = _field(1.0, "llama3 RoPE: low_freq_factor")
-    rope_high_freq_factor: float = _field(4.0, "llama3 RoPE: high_freq_factor")
-    rope_original_max_positions: int = _field(8192, "llama3 RoPE: original_max_position_embeddings")
-    max_positions: int = _field(0, "max_position_embeddings a Hugging Face export records (0: the run's seq_len)")
+    tie_embeddings: Annotated[
+        bool, arg("the LM head is the embedding table, one parameter (HF tie_word_embeddings)")
+    ] = False
+    activation: Annotated[Activation, arg("the MLP's gate activation: silu, gelu (erf) or gelu_pytorch_tanh")] = "silu"
+    rope_type: Annotated[RopeType, arg("RoPE frequency scaling: default (none), linear or llama3")] = "default"
+    rope_factor: Annotated[float, arg("RoPE scaling factor (linear, llama3)")] = 1.0
+    rope_low_freq_factor: Annotated[float, arg("llama3 RoPE: low_freq_factor")] = 1.0
+    rope_high_freq_factor: Annotated[float, arg("llama3 RoPE: high_freq_factor")] = 4.0
+    rope_original_max_positions: Annotated[int, arg("llama3 RoPE: original_max_position_embeddings")] = 8192
+    max_positions: Annotated[
+        int, arg("max_position_embeddings a Hugging Face export records (0: the run's seq_len)")
+    ] = 0
 
-    rope_fraction: float = _field(
-        1.0, "share of head_dim that RoPE rotates, the leading dims (HF partial_rotary_factor)"
+    rope_fraction: Annotated[
+        float, arg("share of head_dim that RoPE rotates, the leading dims (HF partial_rotary_factor)")
+    ] = 1.0
+    rope_pattern: Annotated[
+        str, arg("which layers use RoPE: R (yes) or N (no) per layer, repeated (empty: all; SmolLM3)")
+    ] = ""
+    sliding_window: Annotated[int, arg("local attention: a query sees this many positions up to its own (0: all)")] = 0
+    window_pattern: Annotated[
+        str, arg("with sliding_window: L (local) or G (global) per layer, repeated over the layers (empty: all local)")
+    ] = ""
+    local_rope_theta: Annotated[float, arg("RoPE base of the local layers, unscaled (0: as the others; Gemma 3)")] = 0.0
+    attention_scale: Annotated[float, arg("the factor on q.k (0: 1/sqrt(head_dim); Gemma, Granite set their own)")] = (
+        0.0
     )
-    rope_pattern: str = _field("", "which layers use RoPE: R (yes) or N (no) per layer, repeated (empty: all; SmolLM3)")
-    sliding_window: int = _field(0, "local attention: a query sees this many positions up to its own (0: all)")
-    window_pattern: str = _field(
-        "", "with sliding_window: L (local) or G (global) per layer, repeated over the layers (empty: all local)"
+    attention_softcap: Annotated[float, arg("attention logits s become c tanh(s / c) (0: off; Gemma 2)")] = 0.0
+    logit_softcap: Annotated[float, arg("final logits z become c tanh(z / c) (0: off; Gemma 2)")] = 0.0
+    logit_divisor: Annotated[float, arg("final logits divided by this (Granite logits_scaling)")] = 1.0
+    embed_scale: Annotated[float, arg("the embedding's output multiplied by this (Gemma sqrt(embed), Granite)")] = 1.0
+    residual_scale: Annotated[float, arg("attention's and the MLP's outputs multiplied by this (Granite)")] = 1.0
+    norm_plus_one: Annotated[bool, arg("RMSNorms multiply by (1 + scale): scales stored as offsets (Gemma)")] = False
+    pre_norm: Annotated[bool, arg("RMSNorm on each block's input to attention and to the MLP (off: OLMo 2)")] = True
+    post_norm: Annotated[bool, arg("RMSNorm on attention's and the MLP's outputs (Gemma 2/3, OLMo 2)")] = False
+    qk_norm_scope: Annotated[QkNormScope, arg("q/k norms over each head (Qwen3, Gemma 3) or the layer (OLMo 2)")] = (
+        "head"
     )
-    local_rope_theta: float = _field(0.0, "RoPE base of the local layers, unscaled (0: as the others; Gemma 3)")
-    attention_scale: float = _field(0.0, "the factor on q.k (0: 1/sqrt(head_dim); Gemma, Granite set their own)")
-    attention_softcap: float = _field(0.0, "attention logits s become c tanh(s / c) (0: off; Gemma 2)")
-    logit_softcap: float = _field(0.0, "final logits z become c tanh(z / c) (0: off; Gemma 2)")
-    logit_divisor: float = _field(1.0, "final logits divided by this (Granite logits_scaling)")
-    embed_scale: float = _field(1.0, "the embedding's output multiplied by this (Gemma sqrt(embed), Granite)")
-    residual_scale: float = _field(1.0, "attention's and the MLP's outputs multiplied by this (Granite)")
-    norm_plus_one: bool = _field(False, "RMSNorms multiply by (1 + scale): scales stored as offsets (Gemma)")
-    pre_norm: bool = _field(True, "RMSNorm on each block's input to attention and to the MLP (off: OLMo 2)")
-    post_norm: bool = _field(False, "RMSNorm on attention's and the MLP's outputs (Gemma 2/3, OLMo 2)")
-    qk_norm_scope: QkNormScope = _field("head", "q/k norms over each head (Qwen3, Gemma 3) or the layer (OLMo 2)")
-    expert_mlp: int = _field(0, "mixture of experts: hidden width of each routed expert (0: mlp)")
-    shared_expert_mlp: int = _field(0, "mixture of experts: hidden width of the shared expert (0: mlp)")
-    shared_expert_gate: bool = _field(False, "mixture of experts: the shared expert's output times sigmoid(x w)")
-    router_renormalize: bool = _field(True, "mixture of experts: top-k weights (k > 1) rescaled to sum to 1")
-    dense_layers: tuple[int, ...] = _field((), "mixture of experts: 0-based layers that keep the dense MLP")
-    fp8: bool = _field(
-        False, "the blocks' dense matmuls (q, k, v, o, gate, up, down) in FP8 with delayed per-tensor scaling"
+    expert_mlp: Annotated[int, arg("mixture of experts: hidden width of each routed expert (0: mlp)")] = 0
+    shared_expert_mlp: Annotated[int, arg("mixture of experts: hidden width of the shared expert (0: mlp)")] = 0
+    shared_expert_gate: Annotated[bool, arg("mixture of experts: the shared expert's output times sigmoid(x w)")] = (
+        False
     )
+    router_renormalize: Annotated[bool, arg("mixture of experts: top-k weights (k > 1) rescaled to sum to 1")] = True
+    dense_layers: Annotated[
+        tuple[int, ...], arg("mixture of experts: 0-based layers that keep the dense MLP, whatever moe_every says")
+    ] = ()
+    fp8: Annotated[
+        bool, arg("the blocks' dense matmuls (q, k, v, o, gate, up, down) in FP8 with delayed per-tensor scaling")
+    ] = False
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # the types the fields declare: layers=2.5 is not a model
-            value, kind = getattr(self, field.name), type(field.default)
-            if kind is tuple and isinstance(value, list):  # from TOML or a saved config.json
-                object.__setattr__(self, field.name, value := tuple(value))
-            if not _has_type(value, kind):
-                raise SpmdkitError(f"model {field.name}={value!r} must be of type {kind.__name__}")
+        check_types(self, "model")  # the types the fields declare: layers=2.5 is not a model
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0 and self.norm_eps > 0):
             raise SpmdkitError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be positive")
         for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
@@ -145,14 +142,7 @@ class TransformerConfig:
                 raise SpmdkitError(f"model {name}={getattr(self, name)} must be positive")
         if self.heads % self.kv_heads:
             raise SpmdkitError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
-        check_remat(self.remat)
-        for name, value, choices in (
-            ("attention", self.attention, ATTENTION_KINDS),
-            ("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
-            ("activation", self.activation, ACTIVATIONS), ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES),
-        ):  # fmt: skip
-            if value not in choices:
-                raise SpmdkitError(f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
+        parse_remat(self.remat)  # one line naming the bad policy and the valid ones
         if self.loss_chunk < 0 or not (math.isfinite(self.z_loss) and self.z_loss >= 0):
             raise SpmdkitError(f"loss_chunk={self.loss_chunk} and z_loss={self.z_loss} must be >= 0")
         if self.attention_block < 1:
@@ -169,8 +159,6 @@ class TransformerConfig:
         self._check_scales()
 
     def _check_rope(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise SpmdkitError(f"unknown rope_type {self.rope_type!r}: choose one of {', '.join(ROPE_TYPES)}")
         if not (math.isfinite(self.rope_factor) and self.rope_factor > 0):
             raise SpmdkitError(f"rope_factor={self.rope_factor} must be positive")
         if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
@@ -209,8 +197,6 @@ class TransformerConfig:
             range(self.layers)
         ):
             raise SpmdkitError(f"dense_layers={list(self.dense_layers)} must be increasing layers 0..{self.layers - 1}")
-        if self.dispatch not in DISPATCH_KINDS:
-            raise SpmdkitError(f"unknown dispatch {self.dispatch!r}: choose one of {', '.join(DISPATCH_KINDS)}")
         if self.capacity_factor <= 0 or self.expert_mlp < 0 or self.shared_expert_mlp < 0:
             raise SpmdkitError("capacity_factor must be positive, expert_mlp and shared_expert_mlp >= 0")
         if self.mlp_bias or self.activation != "silu":
@@ -243,6 +229,11 @@ class TransformerConfig:
     def rotary_dims(self) -> int:
         """The leading dims of each head that RoPE rotates (HF: int(head_dim x partial_rotary_factor))."""
         return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def remat_policy(self) -> RematPolicy:
+        """`remat` parsed: what everything past the config reads (`parse_remat` caches it)."""
+        return parse_remat(self.remat)
 
     @property
     def routed_mlp(self) -> int:

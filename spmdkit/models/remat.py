@@ -68,6 +68,21 @@ class RematPolicy:
         """The names the backward does not recompute (saved on the device or offloaded)."""
         return self.saved | self.offloaded
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether the blocks run under `jax.checkpoint` at all (every policy but `none`)."""
+        return self.kind != "none"
+
+    @property
+    def full(self) -> bool:
+        """Whether the backward keeps only each block's input (`full`)."""
+        return self.kind == "full"
+
+    @property
+    def named(self) -> bool:
+        """Whether the policy saves or offloads named activations (the named presets and the custom syntax)."""
+        return self.kind == "names"
+
 
 @functools.cache
 def parse_remat(text: str) -> RematPolicy:
@@ -95,8 +110,3 @@ def parse_remat(text: str) -> RematPolicy:
     if saved & offloaded:
         raise SpmdkitError(f"remat policy {text!r} both saves and offloads {', '.join(sorted(saved & offloaded))}")
     return RematPolicy("names", saved, offloaded)
-
-
-def check_remat(text: str) -> None:
-    """Raise `parse_remat`'s SpmdkitError if `text` is not a remat policy."""
-    parse_remat(text)

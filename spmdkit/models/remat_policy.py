@@ -16,13 +16,13 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdkit.models.remat import ACTIVATION_NAMES, parse_remat
+from spmdkit.models.remat import ACTIVATION_NAMES, RematPolicy
 
 
-def checkpoint_policy(text: str) -> Any:
-    """The `jax.checkpoint` policy of `text` (None: recompute everything, `full`); not for `none` (no remat)."""
-    policy = parse_remat(text)
-    if policy.kind != "names":
+def checkpoint_policy(policy: RematPolicy) -> Any:
+    """The `jax.checkpoint` policy of a parsed `--model.remat` (None: recompute everything, `full`); not for `none`
+    (no remat)."""
+    if not policy.named:
         return {
             "full": None,
             "dots_saveable": jax.checkpoint_policies.dots_saveable,
@@ -42,9 +42,9 @@ _NAMING = contextvars.ContextVar("spmdkit_remat_naming", default=False)
 
 
 @contextlib.contextmanager
-def naming(remat: str) -> Iterator[None]:
-    """`named` names activations inside this block when `remat` is a named policy (and only then)."""
-    token = _NAMING.set(parse_remat(remat).kind == "names")
+def naming(policy: RematPolicy) -> Iterator[None]:
+    """`named` names activations inside this block when `policy` is a named policy (and only then)."""
+    token = _NAMING.set(policy.named)
     try:
         yield
     finally:

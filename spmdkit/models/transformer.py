@@ -22,6 +22,7 @@ from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_token
 from spmdkit.models.loss import HeadSpec, lm_loss
 from spmdkit.models.loss import head_logits as loss_head_logits
 from spmdkit.models.moe import MoE
+from spmdkit.models.remat import RematPolicy
 from spmdkit.models.remat_policy import checkpoint_policy, naming
 from spmdkit.sharding.logical import constrain
 
@@ -136,7 +137,7 @@ class Transformer(nnx.Module):
             stack = getattr(self, run.stack)
             if (run.start, run.stop) != (0, sizes[run.stack]):
                 stack = _layer_slice(stack, run.start, run.stop)
-            x, aux = scan_blocks(stack, x, positions, c.remat, segment_ids, run.kind)
+            x, aux = scan_blocks(stack, x, positions, c.remat_policy, segment_ids, run.kind)
             if run.kind.moe:
                 auxes.append(aux)
         return x, (jax.tree.map(lambda *a: jnp.concatenate(a), *auxes) if auxes else {})
@@ -206,10 +207,10 @@ def _layer_slice(blocks: Block, start: int, stop: int) -> Block:
 
 
 def apply_blocks(
-    blocks: Block, x: jax.Array, positions: jax.Array, remat: str, segment_ids: jax.Array | None = None
+    blocks: Block, x: jax.Array, positions: jax.Array, remat: RematPolicy, segment_ids: jax.Array | None = None
 ) -> jax.Array:
     """Run a stack of blocks (parameters with a leading layer dim, every layer alike) over x [batch, seq, embed]
-    with a scan."""
+    with a scan, under the remat policy `remat` (`TransformerConfig.remat_policy`)."""
     return scan_blocks(blocks, x, positions, remat, segment_ids)[0]
 
 
@@ -217,7 +218,7 @@ def scan_blocks(
     blocks: Block,
     x: jax.Array,
     positions: jax.Array,
-    remat: str,
+    remat: RematPolicy,
     segment_ids: jax.Array | None = None,
     kind: LayerKind | None = None,
 ) -> tuple[jax.Array, dict]:
@@ -227,7 +228,7 @@ def scan_blocks(
     def body(x: jax.Array, block: Block, positions: jax.Array, segment_ids: jax.Array | None):
         return block(x, positions, segment_ids, kind)
 
-    if remat != "none":
+    if remat.recomputes:
         body = nnx.remat(body, policy=checkpoint_policy(remat))
     scan = nnx.scan(
         body,

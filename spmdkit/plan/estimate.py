@@ -67,8 +67,8 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
-from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, parse_mesh, wire_bytes
-from spmdkit.plan.layout import BATCH_AXES, Layout, check_layout
+from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
+from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.plan.memory import (
     activation_bytes,
     attention_kernel,
@@ -79,6 +79,7 @@ from spmdkit.plan.memory import (
     pipeline_schedule,
 )
 from spmdkit.plan.remat_cost import REMAT_ORDER, forward_sums, host_kept_bytes, named_recompute_flops
+from spmdkit.sharding.strategy import Strategy, mesh_text
 
 __all__ = [
     "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "attention_kernel", "attention_scratch",
@@ -189,11 +190,11 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
             gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
             if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
                 gathers, nbytes = 2, (a / 4 + 1) / 2
-            gathers = 1 if p.routed and s.expert_shard_map and m.remat == "none" else gathers
+            gathers = 1 if p.routed and s.expert_shard_map and not m.remat_policy.recomputes else gathers
             add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
     if T > 1:
         layers, ends = s.stage_layers, 1 if P > 1 else 2  # ends: embedding forward, LM-head input grad backward
-        forward = layers * forward_sums(m.remat)  # 2 per layer, and those remat repeats (spmdkit.plan.remat_cost)
+        forward = layers * forward_sums(m.remat_policy)  # 2 per layer, and the remat repeats (plan.remat_cost)
         # Backward: each block sums the partial input gradients of its column-parallel projections (q, k, v;
         # gate, up). GPU/TPU XLA sums before reducing (AllReduceReassociate; under SP, ReduceScatterCreator then
         # makes it a reduce-scatter): one per block. XLA:CPU has neither pass: one all-reduce per projection.
@@ -208,60 +209,45 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
         add("all-reduce", ("tensor",), (not reassociate) * backward * act + 3 * s.tokens * 4, overlapped=False)
     if s["context"] > 1:  # ring attention: K/V forward (again under full remat) and backward, f32 dK/dV home
         C, kv_heads = s["context"], m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
-        hops = (C - 1) * a * (3 if m.remat == "full" else 2) + C * 4
+        hops = (C - 1) * a * (3 if m.remat_policy.full else 2) + C * 4
         add("collective-permute", ("context",), s.stage_layers * s.tokens * 2 * m.head_dim * kv_heads * hops)
     if P > 1:
         sends = 2 * (M + P - 1) if s.schedule == "gpipe" else 4 * (s.virtual_stages * M + P - 1)
         add("collective-permute", ("pipeline",), sends * act / M / (T if s.sequence_parallel else 1), False)
     if s["expert"] > 1:  # dispatch and return, forward and backward; remat recomputes the forward's pair
-        passes = 4 + (2 if m.remat != "none" else 0)
+        passes = 4 + (2 if m.remat_policy.recomputes else 0)
         add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
     return out
 
 
 def estimate(
     model: TransformerConfig | str,
-    mesh: Mapping[str, int] | str,
+    layout: Strategy | Mapping[str, int] | str,
     *,
     device: Device | str = "h100",
     devices: int | None = None,
     batch_size: int | None = None,
     seq_len: int = 4096,
-    zero: int = 3,
-    sequence_parallel: bool = False,
-    microbatches: int | None = None,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
-    offload: bool = False,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
 ) -> Estimate:
     """Memory, traffic, bubble, step time and MFU of one layout; the model's `dtype` and `remat` are used.
 
-    `mesh`: axis sizes or a string like "data=2,tensor=4" (`devices` fills a -1); `batch_size` in sequences
-    (default: about 1M tokens, a multiple of data x fsdp); `microbatches` (default: 1, or with a pipeline one
-    sequence per data-parallel rank per microbatch); `offload`: the optimizer state in host memory between steps
-    (`--optimizer.offload`); `efficiency`: achieved share of peak FLOP/s; `comm_efficiency`: achieved share of link
-    bandwidth.
+    `layout`: a `Strategy` (mesh, ZeRO stage, SP, microbatches, schedule, offload), or only its mesh: axis sizes
+    or a string like "data=2,tensor=4" (`devices` fills a -1); `batch_size` in sequences (default: about 1M
+    tokens, a multiple of data x fsdp); the strategy's microbatches default to 1, or with a pipeline to one sequence
+    per data-parallel rank per microbatch (`Layout.of`); `efficiency`: achieved share of peak FLOP/s;
+    `comm_efficiency`: achieved share of link bandwidth.
     """
     m = model_preset(model) if isinstance(model, str) else model
     dev = make_device(device) if isinstance(device, str) else device
     if not (0 < efficiency <= 1 and 0 < comm_efficiency <= 1):
         raise SpmdkitError(f"efficiencies must be in (0, 1], got {efficiency} and {comm_efficiency}")
-    if isinstance(mesh, str):
-        sizes = parse_mesh(mesh, devices)
-    else:
-        sizes = parse_mesh(",".join(f"{axis}={size}" for axis, size in mesh.items()), devices)
-    replicas = math.prod(sizes[x] for x in BATCH_AXES)
-    batch_size = batch_size or replicas * max(1, round(2**20 / seq_len / replicas))
-    if microbatches is None:
-        microbatches = batch_size // replicas if sizes["pipeline"] > 1 else 1
-    mesh_items = tuple(sizes.items())
-    layout = Layout(
-        m, mesh_items, batch_size, seq_len, zero, sequence_parallel, microbatches, schedule, virtual_stages, offload
-    )
-    check_layout(layout)
-    return evaluate(layout, dev, efficiency, comm_efficiency)
+    if not isinstance(layout, Strategy):
+        layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
+    planned = Layout.of(m, layout, devices, batch_size, seq_len)
+    check_layout(planned)
+    return evaluate(planned, dev, efficiency, comm_efficiency)
 
 
 def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
@@ -285,7 +271,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
-    extra = padding + {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}.get(m.remat, 0.0)
+    repeated = {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}
+    extra = padding + repeated.get(m.remat_policy.kind, 0.0)
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
@@ -298,7 +285,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         extra += run / 3
     peak = dev.peak_flops * (0.5 if m.dtype == "float32" else 1.0)  # float32 matmuls run as TF32, about half rate
     # --model.fp8: the blocks' projections (forward, backward, and the forward again under full remat) at FP8's peak
-    fp8 = m.fp8_flops_per_token() * s.batch_size * s.seq_len * (4 / 3 if m.remat == "full" else 1.0)
+    fp8 = m.fp8_flops_per_token() * s.batch_size * s.seq_len * (4 / 3 if m.remat_policy.full else 1.0)
     fp8_peak = dev.fp8_peak_flops or peak
     compute = ((model_flops + extra - fp8) / peak + fp8 / fp8_peak) / devices / efficiency
     exposed = blocking + max(hidden - compute, hidden / s.stage_layers)

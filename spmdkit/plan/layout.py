@@ -26,7 +26,9 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.capacity import capacity
 from spmdkit.parallel.pipeline.schedule import check_arguments, check_layers, check_pipelinable
+from spmdkit.plan.devices import parse_mesh
 from spmdkit.sharding.rules import REPLICATE_IF_INDIVISIBLE, AxisTable, make_rules
+from spmdkit.sharding.strategy import Strategy, mesh_text
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BATCH_AXES = make_rules().params["batch"]  # every axis the sequences are split over
@@ -170,26 +172,32 @@ def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) 
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A step's layout: the model (with its compute dtype and remat policy), mesh sizes, batch, ZeRO stage, SP,
-    microbatches (gradient accumulation, or pipeline microbatches when pipeline > 1) and pipeline schedule;
-    `offload`: the optimizer state in host memory between steps (`--optimizer.offload`)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout(Strategy):
+    """A step's layout: a `Strategy` (mesh, ZeRO stage, SP, microbatches, pipeline schedule, offload) with every
+    mesh size and the microbatches resolved, for the model (with its compute dtype and remat policy) and a batch of
+    `batch_size` x `seq_len`."""
 
     model: TransformerConfig
-    mesh: tuple[tuple[str, int], ...]
     batch_size: int
     seq_len: int
-    zero: int = 3
-    sequence_parallel: bool = False
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    offload: bool = False
+
+    @classmethod
+    def of(
+        cls, model: TransformerConfig, strategy: Strategy, devices: int | None, batch_size: int | None, seq_len: int
+    ) -> Layout:
+        """`strategy`'s mesh resolved for `devices` (which fill a -1); `batch_size` None: about 1M tokens, a
+        multiple of the batch axes; microbatches None: 1, or one sequence per batch shard per pipeline microbatch."""
+        sizes = parse_mesh(strategy.mesh, devices)
+        replicas = math.prod(sizes[x] for x in BATCH_AXES)
+        batch_size = batch_size or replicas * max(1, round(2**20 / seq_len / replicas))
+        settings = {**dataclasses.asdict(strategy), "mesh": mesh_text(sizes)}
+        settings["microbatches"] = strategy.microbatches or (batch_size // replicas if sizes["pipeline"] > 1 else 1)
+        return cls(**settings, model=model, batch_size=batch_size, seq_len=seq_len)
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
+        return parse_mesh(self.mesh)
 
     def __getitem__(self, axis: str) -> int:
         return self.sizes[axis]
@@ -200,7 +208,7 @@ class Layout:
 
     @functools.cached_property
     def params(self) -> tuple[Sharded, ...]:
-        return sharded(self.model, self.mesh, self.zero)
+        return sharded(self.model, tuple(self.sizes.items()), self.zero)
 
     @property
     def a(self) -> int:

@@ -47,19 +47,20 @@ from __future__ import annotations
 
 import functools
 
+from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.block_plan import BlockPlan
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, loss_chunks
+from spmdkit.models.remat import RematPolicy
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
 from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 __all__ = [
-    "MEMORY_KEYS", "RING_KEY_TILE", "activation_bytes", "attention_kernel", "attention_scratch", "manual_region",
+    "MEMORY_KEYS", "activation_bytes", "attention_kernel", "attention_scratch", "manual_region",
     "memory", "moe_activation_bytes", "pipeline_schedule", "ring_scratch",
 ]  # fmt: skip
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
-RING_KEY_TILE = 512  # keys per tile of a ring chunk pair: `spmdkit.models.attention.KEY_TILE` (JAX-side)
 MLP_KEPT = 6  # [F] arrays the gated MLP keeps without remat
 
 
@@ -86,18 +87,13 @@ def attention_kernel(m: TransformerConfig, C: int, platform: str | None, capabil
     )  # fmt: skip
 
 
-def _ring_tile(chunk: int) -> int:
-    """Keys per tile of a ring chunk of `chunk` positions (`spmdkit.models.attention.context_attention`)."""
-    return RING_KEY_TILE if chunk % RING_KEY_TILE == 0 and chunk > RING_KEY_TILE else chunk
-
-
 def kernel_scores(m: TransformerConfig, kernel: str, T: int, C: int, seq: int) -> float:
     """Bytes per token and layer that dots_saveable keeps of the attention's own (batch-dim) matmuls."""
     a, H, d = DTYPE_BYTES[m.dtype], m.heads / T, m.head_dim
     if kernel == "dot":
         return 4 * H * seq + a * H * d
     if kernel == "ring":
-        return 4 * H * seq * (1 + d / _ring_tile(seq // (2 * C)))
+        return 4 * H * seq * (1 + d / ring_key_tile(seq // (2 * C)))
     if kernel == "blockwise":  # the mean over the layers (a local layer's plan skips what its window hides)
         plans = [_block_plan(m, seq, w) for w in _windows(m)]  # per pair, its scores and its rows' p v
         kept = [sum(len(s.q) * p.sizes(s)[0] * (p.sizes(s)[1] + d) for s in p.steps) for p in plans]
@@ -111,8 +107,8 @@ def _windows(m: TransformerConfig) -> list[int]:
 
 
 def _block_plan(m: TransformerConfig, seq: int, window: int) -> BlockPlan:
-    block = min(m.attention_block, seq)
-    return BlockPlan(seq, block, block, True, 1.0, window=window if 0 < window < seq else 0)
+    spec = AttentionSpec.of_layer(window, m.attention_scale, m.attention_softcap, m.attention_block)
+    return BlockPlan(seq, spec.resolved(m.head_dim, seq))
 
 
 def activation_bytes(
@@ -138,7 +134,8 @@ def activation_bytes(
         "dots_saveable": dots + kernel_scores(m, kernel, T, C, seq),
         "full": a * E * s,
     }
-    kept = kept[m.remat] if m.remat in kept else named_kept_bytes(m, T, sp)  # named policies: spmdkit.plan.remat_cost
+    policy = m.remat_policy  # named policies: spmdkit.plan.remat_cost
+    kept = named_kept_bytes(m, T, sp) if policy.named else kept[policy.kind]
     return kept, none - kept
 
 
@@ -158,7 +155,7 @@ def ring_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float) ->
     array per step and pair; the last step's are held twice: 4 (C + 1) U (1 + 4 tile / c)."""
     c = seq // (2 * C)
     units = seqs * m.heads / T * c * c
-    return 4 * (C + 1) * units * (1 + 4 * _ring_tile(c) / c)
+    return 4 * (C + 1) * units * (1 + 4 * ring_key_tile(c) / c)
 
 
 def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:
@@ -168,17 +165,18 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     a, E, F, R = DTYPE_BYTES[m.dtype], m.embed, m.mlp / T, m.routed_mlp / T
     shared = (m.shared_expert_mlp or m.mlp) / T if m.shared_expert else 0.0
 
-    def mlp(width: float, remat: str) -> float:  # a dense MLP's kept bytes per token (activation_bytes' terms)
-        named = mlp_named_bytes(remat, a, width)
+    def mlp(width: float, policy: RematPolicy) -> float:  # a dense MLP's kept bytes per token (activation_bytes')
+        named = mlp_named_bytes(policy, a, width)
         if named is not None:
             return named
-        return {"none": MLP_KEPT * a * width}.get(remat, 0.0 if remat == "full" else 2 * a * width)
+        return {"none": MLP_KEPT * a * width, "full": 0.0}.get(policy.kind, 2 * a * width)
 
     # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer
-    none = slots_per_token * (4 * a * E + MLP_KEPT * a * R) + mlp(shared, "none") - mlp(F, "none")
-    per_slot = {"none": 4 * a * E + MLP_KEPT * a * R, "dots_saveable": a * E + 2 * a * R}.get(m.remat, 0.0)
-    kept = slots_per_token * per_slot + mlp(shared, m.remat) - mlp(F, m.remat)
-    return kept, (0.0 if m.remat == "none" else none)
+    policy, no_remat = m.remat_policy, RematPolicy("none")
+    none = slots_per_token * (4 * a * E + MLP_KEPT * a * R) + mlp(shared, no_remat) - mlp(F, no_remat)
+    per_slot = {"none": 4 * a * E + MLP_KEPT * a * R, "dots_saveable": a * E + 2 * a * R}.get(policy.kind, 0.0)
+    kept = slots_per_token * per_slot + mlp(shared, policy) - mlp(F, policy)
+    return kept, (none if policy.recomputes else 0.0)
 
 
 def _layer_bytes(s: Layout, gathered: bool) -> float:
@@ -274,7 +272,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     persistent = {
         "parameters": sum(s.local(p, "params") for p in s.params),
         "optimizer": 0.0 if s.offload else optimizer_bytes(s),  # offloaded: host memory (Estimate.host_bytes)
-        "compute_copies": (stacked * a / 4 if m.remat == "none" and a != 4 else 0.0) + _relayouts(s),
+        "compute_copies": (stacked * a / 4 if not m.remat_policy.recomputes and a != 4 else 0.0) + _relayouts(s),
         "activations": _residuals(s, kept),
     }
     layer = _layer_bytes(s, gathered=True)
@@ -282,7 +280,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     tp = 2 * mb * E * a if T > 1 else 0.0
     scratch = attention_scratch(m, T, s["context"], s.seq_len, mb / s.seq_len, kernel)
     forward = ring_scratch(m, T, s["context"], s.seq_len, mb * s["context"] / s.seq_len) if kernel == "ring" else 0.0
-    if m.remat == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice, before the stack
+    if m.remat_policy.kind == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice
         forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
     grads = _gradients(s)
     split = s["fsdp"] > 1 and s.zero >= 2 and not manual_region(s)  # a layer's gradient before its reduce-scatter

@@ -18,7 +18,7 @@ read).
 from __future__ import annotations
 
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.remat import parse_remat
+from spmdkit.models.remat import RematPolicy
 from spmdkit.plan.layout import DTYPE_BYTES
 
 __all__ = [
@@ -48,28 +48,27 @@ def name_bytes(m: TransformerConfig, T: int, sp: bool) -> dict[str, float]:
 
 def named_kept_bytes(m: TransformerConfig, T: int, sp: bool) -> float:
     """Device bytes per token and layer a named policy (`m.remat`) keeps: the block input and its saved names."""
-    sizes, policy = name_bytes(m, T, sp), parse_remat(m.remat)
+    sizes, policy = name_bytes(m, T, sp), m.remat_policy
     return DTYPE_BYTES[m.dtype] * m.embed * (1 / T if sp else 1) + sum(sizes[n] for n in policy.saved)
 
 
 def host_kept_bytes(m: TransformerConfig, T: int, sp: bool) -> float:
     """Host bytes per token and layer that `m.remat` offloads (0 unless it offloads names)."""
-    policy = parse_remat(m.remat)
-    return sum(name_bytes(m, T, sp)[n] for n in policy.offloaded) if policy.kind == "names" else 0.0
+    policy = m.remat_policy
+    return sum(name_bytes(m, T, sp)[n] for n in policy.offloaded) if policy.named else 0.0
 
 
-def mlp_named_bytes(remat: str, a: float, width: float) -> float | None:
-    """Device bytes per token the named policy `remat` keeps of a dense MLP of hidden `width` (an MoE's shared
+def mlp_named_bytes(policy: RematPolicy, a: float, width: float) -> float | None:
+    """Device bytes per token the named policy `policy` keeps of a dense MLP of hidden `width` (an MoE's shared
     expert); None for JAX's policies."""
-    policy = parse_remat(remat)
-    return a * width * len(policy.saved & {"mlp_gate", "mlp_up", "mlp_hidden"}) if policy.kind == "names" else None
+    return a * width * len(policy.saved & {"mlp_gate", "mlp_up", "mlp_hidden"}) if policy.named else None
 
 
 def named_recompute_flops(m: TransformerConfig, seq_len: int) -> float:
     """FLOPs per token, all layers, that a named policy (`m.remat`) recomputes in the backward (module doc); the
     routed experts of MoE layers (never named) rerun their forward, 6 E F' top_k."""
-    policy = parse_remat(m.remat)
-    if policy.kind != "names":
+    policy = m.remat_policy
+    if not policy.named:
         return 0.0
     E, Hd, Kd, F = m.embed, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp
     attention = 2 * E * (Hd * ("q_proj" not in policy.kept) + Kd * (2 - len(policy.kept & {"k_proj", "v_proj"})))
@@ -79,11 +78,10 @@ def named_recompute_flops(m: TransformerConfig, seq_len: int) -> float:
     return m.layers * attention + (m.layers - m.moe_layers) * mlp + m.moe_layers * routed
 
 
-def forward_sums(remat: str) -> int:
+def forward_sums(policy: RematPolicy) -> int:
     """Tensor-parallel sums (all-reduces, or reduce-scatters under SP) per layer of the forward and of what the
     backward reruns of it: attention's and the MLP's output projections, 2; `full` reruns both, 4; a named policy
     that neither saves nor offloads out_proj reruns attention's (the MLP half's input x + out_proj is rebuilt), 3."""
-    if remat == "full":
+    if policy.full:
         return 4
-    policy = parse_remat(remat)
-    return 3 if policy.kind == "names" and "out_proj" not in policy.kept else 2
+    return 3 if policy.named and "out_proj" not in policy.kept else 2

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.remat import parse_remat
 from spmdkit.plan.devices import node_local_axes
 from spmdkit.plan.estimate import Estimate
 from spmdkit.sharding.mesh_config import AXES, format_sizes
@@ -60,7 +61,7 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
         text.append(
             f"Context parallelism over {mesh['context']} splits the {best.seq_len}-token sequences (ring attention)."
         )
-    if best.remat != "none":
+    if parse_remat(best.remat).recomputes:
         text.append(f"Remat '{best.remat}' is the least recomputation that fits.")
     if runner_up is not None:
         text.append(f"Next: {format_sizes(runner_up.mesh)} ({runner_up.step_s / best.step_s - 1:+.0%} step time).")

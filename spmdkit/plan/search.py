@@ -4,7 +4,6 @@ fit, rank them by estimated step time. The arithmetic of one layout is `spmdkit.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.plan.devices import Device
 from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, memory, planner_platform
 from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.sharding.strategy import mesh_text
 
 LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
 
@@ -46,7 +46,7 @@ def candidate_meshes(
 
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
               sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
-              virtual_stages: int | None) -> list[list[list[Layout]]]:  # fmt: skip
+              virtual_stages: int | None, offload: bool) -> list[list[list[Layout]]]:  # fmt: skip
     """Layouts to try on `mesh`: per (ZeRO stage, pipeline schedule), per remat policy (least recompute first), per
     microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B
     and interleaved (v=2) pipelines; accumulation steps (powers of two) or pipeline microbatches P, 2P, 4P, 8P and
@@ -70,10 +70,9 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
                 counts = [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
             else:
                 counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
-            layout = functools.partial(Layout, mesh=tuple(mesh.items()), batch_size=batch_size, seq_len=seq_len,
-                                       zero=z, sequence_parallel=sp, schedule=sched, virtual_stages=v)  # fmt: skip
+            layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
             policies = [remat] if remat else REMAT_ORDER
-            out.append([[layout(model.replace(remat=r), microbatches=M) for M in counts] for r in policies])
+            out.append([[layout(M, sched, v, offload, model=model.replace(remat=r)) for M in counts] for r in policies])
     return out
 
 
@@ -101,13 +100,12 @@ def search(
     Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout keeps the optimizer state in
     host memory (`--optimizer.offload`)."""
     fitting, smallest = [], (math.inf, None)
-    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages)
+    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload)
     for mesh in meshes:
         for by_policy in _variants(model, mesh, batch_size, seq_len, *settings):
             fit = []
             for layouts in by_policy:
                 for layout in layouts:
-                    layout = dataclasses.replace(layout, offload=offload)
                     try:
                         check_layout(layout)
                     except SpmdkitError:

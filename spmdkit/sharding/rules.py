@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.sharding.mesh_config import AXES, MeshConfig
+from spmdkit.sharding.strategy import Strategy
 
 AxisTable = Mapping[str, tuple[str, ...]]
 # One rule's right-hand side as Flax writes it: a mesh axis, a tuple of them, or None (replicated).
@@ -158,28 +159,19 @@ def make_rules(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """A named strategy: which axis takes the devices, the ZeRO stage and SP."""
-
-    mesh: str
-    zero_stage: int = 3
-    sequence_parallel: bool = False
-    help: str = ""
-
-
-PRESETS: dict[str, Preset] = {
-    "dp": Preset("data=-1", 0, help="data parallel: parameters replicated, gradients all-reduced"),
-    "fsdp": Preset("fsdp=-1", 3, help="fully sharded (ZeRO-3): parameters, gradients, optimizer sharded"),
-    "zero1": Preset("fsdp=-1", 1, help="ZeRO-1: optimizer state sharded, parameters replicated"),
-    "zero2": Preset("fsdp=-1", 2, help="ZeRO-2: optimizer state and gradients sharded"),
-    "zero3": Preset("fsdp=-1", 3, help="same as fsdp"),
-    "hsdp": Preset("data=2,fsdp=-1", 3, help="FSDP inside a node, replicas across nodes"),
-    "tp": Preset("tensor=-1", 3, help="tensor parallel (Megatron column/row)"),
-    "sp": Preset("tensor=-1", 3, True, help="tensor + sequence parallel"),
-    "cp": Preset("context=-1", 3, help="context parallel (ring attention)"),
-    "ep": Preset("expert=-1", 3, help="expert parallel"),
-    "pp": Preset("pipeline=-1", 1, help="pipeline parallel (ZeRO-1 partners it)"),
+Preset = Strategy  # a preset's value before it was the one `Strategy`, kept for one release
+PRESETS: dict[str, Strategy] = {
+    "dp": Strategy("data=-1", 0),  # data parallel: parameters replicated, gradients all-reduced
+    "fsdp": Strategy("fsdp=-1", 3),  # fully sharded (ZeRO-3): parameters, gradients, optimizer sharded
+    "zero1": Strategy("fsdp=-1", 1),  # ZeRO-1: optimizer state sharded, parameters replicated
+    "zero2": Strategy("fsdp=-1", 2),  # ZeRO-2: optimizer state and gradients sharded
+    "zero3": Strategy("fsdp=-1", 3),  # same as fsdp
+    "hsdp": Strategy("data=2,fsdp=-1", 3),  # FSDP inside a node, replicas across nodes
+    "tp": Strategy("tensor=-1", 3),  # tensor parallel (Megatron column/row)
+    "sp": Strategy("tensor=-1", 3, True),  # tensor + sequence parallel
+    "cp": Strategy("context=-1", 3),  # context parallel (ring attention)
+    "ep": Strategy("expert=-1", 3),  # expert parallel
+    "pp": Strategy("pipeline=-1", 1),  # pipeline parallel (ZeRO-1 partners it)
 }
 
 
@@ -188,4 +180,4 @@ def preset(name: str) -> tuple[MeshConfig, Rules]:
     if name not in PRESETS:
         raise SpmdkitError(f"unknown strategy preset {name!r}: choose one of {', '.join(PRESETS)}")
     p = PRESETS[name]
-    return MeshConfig.parse(p.mesh), make_rules(p.zero_stage, p.sequence_parallel)
+    return MeshConfig.parse(p.mesh), make_rules(p.zero, p.sequence_parallel)

@@ -32,7 +32,6 @@ from spmdkit.distributed.initialize import FORCED_COUNT
 from spmdkit.distributed.platform import gpu_present
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
-from spmdkit.models.attention import platform
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import model_preset
@@ -42,6 +41,8 @@ from spmdkit.plan.estimate import estimate
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.mesh_config import MeshConfig, format_sizes
 from spmdkit.sharding.rules import make_rules
+from spmdkit.sharding.strategy import mesh_text
+from spmdkit.targets.device_facts import compute_capability, device_platform
 from spmdkit.targets.flags import GPU_XLA_FLAGS, add_xla_flags
 from spmdkit.tools.strategies import STRATEGIES as TABLE
 from spmdkit.tools.strategies import Strategy
@@ -126,7 +127,7 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     mesh = make_mesh(strategy.mesh, jax.devices()[:1]) if name == "one_device" else make_mesh(strategy.mesh)
     rules = make_rules(strategy.zero, strategy.sequence_parallel)
     context = mesh.shape["context"]
-    model = model_for(setup, mesh.shape)
+    model = model_for(setup, mesh.shape).replace(attention=kernel_for(setup, mesh.shape))  # the one choice
     pipelined = mesh.shape["pipeline"] > 1
     schedule = pipeline_schedule("1f1b", mesh, setup.microbatches, 1, model.layers) if pipelined else None
     tx = make_optimizer(OptimizerConfig(warmup_steps=1), setup.warmup + setup.steps)
@@ -149,20 +150,19 @@ def model_for(setup: Setup, sizes: Any) -> Any:
 def kernel_for(setup: Setup, sizes: Any) -> str:
     """The attention kernel the strategy runs (SpmdkitError when the setup's choice cannot run on its mesh)."""
     model = model_for(setup, sizes)
+    device = jax.devices()[0]
     return choose_attention(
-        model.attention, context=sizes.get("context", 1), platform=platform(), dtype=model.dtype,
-        head_dim=model.head_dim, softcap=model.attention_softcap,
+        model.attention, context=sizes.get("context", 1), platform=device_platform(device), dtype=model.dtype,
+        head_dim=model.head_dim, compute_capability=compute_capability(device), softcap=model.attention_softcap,
     )  # fmt: skip
 
 
 def predicted(name: str, setup: Setup, sizes: dict[str, int]) -> Any:
     """The planner's estimate of the same layout (bytes per device per step) on mesh axis `sizes`."""
-    strategy = STRATEGIES[name]
-    return estimate(
-        model_for(setup, sizes), sizes, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len,
-        zero=strategy.zero, sequence_parallel=strategy.sequence_parallel,
-        microbatches=setup.microbatches if sizes.get("pipeline", 1) > 1 else 1,
-    )  # fmt: skip
+    count = setup.microbatches if sizes.get("pipeline", 1) > 1 else 1
+    strategy = dataclasses.replace(STRATEGIES[name], mesh=mesh_text(sizes), microbatches=count)
+    model = model_for(setup, sizes)
+    return estimate(model, strategy, device=setup.device, batch_size=setup.batch_size, seq_len=setup.seq_len)
 
 
 def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
@@ -286,7 +286,7 @@ def gpu_setup(steps: int) -> Setup:
         for per_device in (1, 2, 4, 8, 16, 32, 64):
             plan = predicted("fsdp", Setup(model, per_device * n, seq, device=device), {"fsdp": n})
             best = per_device if plan.total_memory <= 0.9 * DEVICES[device].hbm_bytes else best
-        if best >= 4 or remat == "full":
+        if best >= 4 or model.remat_policy.full:
             return Setup(model, max(best, 1) * n, seq, steps=steps, warmup=2, device=device)
     raise AssertionError("unreachable")
 

@@ -24,11 +24,13 @@ from spmdkit.distributed.platform import cuda_plugin
 from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.inspect.levers import expert_gemms, fp8_gemms, windowed_einsums
-from spmdkit.models.device_facts import cudnn_checks_for
 from spmdkit.parallel.experts import EXPERT_OPS
-from spmdkit.plan.estimate import REMAT_ORDER, estimate  # least recompute first: tried after the run's own
+from spmdkit.plan.devices import make_device
+from spmdkit.plan.estimate import REMAT_ORDER, evaluate  # least recompute first: tried after the run's own
 from spmdkit.sharding.mesh_config import format_sizes
+from spmdkit.sharding.strategy import Strategy, mesh_text
 from spmdkit.targets import gpu_target, target_devices
+from spmdkit.targets.device_facts import cudnn_checks_for
 from spmdkit.targets.flags import compile_with_options, gpu_compiler_options, run_flags
 from spmdkit.targets.topology import host_count
 from spmdkit.tools.host_memory import annotate_host_arrays, host_positions
@@ -83,12 +85,7 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
 
 def planner_estimate(program: TrainProgram, target: str) -> Any:
     """`spmdkit.plan.estimate` of the program's layout on the target."""
-    layout = program.layout()
-    return estimate(
-        layout.model, layout.sizes, device=target, batch_size=layout.batch_size, seq_len=layout.seq_len,
-        zero=layout.zero, sequence_parallel=layout.sequence_parallel, microbatches=layout.microbatches,
-        schedule=layout.schedule, virtual_stages=layout.virtual_stages, offload=layout.offload,
-    )  # fmt: skip
+    return evaluate(program.layout(), make_device(target))  # the layout build_program checked
 
 
 def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_bytes: float) -> str | None:
@@ -121,13 +118,10 @@ def planner_layout(program: TrainProgram, target: str, devices: int, per_host: i
     if not fitting:
         return None
     best = fitting[0]
-    flags = [f"--mesh {format_sizes({k: v for k, v in best.mesh.items() if v > 1}) or 'fsdp=1'}"]
-    flags += [f"--zero {best.zero}", f"--model.remat {best.remat}"]
-    if best.sequence_parallel:
-        flags.append("--sequence-parallel")
-    if best.microbatches > 1:
-        flags.append(f"{'--microbatches' if best.mesh.get('pipeline', 1) > 1 else '--grad-accum'} {best.microbatches}")
-    return " ".join(flags)
+    mesh = mesh_text({k: v for k, v in best.mesh.items() if v > 1}) or "fsdp=1"
+    microbatches = best.microbatches if best.microbatches > 1 else None
+    strategy = Strategy(mesh, best.zero, best.sequence_parallel, microbatches, best.schedule, best.virtual_stages)
+    return f"{strategy.flags()} --model.remat {best.remat}"
 
 
 def state_bytes(plan: Any) -> float:

@@ -1,24 +1,14 @@
 """The parallelism strategies that the benchmark runs and the tests check, in one table (no JAX here).
 
-Each is a concrete layout on 8 devices (8 simulated CPU devices, or one GPU node): a mesh, the ZeRO stage and the
+Each is a concrete layout on 8 devices (8 simulated CPU devices, or one GPU node), a `Strategy`
+(`spmdkit.sharding.strategy`, the value the presets and the planner take too): a mesh, the ZeRO stage and the
 sequence-parallel switch that `spmdkit.sharding.rules.make_rules` takes, and the gradient accumulation steps.
 `spmdkit bench` runs the subset in `spmdkit.tools.bench.STRATEGIES`; each test module picks the names it checks.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One layout: `make_mesh(mesh)`, `make_rules(zero, sequence_parallel)`, `grad_accum` microbatches a step."""
-
-    mesh: str
-    zero: int = 3
-    sequence_parallel: bool = False
-    grad_accum: int = 1
-
+from spmdkit.sharding.strategy import Strategy
 
 STRATEGIES: dict[str, Strategy] = {
     "one_device": Strategy("fsdp=1"),  # the baseline: runs on the first device alone
@@ -34,5 +24,5 @@ STRATEGIES: dict[str, Strategy] = {
     "pp": Strategy("pipeline=4,data=2"),
     "ep": Strategy("expert=4,data=2"),  # a mixture-of-experts model
     "fsdp_tp": Strategy("fsdp=4,tensor=2"),  # the benchmark's peer configuration's second mesh
-    "zero1_accumulated": Strategy("data=2,fsdp=2,tensor=2", zero=1, grad_accum=2),  # reduced once over data x fsdp
+    "zero1_accumulated": Strategy("data=2,fsdp=2,tensor=2", zero=1, microbatches=2),  # reduced once over data x fsdp
 }

@@ -128,11 +128,11 @@ def pipeline_loss_and_grads(
     def stage_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
         blocks = nnx.merge(blocks_def, chunk)
         if not packed:
-            y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat)
+            y = apply_blocks(blocks, x.astype(config.dtype), default_positions(x.shape[:2]), config.remat_policy)
             return y.astype(BOUNDARY_DTYPE)
         x, side = x[..., :-2], lax.stop_gradient(x[..., -2:])
         positions, segment_ids = side[..., 0].astype(jnp.int32), side[..., 1].astype(jnp.int32)
-        y = apply_blocks(blocks, x.astype(config.dtype), positions, config.remat, segment_ids)
+        y = apply_blocks(blocks, x.astype(config.dtype), positions, config.remat_policy, segment_ids)
         return jnp.concatenate([y.astype(BOUNDARY_DTYPE), side], axis=-1)
 
     pieces = schedule.num_microbatches * math.prod(mesh.shape[a] for a in rules.params["batch"] if a in mesh.shape)
@@ -159,7 +159,7 @@ def pipeline_loss_and_grads(
     head = {"norm": model.final_norm.scale[...], "lm_head": model.lm_head_weight()}
     loss, (d_stages, d_head, d_table) = pipeline_value_and_grad(
         stage_fn, loss_fn, stage_params, head, microbatches(raw), jax.tree.map(microbatches, targets), mesh=mesh,
-        schedule=schedule, batch_axes=rules.params["batch"], remat=config.remat != "none", embed_fn=embed_fn,
+        schedule=schedule, batch_axes=rules.params["batch"], remat=config.remat_policy.recomputes, embed_fn=embed_fn,
         embed_params=model.embedding[...],
     )  # fmt: skip
     d_stages = d_stages if virtual == 1 else deinterleave_layers(d_stages, stages, virtual)

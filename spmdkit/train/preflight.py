@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.fields import field_docs
 from spmdkit.train.config import SECTIONS, TrainConfig
-from spmdkit.train.fields import field_docs
 
 
 def check_writable(directory: str | Path, flag: str) -> None:

@@ -22,12 +22,13 @@ from spmdkit.data.resolve import resolve_source
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.device_facts import compute_capability, device_platform
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import Rules, make_rules
+from spmdkit.sharding.strategy import mesh_text
+from spmdkit.targets.device_facts import compute_capability, device_platform
 from spmdkit.train.config import TrainConfig, with_data_vocab
 from spmdkit.train.optimizer import make_optimizer, schedule
 from spmdkit.train.pipeline_step import pipeline_schedule
@@ -97,10 +98,13 @@ class TrainProgram:
 
 
 def microbatches(config: TrainConfig, mesh: Mesh) -> int:
-    """Pipeline microbatches (default: twice the stages) with a pipeline axis, else gradient accumulation."""
+    """The step's one microbatch count: with a pipeline axis `--microbatches` (default: twice the stages), else
+    `--grad-accum`; the other knob is refused, not ignored."""
     stages, settings, run = mesh.shape["pipeline"], config.mesh, config.run
     if stages > 1 and run.grad_accum != 1:
         raise SpmdkitError("--grad-accum does not combine with pipelining: raise --microbatches instead")
+    if stages == 1 and settings.microbatches not in (None, run.grad_accum):
+        raise SpmdkitError("--microbatches counts a pipeline's microbatches: without one, set --grad-accum instead")
     return (settings.microbatches or 2 * stages) if stages > 1 else run.grad_accum
 
 
@@ -108,8 +112,9 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
     """The run's layout as the planner describes it (and `check_layout` checks it)."""
     settings, run = config.mesh, config.run
     return Layout(
-        model, tuple(mesh.shape.items()), run.batch_size, run.seq_len, settings.zero, settings.sequence_parallel,
-        microbatches(config, mesh), settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload,
+        mesh_text(mesh.shape), settings.zero, settings.sequence_parallel, microbatches(config, mesh),
+        settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, model=model,
+        batch_size=run.batch_size, seq_len=run.seq_len,
     )  # fmt: skip
 
 

@@ -1,10 +1,11 @@
-"""How a config field is declared and checked: its `tyro.conf.arg` marker (one-line help, short flags), the
-reading of those markers, and the type check that guards values tyro did not parse (library calls, TOML, JSON).
-Imports no JAX."""
+"""How every config section declares a field, `name: Annotated[type, arg(help, *flags)] = default` (tyro, docs/cli.md
+and the preflight read the marker), and `check_types`, the one type check of values tyro did not parse. In `models/`,
+the lowest layer with a config section, so `data/` and `train/` import it too. No JAX (nor does tyro import it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal
@@ -23,8 +24,8 @@ def field_docs(cls: type) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Each field of a config section -> (its help, its short flags), read from its `tyro.conf.arg` marker."""
     docs = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
-        arg = next((m for m in getattr(hint, "__metadata__", ()) if hasattr(m, "aliases")), None)
-        docs[name] = (arg.help or "", tuple(arg.aliases or ())) if arg else ("", ())
+        marker = next((m for m in getattr(hint, "__metadata__", ()) if hasattr(m, "aliases")), None)
+        docs[name] = (marker.help or "", tuple(marker.aliases or ())) if marker else ("", ())
     return docs
 
 
@@ -50,12 +51,21 @@ def _conforms(value: Any, hint: Any) -> bool:
     return isinstance(value, hint) if hint in (str, bool) else True
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of a config section, evaluated once (sections are built often: the planner's search)."""
+    return typing.get_type_hints(cls)
+
+
 def check_types(section: Any, name: str) -> None:
     """SpmdkitError naming the first field of a config section whose value is not of its declared type (tyro parses
-    the command line's types itself; this guards library calls, TOML and JSON configs)."""
-    hints = typing.get_type_hints(type(section))
+    the command line's types itself; this guards library calls, TOML, JSON and saved configs). A list given for a
+    tuple field (TOML and JSON have no tuples) becomes a tuple first."""
+    hints = _hints(type(section))
     for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if not _conforms(value, hints[f.name]):
-            wanted = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        value, hint = getattr(section, f.name), hints[f.name]
+        if isinstance(value, list) and tuple in {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}:
+            object.__setattr__(section, f.name, value := tuple(value))
+        if not _conforms(value, hint):
+            wanted = str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
             raise SpmdkitError(f"{name}.{f.name}={value!r} must be of type {wanted}")
