@@ -175,7 +175,6 @@ def _write(tmp_path, name, array):
         ("tokens.txt", np.zeros(100, np.uint16), {}, "unknown extension '.txt'"),
         ("odd.bin", np.zeros(3, np.uint8), {}, "not a multiple of 2"),
         ("float.npy", np.zeros(100, np.float32), {}, "float32.*integer"),
-        ("tokens.bin", np.zeros(100, np.uint16), {"token_dtype": "int8"}, "token_dtype 'int8'"),
         ("big.bin", np.array([1, 2, 500] * 40, np.uint16), {}, "token id 500 but vocab_size is 264"),
         ("short.bin", np.zeros(10, np.uint16), {}, "shorter than one sequence"),
         ("few.bin", np.zeros(3 * 17, np.uint16), {}, "fewer than one global batch of 4"),
@@ -186,6 +185,12 @@ def test_token_file_errors(tmp_path, name, array, kwargs, match):
     config = DataConfig(source=path, eval_fraction=0.0, **kwargs)
     with pytest.raises(SpmdkitError, match=match) as info:
         make_data(config, seq_len=16, global_batch=4, vocab_size=264, seed=0)
+    assert "\n" not in str(info.value)
+
+
+def test_a_token_dtype_without_a_bin_reader_is_refused_by_the_config():
+    with pytest.raises(SpmdkitError, match="token_dtype='int8' must be of type") as info:
+        DataConfig(source="tokens.bin", token_dtype="int8")
     assert "\n" not in str(info.value)
 
 

@@ -30,25 +30,8 @@ VOCAB_SIZE = 264  # byte tokens + specials, padded to a multiple of 8
 
 STDLIB_MAX_BYTES = 8_000_000
 SYNTHETIC_RECORDS = 1_000_000
-_BIN_DTYPES = ("uint16", "uint32")
 
 # ----------------------------------------------------------------------------------------------- record sources
-
-
-class WindowSource(Sequence[np.ndarray]):
-    """Record `i` is `tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]`: non-overlapping windows, read lazily."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens = tokens
-        self.window = seq_len + 1
-        self._len = len(tokens) // self.window
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
-        start = int(index) * self.window
-        return np.asarray(self.tokens[start : start + self.window])
 
 
 class SyntheticSource(Sequence[np.ndarray]):
@@ -72,12 +55,6 @@ class SyntheticSource(Sequence[np.ndarray]):
 def stdlib_root() -> str:
     """The running interpreter's standard library directory."""
     return sysconfig.get_paths()["stdlib"]
-
-
-def _is_eval_file(relpath: str, eval_fraction: float) -> bool:
-    """Stable across runs and machines: crc32 of the relative path, not Python's salted `hash` (the rule a prepared
-    dataset's documents follow too: `spmdkit.data.store.format.is_eval`)."""
-    return bool(is_eval(np.array([zlib.crc32(relpath.encode())], np.uint32), eval_fraction)[0])
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +83,8 @@ def stdlib_texts() -> tuple[tuple[str, bytes], ...]:
 @functools.lru_cache(maxsize=1)
 def stdlib_documents() -> ArrayDocuments:
     """Every stdlib file (train and eval alike) as a document `BOS + bytes + EOS`, keyed by the crc32 of its relative
-    path, so `is_eval` splits them as `stdlib_files` does (for `--packing documents` on the stdlib)."""
+    path: `is_eval` of the keys is the eval split (`stdlib_files`, `--packing documents` on the stdlib), stable
+    across runs and machines (not Python's salted `hash`), the rule a prepared dataset's documents follow too."""
     texts = stdlib_texts()
     lengths = np.array([len(data) + 2 for _, data in texts], np.int64)
     tokens = np.empty(int(lengths.sum()), np.uint16)
@@ -121,21 +99,17 @@ def stdlib_documents() -> ArrayDocuments:
 def stdlib_files(eval_fraction: float = 0.05) -> dict[str, tuple[str, ...]]:
     """{"train": relative paths, "eval": relative paths} of the stdlib corpus, each in sorted order; disjoint."""
     split: dict[str, list[str]] = {"train": [], "eval": []}
-    for relpath, _ in stdlib_texts():
-        split["eval" if _is_eval_file(relpath, eval_fraction) else "train"].append(relpath)
+    for (relpath, _), evals in zip(stdlib_texts(), is_eval(stdlib_documents().keys, eval_fraction), strict=True):
+        split["eval" if evals else "train"].append(relpath)
     return {name: tuple(paths) for name, paths in split.items()}
 
 
 @functools.lru_cache(maxsize=4)
 def _stdlib_tokens(eval_fraction: float, split: str) -> np.ndarray:
     """[n] uint16: `BOS + bytes + EOS` of every file of `split`, concatenated in sorted path order."""
-    wanted = split == "eval"
-    parts = []
-    for relpath, data in stdlib_texts():
-        if _is_eval_file(relpath, eval_fraction) == wanted:
-            parts += [np.array([BOS], np.uint16), np.frombuffer(data, np.uint8).astype(np.uint16)]
-            parts.append(np.array([EOS], np.uint16))
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+    documents = stdlib_documents()
+    wanted = is_eval(documents.keys, eval_fraction) == (split == "eval")
+    return documents.tokens[np.repeat(wanted, documents.lengths)]
 
 
 # ----------------------------------------------------------------------------------------------- token files
@@ -149,8 +123,6 @@ def _open_token_file(path: str, token_dtype: str) -> np.ndarray:
         )
     ext = os.path.splitext(path)[1].lower()
     if ext == ".bin":
-        if token_dtype not in _BIN_DTYPES:
-            raise SpmdkitError(f"token_dtype {token_dtype!r} is not supported for .bin files: use 'uint16' or 'uint32'")
         itemsize = np.dtype(token_dtype).itemsize
         size = os.path.getsize(path)
         if size % itemsize:
@@ -209,5 +181,12 @@ def record_source(config: DataConfig, seq_len: int, vocab_size: int, seed: int, 
             raise SpmdkitError(
                 f"the stdlib source needs vocab_size >= {VOCAB_SIZE} (bytes + BOS/EOS), got {vocab_size}"
             )
-        return WindowSource(_stdlib_tokens(float(config.eval_fraction), split), seq_len)
-    return WindowSource(_file_tokens(config, vocab_size, seq_len, split), seq_len)
+        return _windows(_stdlib_tokens(float(config.eval_fraction), split), seq_len)
+    return _windows(_file_tokens(config, vocab_size, seq_len, split), seq_len)
+
+
+def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """[records, seq_len + 1]: record `i` is `tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]`, non-overlapping
+    windows (a view: a memory-mapped file is still read lazily, window by window)."""
+    records = len(tokens) // (seq_len + 1)
+    return tokens[: records * (seq_len + 1)].reshape(records, seq_len + 1)

@@ -65,16 +65,14 @@ class DataStream(Iterator[dict[str, np.ndarray]]):
         local_batch: int,
         num_records: int,
         split: str,
-        keys: tuple[str, ...] = FIELDS["windows"],
         packing: str = "windows",
         tokenizer: Tokenizer | None = None,
         token_bytes: np.ndarray | None = None,
     ):
-        self.dataset = dataset
         self.iterator: grain.DatasetIterator = iter(dataset)
         self.seq_len, self.global_batch, self.local_batch = seq_len, global_batch, local_batch
         self.num_records, self.split = num_records, split
-        self.keys, self.packing = keys, packing
+        self.keys, self.packing = FIELDS[packing], packing
         self.tokenizer, self.token_bytes = tokenizer, token_bytes
 
     @property
@@ -108,14 +106,33 @@ def make_data(
         raise SpmdkitError(f"unknown data split {split!r}: use 'train' or 'eval'")
     if seq_len < 1 or global_batch < 1:
         raise SpmdkitError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-    nproc, pid = jax.process_count(), jax.process_index()
+    nproc = jax.process_count()
     if global_batch % nproc:
         raise SpmdkitError(
             f"global_batch={global_batch} does not divide by the {nproc} JAX processes: use a multiple of {nproc}"
         )
     resolved = resolve_source(config)
-    if resolved.kind in ("prepared", "mixture") or resolved.packing == "documents":
-        return _packed_stream(config, resolved, seq_len, global_batch, vocab_size, seed, split)
+    documents = resolved.kind in ("prepared", "mixture") or resolved.packing == "documents"
+    batches, num_records, tokenizer = (_packed_batches if documents else _window_batches)(
+        config, resolved, seq_len, global_batch, vocab_size, seed, split
+    )
+    return DataStream(
+        batches.to_iter_dataset(_READ_OPTIONS),
+        seq_len=seq_len,
+        global_batch=global_batch,
+        local_batch=global_batch // nproc,
+        num_records=num_records,
+        split=split,
+        packing=resolved.packing,
+        tokenizer=tokenizer,
+        token_bytes=None if tokenizer is None else tokenizer.token_bytes(vocab_size),
+    )
+
+
+def _window_batches(
+    config: DataConfig, resolved: Resolved, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str
+) -> tuple[grain.MapDataset, int, Tokenizer | None]:
+    """The stdlib, token files and synthetic data in windows: (this process's batches, records, tokenizer)."""
     source = record_source(config, seq_len, vocab_size, seed, split)
     if len(source) < global_batch:
         raise SpmdkitError(
@@ -126,30 +143,20 @@ def make_data(
     # Whole global batches only: the record count, the shuffle and the epoch boundaries then do not depend on the
     # process count, so 1 process x 8 devices and 2 x 4 read the same global batches.
     num_records = len(source) - len(source) % global_batch
-    local_batch = global_batch // nproc
+    nproc = jax.process_count()
     ds = grain.MapDataset.source(source)[:num_records]
     if split == "train":
         ds = ds.seed(seed).shuffle()
-    ds = ds[pid::nproc].map(window_fields)
+    ds = ds[jax.process_index() :: nproc].map(window_fields)
     if split == "train":
         ds = ds.repeat()
-    iter_ds = ds.batch(local_batch, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
     tokenizer = byte_tokenizer() if resolved.kind == "stdlib" else None
-    return DataStream(
-        iter_ds,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        local_batch=local_batch,
-        num_records=num_records,
-        split=split,
-        tokenizer=tokenizer,
-        token_bytes=None if tokenizer is None else tokenizer.token_bytes(vocab_size),
-    )
+    return ds.batch(global_batch // nproc, drop_remainder=True), num_records, tokenizer
 
 
-def _packed_stream(
+def _packed_batches(
     config: DataConfig, resolved: Resolved, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str
-) -> DataStream:
+) -> tuple[grain.MapDataset, int, Tokenizer]:
     """Prepared datasets, mixtures, and the stdlib under `--packing documents`: rows from document stores."""
     if resolved.kind == "stdlib":
         stores, tokenizer, name = [("stdlib", stdlib_documents())], byte_tokenizer(), "stdlib"
@@ -165,8 +172,6 @@ def _packed_stream(
         stores, seq_len=seq_len, packing=resolved.packing, split=split, eval_fraction=config.eval_fraction, seed=seed
     )
     rows = global_rows(parts, resolved.weights or (1.0,))
-    nproc = jax.process_count()
-    local_batch = global_batch // nproc
     if split == "eval":
         num_records = len(rows) - len(rows) % global_batch
         if num_records == 0:
@@ -184,19 +189,8 @@ def _packed_stream(
             )
     # Blocks of local_batch consecutive global rows; process p takes blocks p, p + nproc, ...: at step s the
     # processes' rows together are global rows [s * global_batch, (s + 1) * global_batch) in process order.
-    batches = rows.batch(local_batch, drop_remainder=True)[jax.process_index() :: nproc]
-    return DataStream(
-        batches.to_iter_dataset(_READ_OPTIONS),
-        seq_len=seq_len,
-        global_batch=global_batch,
-        local_batch=local_batch,
-        num_records=num_records,
-        split=split,
-        keys=FIELDS[resolved.packing],
-        packing=resolved.packing,
-        tokenizer=tokenizer,
-        token_bytes=tokenizer.token_bytes(vocab_size),
-    )
+    nproc = jax.process_count()
+    return rows.batch(global_batch // nproc, drop_remainder=True)[jax.process_index() :: nproc], num_records, tokenizer
 
 
 def global_batch_arrays(

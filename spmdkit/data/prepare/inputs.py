@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +152,9 @@ def read_inputs(inputs: list[str], options: InputOptions) -> Iterator[Record]:
 
 
 def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
-    path = Path(spec)
-    builder, _, pattern = spec.partition(":")
-    if spec == STDLIB:  # as --data stdlib; a directory of that name is ./stdlib
-        yield from _read_stdlib()
-    elif builder in LOADERS and pattern and not path.exists():
-        yield from _read_loaded(builder, pattern, spec, options)
+    path = _input_path(spec)
+    if path is None:  # stdlib (as --data stdlib; a directory of that name is ./stdlib) or builder:GLOB
+        yield from _read_stdlib() if spec == STDLIB else _read_loaded(spec, options)
     elif path.is_dir():
         if _is_saved_dataset(path):
             yield from _read_saved(path, options)
@@ -225,15 +222,9 @@ def _read_text(path: Path, name: str, piece_chars: int) -> Iterator[Record]:
     """The file as one document, in pieces (read twice: checked first, so that a bad byte at its end is found
     before any piece of it is written)."""
     problem = check_text_file(path)
-    if problem == "empty":
-        yield Bad(f"{path}:1", "empty file", "empty")
-        return
     if problem is not None:
-        _, line, at = problem
-        with open(path, "rb") as f:
-            f.seek(at)
-            byte = f.read(1)[0]
-        yield Bad(f"{path}:{line}", f"not UTF-8 (byte 0x{byte:02x} at offset {at})", "not UTF-8")
+        line, reason, kind = problem
+        yield Bad(f"{path}:{line}", reason, kind)
         return
     try:
         for text, first, last in text_pieces(path, piece_chars):
@@ -249,7 +240,16 @@ def _text_value(record: Any, key: str, where: str, kind_of_record: str) -> Recor
     if key not in record:
         keys = ", ".join(list(record)[:8]) or "none"
         return Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
-    value = record[key]
+    return _checked_text(record[key], key, where)
+
+
+def _checked_text(value: Any, key: str, where: str) -> Bad | str:
+    """A record's value under `key` as text (str, or UTF-8 bytes), or a `Bad` saying why not."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return Bad(where, f"{key!r} is not UTF-8 (byte 0x{value[error.start]:02x})", "not UTF-8")
     if not isinstance(value, str):
         return Bad(where, f"{key!r} holds {type(value).__name__}, not a string", "not text")
     if not value.strip():
@@ -302,31 +302,8 @@ def _read_parquet(path: Path, name: str, key: str) -> Iterator[Record]:
         file = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid and OSError subclasses for damaged files
         raise SpmdkitError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
-    columns = file.schema_arrow.names
-    if key not in columns:
-        yield Bad(f"{path}:1", f"no column {key!r} (columns: {', '.join(columns[:8])}): pass --text-key", "missing key")
-        return
-    row = 0
-    for batch in file.iter_batches(columns=[key], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield _row_record(value, key, f"{path}:{row}", f"{name}:{row}")
-    if row == 0:
-        yield Bad(f"{path}:1", "empty file (no rows)", "empty")
-
-
-def _row_record(value: Any, key: str, where: str, name: str) -> Record:
-    """A table row's text value (str, or UTF-8 bytes) as a document, else a `Bad`."""
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as error:
-            return Bad(where, f"{key!r} is not UTF-8 (byte 0x{value[error.start]:02x})", "not UTF-8")
-    if not isinstance(value, str):
-        return Bad(where, f"{key!r} holds {type(value).__name__}, not a string", "not text")
-    if not value.strip():
-        return Bad(where, f"empty text under {key!r}", "empty")
-    return Document(name, value)
+    batches = lambda: (b.column(0).to_pylist() for b in file.iter_batches(columns=[key], batch_size=4096))
+    yield from _table_rows(file.schema_arrow.names, batches, key, str(path), name, "empty file (no rows)")
 
 
 def _datasets() -> Any:
@@ -335,19 +312,29 @@ def _datasets() -> Any:
     return _import_optional("datasets", "reading Hugging Face datasets")
 
 
-def _rows(dataset: Any, key: str, where: str, name: str) -> Iterator[Record]:
-    if key not in dataset.column_names:
-        columns = ", ".join(dataset.column_names[:8])
-        yield Bad(f"{where}:1", f"no column {key!r} (columns: {columns}): pass --text-key", "missing key")
-        return
-    if len(dataset) == 0:
-        yield Bad(f"{where}:1", "empty dataset (no rows)", "empty")
+def _table_rows(
+    columns: list[str], batches: Callable[[], Iterator[list[Any]]], key: str, where: str, name: str, empty: str
+) -> Iterator[Record]:
+    """Each value of a table's column `key` (`batches()`: lists of them, read only when the column exists) as a
+    document `name:row`, else a `Bad`."""
+    if key not in columns:
+        yield Bad(
+            f"{where}:1", f"no column {key!r} (columns: {', '.join(columns[:8])}): pass --text-key", "missing key"
+        )
         return
     row = 0
-    for batch in dataset.select_columns([key]).iter(batch_size=4096):
-        for value in batch[key]:
+    for values in batches():
+        for value in values:
             row += 1
-            yield _row_record(value, key, f"{where}:{row}", f"{name}:{row}")
+            text = _checked_text(value, key, f"{where}:{row}")
+            yield text if isinstance(text, Bad) else Document(f"{name}:{row}", text)
+    if row == 0:
+        yield Bad(f"{where}:1", empty, "empty")
+
+
+def _rows(dataset: Any, key: str, where: str, name: str) -> Iterator[Record]:
+    batches = lambda: (b[key] for b in dataset.select_columns([key]).iter(batch_size=4096))
+    yield from _table_rows(dataset.column_names, batches, key, where, name, "empty dataset (no rows)")
 
 
 def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
@@ -363,7 +350,8 @@ def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
     yield from _rows(loaded, options.text_key, str(path), path.name)
 
 
-def _read_loaded(builder: str, pattern: str, spec: str, options: InputOptions) -> Iterator[Record]:
+def _read_loaded(spec: str, options: InputOptions) -> Iterator[Record]:
+    builder, _, pattern = spec.partition(":")
     datasets = _datasets()
     kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
     try:

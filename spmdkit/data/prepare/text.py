@@ -55,9 +55,9 @@ def split_text(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
     yield text[start:]
 
 
-def check_text_file(path: Path, block: int = 1 << 22) -> tuple[str, int, int] | str | None:
-    """Read `path` once in blocks: None when it is UTF-8 with some text that is not white space, "empty" when it is
-    only white space, else ("not UTF-8", line, offset) of its first bad byte."""
+def check_text_file(path: Path, block: int = 1 << 22) -> tuple[int, str, str] | None:
+    """Read `path` once in blocks: None when it is UTF-8 with some text that is not white space, else (line, what is
+    wrong, kind): "empty" when it is only white space, "not UTF-8" (with its first bad byte and offset)."""
     carry, offset, lines, content = b"", 0, 0, False
     with open(path, "rb") as f:
         while True:
@@ -67,26 +67,25 @@ def check_text_file(path: Path, block: int = 1 << 22) -> tuple[str, int, int] | 
             try:
                 text, used = codecs.utf_8_decode(data, "strict", final)
             except UnicodeDecodeError as error:
-                return "not UTF-8", lines + data.count(b"\n", 0, error.start) + 1, offset + error.start
+                line = lines + data.count(b"\n", 0, error.start) + 1
+                at = f"byte 0x{data[error.start]:02x} at offset {offset + error.start}"
+                return line, f"not UTF-8 ({at})", "not UTF-8"
             content = content or bool(text.strip())
             lines += data.count(b"\n", 0, used)
             offset += used
             carry = data[used:]
             if final:
-                return None if content else "empty"
+                return None if content else (1, "empty file", "empty")
 
 
 def text_pieces(path: Path, limit: int = PIECE_CHARS) -> Iterator[tuple[str, bool, bool]]:
     """(piece, first, last) of a UTF-8 text file (checked by `check_text_file`) read in blocks: the whole file in
     pieces of at most `limit` characters cut by `cut_point`."""
-    carry, pending, first = b"", "", True
-    with open(path, "rb") as f:
+    pending, first = "", True
+    with open(path, encoding="utf-8", newline="") as f:  # newline="": every character as it is in the file
         while True:
-            data = f.read(limit)
-            final = not data
-            data = carry + data
-            text, used = codecs.utf_8_decode(data, "strict", final)
-            carry = data[used:]
+            text = f.read(limit)
+            final = not text
             pending += text
             while len(pending) > limit or (final and pending):
                 cut = cut_point(pending, limit) if len(pending) > limit else len(pending)

@@ -101,7 +101,8 @@ class PreparedDataset:
         return f"PreparedDataset({str(self.path)!r}, documents={self.documents}, tokens={self.tokens})"
 
     def _check_names(self) -> None:
-        """Every file `dataset.json` names is a plain name inside the directory, and shard entries are well formed."""
+        """Every file `dataset.json` names is a plain name inside the directory and present; shard entries are well
+        formed."""
         meta = self.meta
         if not isinstance(meta["shards"], list) or not meta["shards"]:
             self._damaged(f"{fmt.META_FILE} lists no shards")
@@ -111,17 +112,19 @@ class PreparedDataset:
             bad = [f for f, kind in fields.items() if not isinstance(entry.get(f), kind)]
             if bad or shard["tokens"] < 0 or shard["documents"] < 0:
                 self._damaged(f"{fmt.META_FILE} shard {k} lacks or mangles {', '.join(bad) or 'its counts'}")
-        names = [s["file"] for s in meta["shards"]] + [e["file"] for e in meta["index"].values()]
+        index = [e["file"] for e in meta["index"].values()]
+        if index != [meta["index"][k]["file"] for k in fmt.INDEX_FILES]:
+            self._damaged(f"{fmt.META_FILE} has another index than {', '.join(fmt.INDEX_FILES.values())}")
         root = self.path.resolve()
-        for name in [*names, meta["tokenizer"]["file"]]:
+        for name in [*(s["file"] for s in meta["shards"]), *index, meta["tokenizer"]["file"]]:
             path = Path(name) if isinstance(name, str) else None
             if path is None or path.is_absolute() or ".." in path.parts or not name:
                 self._damaged(f"{fmt.META_FILE} names the file {name!r}, which is not a plain name inside the dataset")
             real = (self.path / path).resolve()
             if root not in real.parents:
                 self._damaged(f"{self.path / path} leads outside the dataset (to {real})")
-        if [e["file"] for e in meta["index"].values()] != [meta["index"][k]["file"] for k in fmt.INDEX_FILES]:
-            self._damaged(f"{fmt.META_FILE} has another index than {', '.join(fmt.INDEX_FILES.values())}")
+            if not real.is_file():
+                self._damaged(f"{self.path / name} is missing")
 
     def _check_chunk_lists(self) -> int:
         """`chunk_tokens` (0 for a dataset without chunk checksums) and each shard's list of them against its size."""
@@ -137,15 +140,11 @@ class PreparedDataset:
         return chunk
 
     def _check_files(self) -> None:
-        """Every file present, each shard of the size its token count says, the tokenizer's hash, dtype vs vocab."""
+        """Each shard of the size its token count says, the tokenizer's hash, dtype vs vocab."""
         meta = self.meta
         tokenizer = meta["tokenizer"]
         if tokenizer["vocab_size"] > np.iinfo(self.dtype).max + 1:
             self._damaged(f"{fmt.META_FILE} says {self.dtype} shards for a vocab of {tokenizer['vocab_size']:,}")
-        names = [s["file"] for s in meta["shards"]] + list(fmt.INDEX_FILES.values()) + [tokenizer["file"]]
-        for name in names:
-            if not (self.path / name).is_file():
-                self._damaged(f"{self.path / name} is missing")
         total = 0
         for shard in meta["shards"]:
             size = (self.path / shard["file"]).stat().st_size

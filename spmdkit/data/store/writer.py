@@ -55,13 +55,12 @@ class _Index:
         self.flush()
         for f in self.files.values():
             f.close()
-        raw = {name: self.directory / f"{name}.raw" for name in INDEX_DTYPES}
         index = {}
         for name, dtype in INDEX_DTYPES.items():
-            path = self.directory / fmt.INDEX_FILES[name]
+            path, raw = self.directory / fmt.INDEX_FILES[name], self.directory / f"{name}.raw"
             count = documents + 1 if name == "offsets" else documents
-            index[name] = {"file": path.name, "sha256": fmt.write_npy(str(path), dtype, count, str(raw[name]))}
-            raw[name].unlink()
+            index[name] = {"file": path.name, "sha256": fmt.write_npy(str(path), dtype, count, str(raw))}
+            raw.unlink()
         return index
 
 
@@ -96,7 +95,6 @@ class DatasetWriter:
         self.staging = Staging(out).__enter__() if staging is None else staging
         assert self.staging.directory is not None
         self.tmp = self.staging.directory
-        self.out = self.staging.out
         self.index = _Index(self.tmp)
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None

@@ -117,27 +117,10 @@ class Tokenizer:
     def encode_documents(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens int64 [sum of lengths], lengths int64 [len(texts)]): the documents `encode_document` gives,
         concatenated; the batch is encoded on all cores (the Rust encoder releases the GIL meanwhile)."""
-        return self.documents_of(self.hf.encode_batch_fast(list(texts), add_special_tokens=False))
-
-    def documents_of(self, encodings: Sequence[tokenizers.Encoding]) -> tuple[np.ndarray, np.ndarray]:
-        """`encode_documents` of the library's encodings of the texts (`hf.encode_batch_fast(texts,
-        add_special_tokens=False)`), so that a pipeline can encode one batch while it assembles the last."""
-        ids = [e.ids for e in encodings]
-        specials = len(self.bos) + len(self.eos)
-        lengths = np.fromiter((len(x) + specials for x in ids), np.int64, count=len(ids))
-        out = np.empty(int(lengths.sum()), np.int64)
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        text_tokens = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=len(out) - specials * len(ids))
-        mask = np.ones(len(out), bool)
-        if self.bos_id is not None:
-            out[starts] = self.bos_id
-            mask[starts] = False
-        if self.eos_id is not None:
-            out[ends - 1] = self.eos_id
-            mask[ends - 1] = False
-        out[mask] = text_tokens
-        return out, lengths
+        encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        documents = [self.bos + e.ids + self.eos for e in encodings]
+        lengths = np.fromiter(map(len, documents), np.int64, count=len(documents))
+        return np.fromiter(itertools.chain.from_iterable(documents), np.int64, count=int(lengths.sum())), lengths
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids` (BOS/EOS and other specials dropped unless `skip_special_tokens=False`)."""
