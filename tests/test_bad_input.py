@@ -214,6 +214,7 @@ CASES = [
     (["plan", "--mesh", "fsdp=3", "--devices", "8"], 2, "fsdp=3"),
     (["plan", "--efficiency", "2"], 2, "--efficiency in (0, 1]"),
     (["plan", "--top", "0"], 2, "--top must be positive"),
+    (["plan", "--gpus", "64"], 2, "unrecognized arguments: --gpus 64"),
     (["plan", "--seq-len", "abc"], 2, "argument --seq-len: invalid int value: 'abc'"),
     (["plan", "--model", "125m", "--plot", "{D}/missing/plan.png"], 2, "directory {D}/missing does not exist"),
     (["plan", "--model", "125m", "--plot", "{D}/empty"], 2, "--plot {D}/empty is a directory"),

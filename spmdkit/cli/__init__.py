@@ -1,4 +1,5 @@
-"""The `spmdkit` command: one module per subcommand, each with `parse(argv)` and `main(argv) -> int`.
+"""The `spmdkit` command: one module per subcommand, each with `main(argv) -> int` and `parse(argv)` (or an
+argparse `parser()`, whose `parse_args` it is).
 
 `train` is built from the `TrainConfig` dataclasses by tyro (`spmdkit.cli.train`); the others are argparse parsers
 of `spmdkit.cli.args.ArgumentParser`. The contract of every command: a user error is one line on stderr
@@ -63,7 +64,8 @@ def parse(argv: Sequence[str]) -> Any:
     """Parse a command line without running anything (for checking the commands the docs cite)."""
     if not argv:
         raise SpmdkitError("no command given: see spmdkit --help")
-    return command(argv[0]).parse(argv[1:])
+    module = command(argv[0])
+    return module.parse(argv[1:]) if hasattr(module, "parse") else module.parser().parse_args(list(argv[1:]))
 
 
 def _one_line_warnings() -> None:

@@ -18,7 +18,11 @@ Subcommands = dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Ca
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """`argparse.ArgumentParser` whose errors are one line (a `SpmdkitError`) instead of usage text and exit 2."""
+    """`argparse.ArgumentParser` whose errors are one line (a `SpmdkitError`) instead of usage text and exit 2, and
+    whose flags are never abbreviated (`--gpus` is refused, not read as `--gpus-per-node`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SpmdkitError(f"{self.prog}: {message} (see {self.prog} --help)")

@@ -42,10 +42,6 @@ def parser(prog: str = "spmdkit bench") -> ArgumentParser:
     return add_arguments(ArgumentParser(prog=prog, description=sentence(HELP)))
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
-
-
 def check_args(args: argparse.Namespace) -> None:
     """One-line errors for values the benchmark cannot run with, before anything compiles or is written."""
     for flag, value, least in (
@@ -59,6 +55,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
+    args = parser().parse_args(list(argv))
     check_args(args)
     return run(args)

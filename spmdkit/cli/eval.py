@@ -44,10 +44,6 @@ def parser() -> ArgumentParser:
     return p
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
-
-
 def _check_args(args: argparse.Namespace) -> None:
     """The flags and the path, before anything is read."""
     if args.batches < 0:
@@ -60,7 +56,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
+    args = parser().parse_args(list(argv))
     _check_args(args)
     quiet_absl()
     use_cpu_devices(args.cpu_devices)

@@ -53,10 +53,6 @@ def parser() -> ArgumentParser:
     return p
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
-
-
 PROMPT_FILE_LIMIT = 1 << 20  # bytes: far beyond any model's context in text; /dev/zero is not read forever
 
 
@@ -113,7 +109,7 @@ def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[str]) -> int
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
+    args = parser().parse_args(list(argv))
     prompts = _prompts(args)
     quiet_absl()
     from spmdkit.inference.sampling import Sampling

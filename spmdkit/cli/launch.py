@@ -11,49 +11,6 @@ from spmdkit.distributed.launcher import launch_local, resolve_platform, visible
 from spmdkit.distributed.slurm import sbatch_script, submit_slurm
 from spmdkit.errors import SpmdkitError
 
-LAUNCH_FLAGS: list[tuple[str, dict]] = [
-    ("--processes", dict(type=int, metavar="N", help="local processes (default: one per GPU, else 1)")),
-    (
-        "--devices-per-process",
-        dict(type=int, metavar="M", help="CPU: simulated devices each (default 1); GPU: GPUs each"),
-    ),
-    ("--platform", dict(choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu where GPUs are visible")),
-    ("--port", dict(type=int, help="coordinator port on 127.0.0.1 (default: a free one)")),
-    ("--grace", dict(type=float, default=60.0, help="seconds processes get to save after Ctrl-C (default: 60)")),
-    (
-        "--processes-per-host",
-        dict(type=int, metavar="K", help="emulate hosts of K processes each, for --dcn (default: all on this one)"),
-    ),
-    (
-        "--max-restarts",
-        dict(
-            type=int,
-            default=0,
-            metavar="N",
-            help="start the whole job again after a failure (it resumes from its newest checkpoint); at most N "
-            "restarts in a row at one step (default: 0, a failure ends the job)",
-        ),
-    ),
-    ("--slurm", dict(action="store_true", help="write an sbatch script and submit it")),
-    ("--nodes", dict(type=int, metavar="K", help="--slurm: nodes")),
-    ("--gpus-per-node", dict(type=int, default=8, metavar="G", help="--slurm: GPUs per node (default: 8)")),
-    (
-        "--process-per",
-        dict(choices=("gpu", "node"), default="gpu", help="--slurm: one task per GPU (default) or per node"),
-    ),
-    ("--cpus-per-task", dict(type=int, metavar="C", help="--slurm: CPUs per task (default: 8 per GPU it drives)")),
-    (
-        "--env-setup",
-        dict(metavar="LINES", help="--slurm: shell lines that set up the environment (default: activate this one)"),
-    ),
-    ("--partition", dict(help="--slurm: partition")),
-    ("--time", dict(help="--slurm: time limit, e.g. 24:00:00")),
-    ("--account", dict(help="--slurm: account")),
-    ("--job-name", dict(default="spmdkit", help="--slurm: job name (default: spmdkit)")),
-    ("--script", dict(default="spmdkit.sbatch", help="--slurm: where to write the script (default: spmdkit.sbatch)")),
-    ("--dry-run", dict(action="store_true", help="--slurm: print the script, submit nothing")),
-]
-
 
 def parser() -> ArgumentParser:
     """`spmdkit launch` (its handler is `main`)."""
@@ -62,14 +19,44 @@ def parser() -> ArgumentParser:
         description="Run COMMAND as N local processes of one JAX job (spmdkit launch --processes 2 "
         "--devices-per-process 4 -- spmdkit train ...), or write and submit an sbatch script (--slurm).",
     )
-    for flag, kwargs in LAUNCH_FLAGS:
-        parser.add_argument(flag, **kwargs)
-    parser.add_argument("launch_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what each process runs")
+    add = parser.add_argument
+    add("--processes", type=int, metavar="N", help="local processes (default: one per GPU, else 1)")
+    add("--devices-per-process", type=int, metavar="M", help="CPU: simulated devices each (default 1); GPU: GPUs each")
+    add("--platform", choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu where GPUs are visible")
+    add("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    add("--grace", type=float, default=60.0, help="seconds processes get to save after Ctrl-C (default: 60)")
+    add(
+        "--processes-per-host",
+        type=int,
+        metavar="K",
+        help="emulate hosts of K processes each, for --dcn (default: all on this one)",
+    )
+    add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start the whole job again after a failure (it resumes from its newest checkpoint); at most N "
+        "restarts in a row at one step (default: 0, a failure ends the job)",
+    )
+    add("--slurm", action="store_true", help="write an sbatch script and submit it")
+    add("--nodes", type=int, metavar="K", help="--slurm: nodes")
+    add("--gpus-per-node", type=int, default=8, metavar="G", help="--slurm: GPUs per node (default: 8)")
+    add("--process-per", choices=("gpu", "node"), default="gpu", help="--slurm: one task per GPU (default) or per node")
+    add("--cpus-per-task", type=int, metavar="C", help="--slurm: CPUs per task (default: 8 per GPU it drives)")
+    add(
+        "--env-setup",
+        metavar="LINES",
+        help="--slurm: shell lines that set up the environment (default: activate this one)",
+    )
+    add("--partition", help="--slurm: partition")
+    add("--time", help="--slurm: time limit, e.g. 24:00:00")
+    add("--account", help="--slurm: account")
+    add("--job-name", default="spmdkit", help="--slurm: job name (default: spmdkit)")
+    add("--script", default="spmdkit.sbatch", help="--slurm: where to write the script (default: spmdkit.sbatch)")
+    add("--dry-run", action="store_true", help="--slurm: print the script, submit nothing")
+    add("launch_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what each process runs")
     return parser
-
-
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    return parser().parse_args(list(argv))
 
 
 def _slurm(args: argparse.Namespace, command: Sequence[str]) -> int:
@@ -81,7 +68,7 @@ def _slurm(args: argparse.Namespace, command: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse(argv)
+    args = parser().parse_args(list(argv))
     command = args.launch_command[1:] if args.launch_command[:1] == ["--"] else args.launch_command
     if args.slurm:
         return _slurm(args, command)
