@@ -191,7 +191,7 @@ def run_strategy(name: str, setup: Setup) -> dict[str, Any]:
     return {
         "strategy": name,
         "mesh": format_sizes(dict(mesh.shape)),
-        "attention": kernel_for(setup, dict(mesh.shape)),
+        "attention": built["model"].attention,  # the kernel `build` chose
         "devices": devices,
         "compile_s": compile_s,
         "compiles": len(compiles),  # XLA compilations from lowering to the last step: 1 (no retracing)
@@ -292,7 +292,8 @@ def gpu_setup(steps: int) -> Setup:
 
 
 def peer_model() -> Any:
-    """The fixed configuration other toolkits can run too (Llama-style, 20.6M parameters)."""
+    """The fixed configuration other toolkits can run too (Llama-style, 20.6M parameters; the MaxText harness in
+    ../shared/bench/maxtext/side_by_side.sh calls this)."""
     return TransformerConfig(
         vocab_size=32_000, embed=256, layers=4, heads=4, kv_heads=4, head_dim=64, mlp=1024, dtype="bfloat16"
     )

@@ -9,6 +9,7 @@ naming the damaged arrays.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,10 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
 
 
-def _leftovers(directory: Path) -> dict[str, list[str]]:
-    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    return {
-        "unfinished": [n for n in names if ".orbax-checkpoint-tmp" in n],
-        "set_aside": [n for n in names if ".damaged-" in n],
-    }
-
-
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
     """Metadata of `step` (default: the newest) of the checkpoint directory, as a JSON-ready dict."""
     checkpointer, step = open_step(directory, step)
-    try:
+    with contextlib.closing(checkpointer):
         steps = checkpointer.steps()
         try:
             shapes = checkpointer.saved_shapes(step)
@@ -50,20 +43,21 @@ def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[s
             for path, (shape, dtype) in shapes.items()
         ]
         model = [a for a in arrays if a["path"].startswith("model/")]
+        directory = checkpointer.directory
+        names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         return {
-            "directory": str(checkpointer.directory),
+            "directory": str(directory),
             "steps": steps,
             "step": step,
             "parameters": sum(math.prod(a["shape"]) for a in model),
             "parameter_bytes": sum(a["bytes"] for a in model),
             "total_bytes": sum(a["bytes"] for a in arrays),
             "arrays": arrays,
-            "data_files": data_files(checkpointer.directory / str(step) / "data"),
+            "data_files": data_files(directory / str(step) / "data"),
             "config": config,
-            **_leftovers(checkpointer.directory),
+            "unfinished": [n for n in names if ".orbax-checkpoint-tmp" in n],
+            "set_aside": [n for n in names if ".damaged-" in n],
         }
-    finally:
-        checkpointer.close()
 
 
 def format_inspection(info: dict[str, Any]) -> str:
@@ -99,14 +93,12 @@ def format_inspection(info: dict[str, Any]) -> str:
 def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
     """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`)."""
     checkpointer, _ = open_step(directory, choose=" (verify reads every step)")
-    try:
+    with contextlib.closing(checkpointer):
         report = []
         for step in checkpointer.steps():
             problems = checkpointer.verify(step)
             report.append({"step": step, "ok": not problems, "problem": "; ".join(problems) or None})
         return report
-    finally:
-        checkpointer.close()
 
 
 def format_verification(directory: str | Path, report: list[dict[str, Any]]) -> str:

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.checkpoint.params import read_params as checkpoint_params
@@ -71,14 +70,6 @@ def writing_into(out: Path, command: str) -> Iterator[None]:
             lock.release()
 
 
-def train_state_layout(config: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State, Any]:
-    """(graphdef, abstract train state, shardings) of `config`'s model and optimizer on `mesh`; no allocation."""
-    model = config.model.build()
-    tx = make_optimizer(config.optimizer, config.run.steps)
-    rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    return abstract_train_state(model, tx, mesh, rules, config.run.seed)
-
-
 # ------------------------------------------------------------------------------------------------- reshard
 
 
@@ -86,29 +77,22 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
     """Restore `step` (default: the newest) of `directory` onto `mesh` and save it into `out`; returns the step."""
     out = fresh_output(check_output(out, run_inputs(directory)))
     with writing_into(out, "spmdkit ckpt reshard"):
-        return _reshard(directory, out, mesh, step)
-
-
-def _reshard(directory: str | Path, out: Path, mesh: str, step: int | None) -> int:
-    source, step = open_step(directory, step)
-    try:
-        config = config_from_json(json.dumps(saved_config(source, step)))
-        config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
-        new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
-        _, abstract, shardings = train_state_layout(config, new_mesh)
-        state = source.restore(step, abstract, shardings)
-    finally:
-        source.close()
-    target = Checkpointer(out, every=0, keep=1)
-    try:
-        target.save(step, state, config=json.loads(config.to_json()), force=True)
-        target.wait()
-    finally:
-        target.close()
-    data = Path(source.directory) / str(step) / "data"
-    if data.is_dir() and jax.process_index() == 0:
-        shutil.copytree(data, out / str(step) / "data")
-    return step
+        source, step = open_step(directory, step)
+        with contextlib.closing(source):
+            config = config_from_json(json.dumps(saved_config(source, step)))
+            config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
+            new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
+            rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+            tx = make_optimizer(config.optimizer, config.run.steps)
+            _, abstract, shardings = abstract_train_state(config.model.build(), tx, new_mesh, rules, config.run.seed)
+            state = source.restore(step, abstract, shardings)
+        with contextlib.closing(Checkpointer(out, every=0, keep=1)) as target:
+            target.save(step, state, config=json.loads(config.to_json()), force=True)
+            target.wait()
+        data = Path(source.directory) / str(step) / "data"
+        if data.is_dir() and jax.process_index() == 0:
+            shutil.copytree(data, out / str(step) / "data")
+        return step
 
 
 # ------------------------------------------------------------------------------------------------- reading

@@ -107,7 +107,6 @@ def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_
 
 def planner_layout(program: TrainProgram, target: str, devices: int, per_host: int) -> str | None:
     """The flags of the fastest layout the planner says fits these devices (`spmdkit plan`'s search), or None."""
-    from spmdkit.plan.devices import make_device
     from spmdkit.plan.search import candidate_meshes, search
 
     run = program.config.run
@@ -122,11 +121,6 @@ def planner_layout(program: TrainProgram, target: str, devices: int, per_host: i
     microbatches = best.microbatches if best.microbatches > 1 else None
     strategy = Strategy(mesh, best.zero, best.sequence_parallel, microbatches, best.schedule, best.virtual_stages)
     return f"{strategy.flags()} --model.remat {best.remat}"
-
-
-def state_bytes(plan: Any) -> float:
-    """The planner's per-device parameters, gradients and optimizer state (they match the compiled arguments)."""
-    return sum(plan.memory.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
 
 
 def lower_train_step(program: TrainProgram) -> Any:
@@ -154,12 +148,6 @@ def moe_gemm(text: str, program: TrainProgram, devices: int) -> dict[str, Any] |
     routed = 18 * m.embed * m.routed_mlp * m.top_k * m.moe_layers * run.batch_size * run.seq_len / devices
     kind = "grouped" if found["grouped"] and not found["dense"] else "dense"
     return {"kind": kind, **found, "routed_flops": routed, "ratio": found["flops"] / routed if routed else None}
-
-
-def model_flops(program: TrainProgram) -> float:
-    """The model's FLOPs of one step (`TransformerConfig.flops_per_token`: what MFU counts), all devices."""
-    run = program.config.run
-    return program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
 
 
 def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, dict[str, float]]:
@@ -213,15 +201,10 @@ def base_report(
         "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text),
         "planner_bytes": total, "planner_memory": dict(planned),
         "planner_ratio": total / memory["total"] if memory["total"] else None,
-        "remat_that_fits": None, "compile_seconds": round(seconds, 2), "compiler": compiler(),
+        "remat_that_fits": None, "compile_seconds": round(seconds, 2),
+        "compiler": f"jaxlib {jaxlib.__version__}, {cuda_plugin() or 'no CUDA plugin'}",  # "..., jax-cuda13-plugin X"
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process, so far
     }  # fmt: skip
-
-
-def compiler() -> str:
-    """What compiled the program: jaxlib's version and the CUDA plugin ("jaxlib 0.12.0.1, jax-cuda13-plugin
-    0.12.0.1")."""
-    return f"jaxlib {jaxlib.__version__}, {cuda_plugin() or 'no CUDA plugin'}"
 
 
 def decode_report(config: TrainConfig, target: str, devices: int, per_host: int) -> dict[str, Any]:
@@ -246,12 +229,15 @@ def compile_for_target(
     report = base_report(
         target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context, text
     )
-    fits, usable = report["fits"], report["usable_hbm_bytes"]
+    fits, usable, run = report["fits"], report["usable_hbm_bytes"], program.config.run
+    # the planner's per-device parameters, gradients and optimizer state (they match the compiled arguments)
+    state = sum(plan.memory.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
+    model_flops = program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len  # what MFU counts
     report.update(
         remat=program.model_config.remat, zero=program.rules.zero_stage,
-        model_flops_per_device=model_flops(program) / devices,
+        model_flops_per_device=model_flops / devices,
         planner_collective_bytes=dict(plan.collective_bytes),
-        remat_that_fits=None if fits else remat_that_fits(config, gpus, usable, state_bytes(plan)),
+        remat_that_fits=None if fits else remat_that_fits(config, gpus, usable, state),
         planner_layout=None if fits else planner_layout(program, target, devices, per_host),
         flags_left_out=dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
         moe_gemm=moe_gemm(text, program, devices),

@@ -24,9 +24,16 @@ from spmdkit.checkpoint.manager import NonFiniteState
 from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop import hf_files
 from spmdkit.interop.hf_config import read_hf_config
-from spmdkit.interop.hf_files import GENERATION_CONFIG, SIDECAR, copy_hf_files, find_hf_files, special_token_ids
+from spmdkit.interop.hf_files import (
+    CONFIG,
+    GENERATION_CONFIG,
+    SIDECAR,
+    TOKENIZER_FILES,
+    copy_hf_files,
+    find_hf_files,
+    special_token_ids,
+)
 from spmdkit.interop.loading import check_tensors, hf_params, param_sharding_tree, stored_dtype
 from spmdkit.interop.safetensors_files import INDEX, SINGLE, TensorFiles
 from spmdkit.interop.sources import OVERRIDES, hf_config_path, hf_family, source_kind
@@ -51,37 +58,33 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     source = Path(path).expanduser().absolute()
     out = fresh_output(check_output(out, [source if source.is_dir() else source.parent]))
     with writing_into(out, "spmdkit ckpt import-hf"):
-        return _import_hf(path, out, dtype, mesh)
-
-
-def _import_hf(path: str | Path, out: Path, dtype: str | None, mesh: str) -> TransformerConfig:
-    config_path = hf_config_path(path)
-    _, model = read_hf_config(config_path)
-    files, family = TensorFiles(path), hf_family(path)
-    check_tensors(files, model, family)  # every refusal comes before anything is written
-    if dtype is not None and dtype not in NUMPY_DTYPES:
-        raise SpmdkitError(f"unknown dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
-    model = model.replace(param_dtype=dtype or stored_dtype(files))
-    # The run config records the full shape (every override set), so it needs neither a preset nor the source.
-    settings = {"name": str(Path(path).expanduser().absolute()), **{k: getattr(model, k) for k in OVERRIDES}}
-    config = apply_overrides(TrainConfig(), {"model": settings, "mesh": {"mesh": mesh}})
-    layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
-    rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-    params = hf_params(files, model, family, param_sharding_tree(model, layout, rules), model.param_dtype)
-    staging = out.with_name(f".{out.name}.importing")
-    if jax.process_index() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    try:
-        write_params(staging, params, json.loads(config.to_json()))
-    except NonFiniteState as error:
-        raise SpmdkitError(f"{path} holds {error}: nothing was written") from None
-    del params
-    if jax.process_index() == 0:
-        copy_hf_files(config_path.parent, staging / SIDECAR)
-        if out.exists():
-            out.rmdir()  # empty: checked above
-        os.replace(staging, out)
-    return model
+        config_path = hf_config_path(path)
+        _, model = read_hf_config(config_path)
+        files, family = TensorFiles(path), hf_family(path)
+        check_tensors(files, model, family)  # every refusal comes before anything is written
+        if dtype is not None and dtype not in NUMPY_DTYPES:
+            raise SpmdkitError(f"unknown dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
+        model = model.replace(param_dtype=dtype or stored_dtype(files))
+        # The run config records the full shape (every override set), so it needs neither a preset nor the source.
+        settings = {"name": str(source), **{k: getattr(model, k) for k in OVERRIDES}}
+        config = apply_overrides(TrainConfig(), {"model": settings, "mesh": {"mesh": mesh}})
+        layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
+        rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
+        params = hf_params(files, model, family, param_sharding_tree(model, layout, rules), model.param_dtype)
+        staging = out.with_name(f".{out.name}.importing")
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        try:
+            write_params(staging, params, json.loads(config.to_json()))
+        except NonFiniteState as error:
+            raise SpmdkitError(f"{path} holds {error}: nothing was written") from None
+        del params
+        if jax.process_index() == 0:
+            copy_hf_files(config_path.parent, staging / SIDECAR)
+            if out.exists():
+                out.rmdir()  # empty: checked above
+            os.replace(staging, out)
+        return model
 
 
 def default_token_ids(config: TrainConfig) -> dict[str, int | None]:
@@ -89,6 +92,22 @@ def default_token_ids(config: TrainConfig) -> dict[str, int | None]:
     so that transformers does not fall back to Llama's 1 and 2)."""
     stdlib = config.data.source == "stdlib"
     return {"bos_token_id": BOS if stdlib else None, "eos_token_id": EOS if stdlib else None, "pad_token_id": None}
+
+
+EXPORTED = frozenset({CONFIG, GENERATION_CONFIG, INDEX, SINGLE, *TOKENIZER_FILES})
+
+
+def check_earlier_export(out: Path) -> None:
+    """SpmdkitError unless `out` is what `ckpt export` writes (a Hugging Face model directory of its files only):
+    `--force` replaces an earlier export, never another kind of directory."""
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    other = [n for n in names if n not in EXPORTED and not (n.startswith("model-") and n.endswith(".safetensors"))]
+    weights = any(n.endswith(".safetensors") for n in names)
+    if not out.is_dir() or other or not weights or CONFIG not in names:
+        what = "is a file" if not out.is_dir() else f"holds {other[0]}" if other else "holds no exported weights"
+        raise SpmdkitError(
+            f"--force replaces only an earlier export, but {out} {what}: it is not one; pass a new --out"
+        )
 
 
 def export_hf(
@@ -110,41 +129,17 @@ def export_hf(
         check_earlier_export(out_path)
     check_creatable(out_path)
     with writing_into(out_path, "spmdkit ckpt export"):
-        return _export(directory, out_path, dtype, step, max_shard_size, force)
-
-
-CONFIG = hf_files.CONFIG
-EXPORTED = frozenset({CONFIG, GENERATION_CONFIG, INDEX, SINGLE, *hf_files.TOKENIZER_FILES})
-
-
-def check_earlier_export(out: Path) -> None:
-    """SpmdkitError unless `out` is what `ckpt export` writes (a Hugging Face model directory of its files only):
-    `--force` replaces an earlier export, never another kind of directory."""
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    other = [n for n in names if n not in EXPORTED and not (n.startswith("model-") and n.endswith(".safetensors"))]
-    weights = any(n.endswith(".safetensors") for n in names)
-    if not out.is_dir() or other or not weights or CONFIG not in names:
-        what = "is a file" if not out.is_dir() else f"holds {other[0]}" if other else "holds no exported weights"
-        raise SpmdkitError(
-            f"--force replaces only an earlier export, but {out} {what}: it is not one; pass a new --out"
+        step, config, params = read_params(directory, step)
+        model = config.model.build()
+        hf_dir = find_hf_files(directory)
+        base, generation = (
+            json.loads((hf_dir / name).read_text()) if hf_dir is not None and (hf_dir / name).is_file() else None
+            for name in (CONFIG, GENERATION_CONFIG)
         )
-
-
-def _export(
-    directory: str | Path, out_path: Path, dtype: str | None, step: int | None, max_shard_size: str | int, force: bool
-) -> tuple[Path, int]:
-    step, config, params = read_params(directory, step)
-    model = config.model.build()
-    hf_dir = find_hf_files(directory)
-    base = generation = None
-    if hf_dir is not None and (hf_dir / "config.json").is_file():
-        base = json.loads((hf_dir / "config.json").read_text())
-    if hf_dir is not None and (hf_dir / GENERATION_CONFIG).is_file():
-        generation = json.loads((hf_dir / GENERATION_CONFIG).read_text())
-    tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
-    written = save_hf(
-        model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
-        max_positions=model.max_positions or config.run.seq_len, tokens=tokens, base_config=base,
-        base_generation=generation,
-    )  # fmt: skip
-    return written, step
+        tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
+        written = save_hf(
+            model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
+            max_positions=model.max_positions or config.run.seq_len, tokens=tokens, base_config=base,
+            base_generation=generation,
+        )  # fmt: skip
+        return written, step
