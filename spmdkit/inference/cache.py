@@ -70,16 +70,6 @@ def empty_cache(config: TransformerConfig, batch: int, max_len: int, lengths: ja
     return KVCache(k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths)
 
 
-def abstract_cache(config: TransformerConfig, batch: int, max_len: int, shardings: KVCache) -> KVCache:
-    """The cache as `ShapeDtypeStruct`s (for lowering without allocating)."""
-    shape, dtype = layer_shape(config, batch, max_len), jnp.dtype(config.dtype)
-    return KVCache(
-        tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s) for s in shardings.k),
-        tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s) for s in shardings.v),
-        jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shardings.lengths),
-    )
-
-
 def write_block(cache: jax.Array, new: jax.Array) -> jax.Array:
     """Prefill: new [batch, tokens, kv_heads, head_dim] into slots 0..tokens-1 of every row."""
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, 0, 0))

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.inference.cache import KVCache, abstract_cache, cache_shardings, empty_cache
+from spmdkit.inference.cache import KVCache, cache_shardings, empty_cache
 from spmdkit.inference.forward import decode, prefill
 from spmdkit.inference.layerwise import merge_layers, shardings_of, split_layers
 from spmdkit.inference.sampling import Sampling, SamplingArrays, is_stop, row_keys, sample, sampling_arrays
@@ -135,12 +135,6 @@ class Generator:
         settings = self._abstract(sampling_arrays(Sampling(), 1), self._settings_shardings())
         return (self._abstract(self.params, shardings_of(self.params)), *middle, settings)
 
-    def _abstract_state(self, batch: int, max_len: int) -> DecodeState:
-        shardings = self._state_shardings(batch, max_len)
-        rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shardings.token)
-        done = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=shardings.done)
-        return DecodeState(abstract_cache(self.config, batch, max_len, shardings.cache), rows, rows, done, rows)
-
     def prefill_program(self, batch: int, prompt: int, max_len: int) -> Any:
         """Compiled (params, tokens [B, P], lengths [B], budget [B], settings) -> DecodeState, first token taken."""
         definition, config, rows = self.definition, self.config, jnp.arange(batch)
@@ -176,9 +170,12 @@ class Generator:
         return step
 
     def _compile_decode(self, key: tuple, fn: Callable, batch: int, max_len: int) -> Any:
-        args = self._args(self._abstract_state(batch, max_len))
-        out_shardings = (self._state_shardings(batch, max_len), self._rows(batch))
-        return self._compile(key, fn, args, out_shardings, donate=(1,))
+        """`fn` (params, state, settings) -> (state, tokens) compiled for this bucket, the state donated."""
+        shardings = self._state_shardings(batch, max_len)
+        rows, done = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.bool_)
+        cache = jax.eval_shape(lambda: empty_cache(self.config, batch, max_len))
+        args = self._args(self._abstract(DecodeState(cache, rows, rows, done, rows), shardings))
+        return self._compile(key, fn, args, (shardings, self._rows(batch)), donate=(1,))
 
     def step_program(self, batch: int, max_len: int) -> Any:
         """Compiled single decode step (params, state, settings) -> (state, new tokens [B]); the state is donated.

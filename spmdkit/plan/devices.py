@@ -85,7 +85,6 @@ DEVICES: dict[str, Device] = {
         25e9,
         kinds=("A100", "A800"),
         hbm_bw=2.039e12,
-        link_latency=10e-6,
         compute_capability=8,
     ),
     # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
@@ -178,11 +177,18 @@ def make_device(
     hbm_gbs: float | None = None,
 ) -> Device:
     """A named device (a key of `DEVICES`) with optional overrides, or `custom` (all given)."""
+    # field: (its flag, the flag's value, the flag's unit)
+    given = {
+        "hbm_bytes": ("--hbm-gb", hbm_gb, 1e9),
+        "peak_flops": ("--peak-tflops", peak_tflops, 1e12),
+        "intra_node_bw": ("--intra-node-gbs", intra_node_gbs, 1e9),
+        "inter_node_bw": ("--inter-node-gbs", inter_node_gbs, 1e9),
+        "gpus_per_node": ("--gpus-per-node", gpus_per_node, 1),
+        "hbm_bw": ("--hbm-gbs", hbm_gbs, 1e9),
+    }
+    required = ("hbm_bytes", "peak_flops", "intra_node_bw", "inter_node_bw")  # what a custom device must give
     if kind == "custom":
-        missing = [n for n, v in [("--hbm-gb", hbm_gb), ("--peak-tflops", peak_tflops)] if v is None]
-        missing += [
-            n for n, v in [("--intra-node-gbs", intra_node_gbs), ("--inter-node-gbs", inter_node_gbs)] if v is None
-        ]
+        missing = [given[field][0] for field in required if given[field][1] is None]
         if missing:
             raise SpmdkitError(f"--device-type custom needs {', '.join(missing)}")
         base = Device("custom", 0.0, 0.0, 0.0, 0.0)
@@ -190,16 +196,8 @@ def make_device(
         base = DEVICES[kind]
     else:
         raise SpmdkitError(f"unknown device type {kind!r}: choose one of {', '.join(DEVICE_TYPES)}")
-    changes = {
-        "hbm_bytes": None if hbm_gb is None else hbm_gb * 1e9,
-        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
-        "intra_node_bw": None if intra_node_gbs is None else intra_node_gbs * 1e9,
-        "inter_node_bw": None if inter_node_gbs is None else inter_node_gbs * 1e9,
-        "gpus_per_node": gpus_per_node,
-        "hbm_bw": None if hbm_gbs is None else hbm_gbs * 1e9,
-    }
-    device = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
-    for field in ("hbm_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
+    device = dataclasses.replace(base, **{k: v * unit for k, (_, v, unit) in given.items() if v is not None})
+    for field in (*required, "gpus_per_node"):
         if getattr(device, field) <= 0:
             raise SpmdkitError(f"device {field.replace('_', ' ')} must be positive (got {getattr(device, field)})")
     return device

@@ -53,11 +53,6 @@ def _sizes(mesh: Mapping[str, int]) -> dict[str, int]:
     return sizes
 
 
-def kv_split(m: TransformerConfig, tensor: int) -> int:
-    """How many ways the KV heads (and the cache) split over `tensor`: T when it divides them, else 1."""
-    return tensor if m.kv_heads % tensor == 0 else 1
-
-
 def weight_bytes(m: TransformerConfig, mesh: Mapping[str, int], local_batch: float | None = None) -> float:
     """Weight bytes per device (in `m.param_dtype`); with `local_batch`, only the routed experts its tokens use."""
     sizes = _sizes(mesh)
@@ -74,10 +69,8 @@ def weight_bytes(m: TransformerConfig, mesh: Mapping[str, int], local_batch: flo
 def kv_bytes(m: TransformerConfig, mesh: Mapping[str, int], batch: int, context: int) -> float:
     """KV cache bytes per device: 2 x L x (B / D) x c x K x d x a / T (T when it divides K)."""
     sizes = _sizes(mesh)
-    local = batch / sizes["data"]
-    return (
-        2 * m.layers * local * context * m.kv_heads * m.head_dim * DTYPE_BYTES[m.dtype] / kv_split(m, sizes["tensor"])
-    )
+    split = sizes["tensor"] if m.kv_heads % sizes["tensor"] == 0 else 1  # else the KV heads are replicated
+    return 2 * m.layers * (batch / sizes["data"]) * context * m.kv_heads * m.head_dim * DTYPE_BYTES[m.dtype] / split
 
 
 def decode_memory(
@@ -149,14 +142,12 @@ def tp_comm_s(m: TransformerConfig, mesh: Mapping[str, int], device: Device, loc
     t = _sizes(mesh)["tensor"]
     if t == 1:
         return 0.0
-    activation = local_batch * m.embed * DTYPE_BYTES[m.dtype]
-    reduces = (2 * m.layers + 1) * (
-        device.link_latency + wire_bytes("all-reduce", t, activation) / device.intra_node_bw
-    )
-    logits = (
-        device.link_latency + wire_bytes("all-gather", t, local_batch * m.vocab_size * 4 / t) / device.intra_node_bw
-    )
-    return reduces + logits
+
+    def collective(opcode: str, operand: float) -> float:  # a latency and the ring's wire bytes over NVLink
+        return device.link_latency + wire_bytes(opcode, t, operand) / device.intra_node_bw
+
+    reduces = (2 * m.layers + 1) * collective("all-reduce", local_batch * m.embed * DTYPE_BYTES[m.dtype])
+    return reduces + collective("all-gather", local_batch * m.vocab_size * 4 / t)
 
 
 def decode_estimate(
@@ -217,12 +208,8 @@ def prefill_s(
 
 def inference_meshes(devices: int, m: TransformerConfig) -> list[dict[str, int]]:
     """tensor=T x data=devices/T for every power-of-two T dividing the devices and the query heads."""
-    out, t = [], 1
-    while t <= devices:
-        if devices % t == 0 and m.heads % t == 0:
-            out.append(_sizes({"tensor": t, "data": devices // t}))
-        t *= 2
-    return out
+    powers = (2**k for k in range(devices.bit_length()))
+    return [_sizes({"tensor": t, "data": devices // t}) for t in powers if devices % t == 0 and m.heads % t == 0]
 
 
 def inference_report(

@@ -46,16 +46,14 @@ def candidate_meshes(
 
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
               sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
-              virtual_stages: int | None, offload: bool) -> list[list[list[Layout]]]:  # fmt: skip
-    """Layouts to try on `mesh`: per (ZeRO stage, pipeline schedule), per remat policy (least recompute first), per
-    microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B
+              virtual_stages: int | None, offload: bool) -> list[list[Layout]]:  # fmt: skip
+    """Layouts to try on `mesh`: per (ZeRO stage, pipeline schedule), every remat policy (least recompute first) with
+    every microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B
     and interleaved (v=2) pipelines; accumulation steps (powers of two) or pipeline microbatches P, 2P, 4P, 8P and
     one sequence per data-parallel rank."""
     T, P, F = mesh["tensor"], mesh["pipeline"], mesh["fsdp"]
-    local_batch, sp = (
-        batch_size // (mesh["data"] * F * mesh["expert"]),
-        bool(T > 1 if sequence_parallel is None else sequence_parallel),
-    )
+    local_batch = batch_size // (mesh["data"] * F * mesh["expert"])
+    sp = bool(T > 1 if sequence_parallel is None else sequence_parallel)
     pipes = (
         [(schedule or "1f1b", virtual_stages or (2 if schedule == "interleaved" else 1))] if P > 1 else [("1f1b", 1)]
     )
@@ -72,7 +70,7 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
                 counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
             layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
             policies = [remat] if remat else REMAT_ORDER
-            out.append([[layout(M, sched, v, offload, model=model.replace(remat=r)) for M in counts] for r in policies])
+            out.append([layout(M, sched, v, offload, model=model.replace(remat=r)) for r in policies for M in counts])
     return out
 
 
@@ -102,18 +100,17 @@ def search(
     fitting, smallest = [], (math.inf, None)
     settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload)
     for mesh in meshes:
-        for by_policy in _variants(model, mesh, batch_size, seq_len, *settings):
+        for layouts in _variants(model, mesh, batch_size, seq_len, *settings):
             fit = []
-            for layouts in by_policy:
-                for layout in layouts:
-                    try:
-                        check_layout(layout)
-                    except SpmdkitError:
-                        continue
-                    need = sum(memory(layout, planner_platform(dev), dev.compute_capability).values())
-                    if need <= dev.hbm_bytes:
-                        fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
-                    smallest = min(smallest, (need, layout), key=lambda x: x[0])
+            for layout in layouts:
+                try:
+                    check_layout(layout)
+                except SpmdkitError:
+                    continue
+                need = sum(memory(layout, planner_platform(dev), dev.compute_capability).values())
+                if need <= dev.hbm_bytes:
+                    fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
+                smallest = min(smallest, (need, layout), key=lambda x: x[0])
             if fit:  # the fastest policy and microbatch count: more recompute can be faster than accumulating
                 fitting.append(min(fit, key=lambda e: e.step_s))
     fitting.sort(key=lambda e: (e.step_s, e.total_memory))
