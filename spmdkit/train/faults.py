@@ -38,14 +38,6 @@ class Fault:
     seconds: float = 0.0
     attempt: int | None = None  # None: every attempt
 
-    def matches(self, process: int, phase: str, step: int | None, attempt: int) -> bool:
-        return (
-            self.process in (None, process)
-            and self.phase == phase
-            and self.step in (None, step)
-            and self.attempt in (None, attempt)
-        )
-
 
 def parse_fault(text: str) -> Fault:
     """One `PROCESS:PHASE[=STEP]:ACTION[=SECONDS][@ATTEMPT]` entry."""
@@ -86,8 +78,8 @@ class Faults:
 
     def at(self, phase: str, step: int | None, before_stop: Callable[[], None] | None = None) -> None:
         """Run the faults of `phase` (at `step`): `before_stop` runs first (it publishes where the process is)."""
-        for fault in self.faults:
-            if not fault.matches(self.process, phase, step, self.attempt):
+        for fault in self.faults:  # this process's already
+            if fault.phase != phase or fault.step not in (None, step) or fault.attempt not in (None, self.attempt):
                 continue
             if fault.action == "delay":
                 time.sleep(fault.seconds)

@@ -5,10 +5,10 @@ the only per-step read is the previous step's bad-step counter, which is already
 step runs. The Trainer owns a `Checkpointer`: it resumes from the newest intact step at the start of `run()` and
 saves every `checkpoint.every` steps and at the end; `Trainer.step_hook` runs after every step (tests use it).
 
-`Trainer.run` is set-up (`_start`, `_compile`), a step iterator (`_steps`) and the hooks after each step (metrics and
-eval: `MetricsHook`; save and poll; `step_hook`; stop request), with one `ExitStack` as the only clean-up path. The
-other public methods work in any order after `__init__`: `Trainer(config).evaluate()` before `run()` evaluates the
-fresh state.
+`Trainer.run` is set-up (`_start`, `_compile`), a step iterator (`_steps`) and the hooks registered to run after each
+step (`hooks.Hooks`: metrics and eval, `MetricsHook`; save and poll; `step_hook`), then the stop request, with one
+`ExitStack` as the only clean-up path. The other public methods work in any order after `__init__`:
+`Trainer(config).evaluate()` before `run()` evaluates the fresh state.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from spmdkit.rundir.ownership import check_run_directory, lock_run_directories
 from spmdkit.train.config import TrainConfig, checkpoint_directory
 from spmdkit.train.faults import Faults, attempt
 from spmdkit.train.goodput import Goodput
-from spmdkit.train.hooks import MetricsHook, closing
+from spmdkit.train.hooks import Hooks, MetricsHook, closing
 from spmdkit.train.metrics import MetricsWriter, read_metrics, replace_text, trim_metrics
 from spmdkit.train.phases import PhaseClock
 from spmdkit.train.preemption import StopRequest
 from spmdkit.train.preflight import check_resume, check_writable
-from spmdkit.train.profiling import StepProfiler, dump_hlo
+from spmdkit.train.profiling import StepProfiler
 from spmdkit.train.program import build_program
 from spmdkit.train.report import Progress, describe_run, summary
 from spmdkit.train.state import TrainState
@@ -264,25 +264,26 @@ class Trainer:
             watchdog = Watchdog(self.clock, jax.process_index(), jax.process_count(), attempt()).start()
             stack.callback(watchdog.close)
             self._start()
+            result = TrainResult({}, {}, self.state, self.run_dir, 0)
             if self.start_step >= run.steps:
                 stack.close()
                 self.log(f"nothing to do: {checkpointer.directory} already holds step {self.start_step} of {run.steps}")
-                return TrainResult({}, {}, self.state, self.run_dir, 0)
+                return result
             compiled, batch = self._compile()
             writer = self._open_writer(stack)
             progress = Progress(run.steps - self.start_step, self.start_step, self.is_main and run.progress)
             stack.push(closing(progress.close))
             stop = stack.enter_context(StopRequest())  # SIGTERM / SIGINT: finish this step, save, return
             stack.callback(self.profiler.close)
-            result = TrainResult({}, {}, self.state, self.run_dir, 0)
-            log_metrics = MetricsHook(self, writer, progress, result)
+            hooks = Hooks()  # what runs after each step, in this order: the record, the save, `step_hook`
+            hooks.append(MetricsHook(
+                run, self.model_config, self.start_step, self.clock, self.stragglers, self.goodput, self.evaluate,
+                writer, progress, result,
+            ))  # fmt: skip
+            hooks.append(self._save_when_due)
+            hooks.append(lambda step, _: self.step_hook(step, self) if self.step_hook else None)
             for step, metrics in self._steps(compiled, batch):
-                log_metrics(step, metrics)
-                with self.clock.phase("checkpoint", step):
-                    self.save(step, step == run.steps, metrics)
-                checkpointer.poll()  # a save that failed in the background stops the run now
-                if self.step_hook:
-                    self.step_hook(step, self)
+                hooks(step, metrics)
                 with self.clock.phase("wait", step):  # a small collective: every process agrees to stop, or not
                     stopping = stop.requested()
                 if stopping:
@@ -293,6 +294,13 @@ class Trainer:
                     break
             self._check_bad_steps(metrics, step)  # the last step's counter: `_steps` checks each one before
         return self._finish(result, stop)
+
+    def _save_when_due(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """The hook that saves `step` when due (the last step always), then polls: a save that failed in the
+        background stops the run now."""
+        with self.clock.phase("checkpoint", step):
+            self.save(step, step == self.config.run.steps, metrics)
+        self.checkpointer.poll()
 
     def _start(self) -> None:
         """Resume (or initialise from `--init-from`) and draw the first batch, then write config.json and the
@@ -323,8 +331,9 @@ class Trainer:
         with self.clock.phase("compile"):
             compiled = step_fn.lower(self.state.state, batch).compile()
         self.log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
-        if self.config.run.dump_hlo and self.is_main:
-            self.log(f"wrote the compiled step's HLO to {dump_hlo(compiled, self.run_dir)}")
+        if self.config.run.dump_hlo and self.is_main:  # the optimized HLO, as XLA will run it
+            (hlo := self.run_dir / "train_step.hlo.txt").write_text(compiled.as_text())
+            self.log(f"wrote the compiled step's HLO to {hlo}")
         return compiled, batch
 
     def _open_writer(self, stack: contextlib.ExitStack) -> MetricsWriter:

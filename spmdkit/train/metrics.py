@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -82,12 +83,13 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write `path` through a temporary file in the same directory and a rename: never a half-written file."""
+def replace_text(path: Path, text: str | bytes) -> None:
+    """Write `path` (text, or bytes) through a temporary file in the same directory and a rename: never a
+    half-written file."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        temporary.write_text(text)
+        temporary.write_bytes(text if isinstance(text, bytes) else text.encode())
         os.replace(temporary, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -205,12 +207,9 @@ def plot_loss_curve(records: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with _write_errors(path):
-            fig.savefig(temporary, dpi=100, format="png")
-            os.replace(temporary, path)
+        fig.savefig(png := io.BytesIO(), dpi=100, format="png")
     finally:
         plt.close(fig)
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+    with _write_errors(path):
+        replace_text(path, png.getvalue())

@@ -1,7 +1,7 @@
 """Graceful stop on SIGTERM / SIGINT: the loop finishes the step it is in, saves a checkpoint, and exits 0.
 
-`StopRequest().install()` installs the handlers (main thread only; elsewhere it never fires) and `uninstall()`
-puts the old ones back; it is also a context manager. A second SIGINT while stopping raises `KeyboardInterrupt`
+`with StopRequest() as stop:` installs the handlers (main thread only; elsewhere it never fires) and puts the old
+ones back on leaving. A second SIGINT while stopping raises `KeyboardInterrupt`
 as usual. With several JAX processes they agree on the step to stop at (one signalled process stops them all).
 """
 
@@ -30,22 +30,16 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signal = signum
 
-    def install(self) -> StopRequest:
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def uninstall(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def __enter__(self) -> StopRequest:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
 
     @property
     def name(self) -> str:

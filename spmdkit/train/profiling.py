@@ -1,4 +1,4 @@
-"""`--profile-steps A:B` and `--dump-hlo`: why a step is slow, from the run itself.
+"""`--profile-steps A:B`: why a step is slow, from the run itself (and `--dump-hlo`: the step as XLA runs it).
 
 `StepProfiler` writes a `jax.profiler` trace of steps A to B (1-based, inclusive) into RUN_DIR/profile/
 (`plugins/profile/<time>/<host>.xplane.pb`: TensorBoard's profile plugin / xprof read it, and Perfetto through
@@ -51,10 +51,3 @@ class StepProfiler:
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()
-
-
-def dump_hlo(compiled: Any, run_dir: Path) -> Path:
-    """The optimized HLO of the compiled train step, as XLA will run it, into RUN_DIR/train_step.hlo.txt."""
-    path = run_dir / "train_step.hlo.txt"
-    path.write_text(compiled.as_text())
-    return path

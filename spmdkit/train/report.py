@@ -23,10 +23,13 @@ if TYPE_CHECKING:
 def describe_run(trainer: Trainer) -> str:
     """The lines a run prints before it compiles: mesh, parallelism, model, kernels, memory per device, data,
     batch."""
-    params, opt = state_bytes_per_device(trainer)
+    rows = parameter_rows(trainer.state.state, trainer.state.shardings)  # bytes held by one device
+    params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
+    opt = sum(r.bytes_per_device for r in rows) - params
     cfg, run, settings = trainer.model_config, trainer.config.run, trainer.config.model
     name = f"weights of {settings.init_from}" if settings.init_from else settings.name
     zero = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[trainer.rules.zero_stage]
+    chunks = loss_chunks(run.seq_len, cfg.loss_chunk, trainer.context)
     return "\n".join(
         [
             f"mesh         {format_sizes(dict(trainer.mesh.shape))} on {trainer.mesh.devices.size} "
@@ -36,34 +39,19 @@ def describe_run(trainer: Trainer) -> str:
             + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
             f"model        {name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
             f"compute {cfg.dtype}{' (dense matmuls in FP8)' if cfg.fp8 else ''}, remat {cfg.remat}",
-            _describe_kernels(trainer),
+            f"kernels      attention {trainer.attention}" + (" (auto)" if settings.attention == "auto" else "")
+            + f"; loss over {chunks} chunk(s) of {run.seq_len // chunks} positions"
+            + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else ""),
             *([_describe_experts(trainer)] if cfg.experts else []),
             f"memory       per device: parameters {human_bytes(params)} + optimizer {human_bytes(opt)}"
             + (" (in pinned host memory: --optimizer.offload)" if trainer.config.optimizer.offload else ""),
-            _describe_data(trainer),
+            f"data         {trainer.config.data.source}: {trainer.data.packing} packing"
+            + (f", tokenizer {t.name} ({t.vocab_size:,} tokens)" if (t := trainer.data.tokenizer) else "")
+            + f", model vocab {cfg.vocab_size:,}",
             f"batch        {run.batch_size} x {run.seq_len} tokens, grad accumulation {run.grad_accum}",
             *([_describe_pipeline(trainer)] if trainer.pipeline else []),
         ]
-    )
-
-
-def _describe_kernels(trainer: Trainer) -> str:
-    cfg, seq = trainer.model_config, trainer.config.run.seq_len
-    chunks = loss_chunks(seq, cfg.loss_chunk, trainer.context)
-    return (
-        f"kernels      attention {trainer.attention}" + (" (auto)" if trainer.config.model.attention == "auto" else "")
-        + f"; loss over {chunks} chunk(s) of {seq // chunks} positions"
-        + (f", z-loss weight {cfg.z_loss:g}" if cfg.z_loss else "")
     )  # fmt: skip
-
-
-def _describe_data(trainer: Trainer) -> str:
-    data, tokenizer = trainer.data, trainer.data.tokenizer
-    return (
-        f"data         {trainer.config.data.source}: {data.packing} packing"
-        + (f", tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} tokens)" if tokenizer else "")
-        + f", model vocab {trainer.model_config.vocab_size:,}"
-    )
 
 
 def _describe_experts(trainer: Trainer) -> str:
@@ -87,15 +75,14 @@ class Progress:
     """A tqdm bar of optimizer steps with the last logged loss, bits per byte, tokens/s and MFU (off: no bar)."""
 
     def __init__(self, total: int, start_step: int, enabled: bool):
-        self.start_step, self.bar = start_step, None
-        if enabled:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.start_step = start_step
+        self.bar = tqdm(
+            total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, disable=not enabled
+        )
 
     def update(self, record: dict[str, Any], step: int) -> None:
-        if self.bar is None:
-            return
         self.bar.n = step - self.start_step
         mfu = record.get("mfu")
         self.bar.set_postfix(
@@ -106,8 +93,7 @@ class Progress:
         )
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def summary(run_dir: Path, skipped_steps: int) -> str:
@@ -153,10 +139,3 @@ def goodput_line(record: dict) -> str:
         f"goodput: {record['goodput']:.1%} of {record['wall_s']:.3g} s since the job's first start, "
         f"{record['restarts']} restart(s); lost: {parts or 'nothing'}{compile_s}"
     )
-
-
-def state_bytes_per_device(trainer: Trainer) -> tuple[int, int]:
-    """(parameter bytes, optimizer-state bytes) held by one device."""
-    rows = parameter_rows(trainer.state.state, trainer.state.shardings)
-    params = sum(r.bytes_per_device for r in rows if r.path.startswith("0/"))
-    return params, sum(r.bytes_per_device for r in rows) - params

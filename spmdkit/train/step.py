@@ -233,8 +233,9 @@ def make_train_step(
             _overwrite_fp8_meta(model, fp8_meta, jnp.isfinite(grad_norm))
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
-        if token_bytes is not None:
-            model_metrics["bits_per_byte"] = batch_bits_per_byte(model_metrics["loss"], batch, token_bytes)
+        if token_bytes is not None:  # (`spmdkit.data.bits`): mean loss x scored tokens / their UTF-8 bytes / ln 2
+            text_bytes = target_bytes(batch["targets"], jnp.asarray(token_bytes), batch.get("loss_mask"))
+            model_metrics["bits_per_byte"] = bits_per_byte(model_metrics["loss"], scored_tokens(batch), text_bytes)
         metrics = {
             **model_metrics,
             "grad_norm": grad_norm,
@@ -250,12 +251,6 @@ def make_train_step(
         out_shardings=(train_state.shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
     )
-
-
-def batch_bits_per_byte(loss: jax.Array, batch: Batch, token_bytes: np.ndarray) -> jax.Array:
-    """Bits per byte of the batch (`spmdkit.data.bits`): its mean loss x scored tokens / their UTF-8 bytes / ln 2."""
-    text_bytes = target_bytes(batch["targets"], jnp.asarray(token_bytes), batch.get("loss_mask"))
-    return bits_per_byte(loss, scored_tokens(batch), text_bytes)
 
 
 def make_eval_step(

@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from spmdkit.distributed import kv
@@ -74,16 +73,13 @@ class Watchdog:
                 kv.put(f"{PREFIX}{self.process}", json.dumps(record))
             except Exception:  # noqa: BLE001 - a store that fails is the checker's to report, not this thread's
                 pass
-            self._write_progress(record)
-
-    def _write_progress(self, record: dict) -> None:
-        if self.progress is None or record["step"] == self._written_step:
-            return
-        try:
-            write_progress(self.progress, record["step"], record["phase"], self.attempt)
-            self._written_step = record["step"]
-        except OSError:
-            pass  # the launcher then sees no progress: at worst it restarts less
+            if self.progress is None or record["step"] == self._written_step:
+                return
+            try:
+                write_progress(self.progress, record["step"], record["phase"], self.attempt)
+                self._written_step = record["step"]
+            except OSError:
+                pass  # the launcher then sees no progress: at worst it restarts less
 
     def _publish_loop(self) -> None:
         while not self._closed.is_set():
@@ -115,14 +111,13 @@ class Watchdog:
         sys.stderr.flush()
         os._exit(HUNG)
 
-    def laggards(self, read: Callable[[], dict[str, str] | None] | None = None) -> str:
+    def laggards(self) -> str:
         """Which processes have not arrived: from two reads of the store `interval * 2` s apart."""
         if self.processes == 1:
             return "this is the only process"
-        read = read or (lambda: kv.read_dir(PREFIX))
-        first = read()
+        first = kv.read_dir(PREFIX)
         time.sleep(self.interval * 2)
-        second = read()
+        second = kv.read_dir(PREFIX)
         if first is None or second is None:
             return "the job's key-value store (process 0) does not answer: process 0 is frozen or gone"
         return describe_laggards(_parse(first), _parse(second), self.clock.step, self.processes)
