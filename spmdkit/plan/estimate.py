@@ -61,14 +61,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
-from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.plan.layout import Layout, Sharded, check_layout
 from spmdkit.plan.memory import (
     activation_bytes,
     attention_kernel,
@@ -166,32 +166,7 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
             out.append(Collective(opcode, axes, nbytes, overlapped))
 
     for p in s.params:
-        full = s.local(p, "grads", gathered=True)  # the gradient before any fsdp reduction
-        # Expert weights hold their own experts' gradients: summed over the other batch axes only, not `expert`,
-        # by one psum over them all (the transpose of the shard_map's pcast), sliced to the fsdp shard after.
-        routed = p.routed and s.expert_shard_map
-        expert = () if routed else ("expert",)
-        if routed and "fsdp" in p.grads and s["data"] * s["context"] > 1:
-            add("all-reduce", ("data", "fsdp", "context"), full)
-        elif "fsdp" in p.grads:
-            add("reduce-scatter", ("fsdp",), full)
-            add("all-reduce", ("data", *expert, "context"), full / s["fsdp"])
-        else:  # replicated gradients; norm scales under SP (and q/k norms: over heads) also sum on `tensor`
-            norm_sp = ("tensor",) if p.name.endswith("norm") and (s.sequence_parallel or "attention." in p.name) else ()
-            add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
-        if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
-            add("all-reduce", ("pipeline",), s.local(p, "grads"))
-        if "fsdp" in p.optimizer and s.zero < 3:
-            add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
-        elif "fsdp" in p.params:
-            # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
-            # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
-            # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
-            gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
-            if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
-                gathers, nbytes = 2, (a / 4 + 1) / 2
-            gathers = 1 if p.routed and s.expert_shard_map and not m.remat_policy.recomputes else gathers
-            add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
+        _parameter_collectives(s, p, add)
     if T > 1:
         layers, ends = s.stage_layers, 1 if P > 1 else 2  # ends: embedding forward, LM-head input grad backward
         forward = layers * forward_sums(m.remat_policy)  # 2 per layer, and the remat repeats (plan.remat_cost)
@@ -218,6 +193,38 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
         passes = 4 + (2 if m.remat_policy.recomputes else 0)
         add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
     return out
+
+
+def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> None:
+    """The collectives of parameter `p`: its gradient's reduction, the pipeline's psum of the replicated ones, and
+    its gathers (the updated parameters under ZeRO-1/2, the weights per microbatch under ZeRO-3)."""
+    m, a, P, M = s.model, s.a, s["pipeline"], s.microbatches
+    full = s.local(p, "grads", gathered=True)  # the gradient before any fsdp reduction
+    # Expert weights hold their own experts' gradients: summed over the other batch axes only, not `expert`,
+    # by one psum over them all (the transpose of the shard_map's pcast), sliced to the fsdp shard after.
+    routed = p.routed and s.expert_shard_map
+    expert = () if routed else ("expert",)
+    if routed and "fsdp" in p.grads and s["data"] * s["context"] > 1:
+        add("all-reduce", ("data", "fsdp", "context"), full)
+    elif "fsdp" in p.grads:
+        add("reduce-scatter", ("fsdp",), full)
+        add("all-reduce", ("data", *expert, "context"), full / s["fsdp"])
+    else:  # replicated gradients; norm scales under SP (and q/k norms: over heads) also sum on `tensor`
+        norm_sp = ("tensor",) if p.name.endswith("norm") and (s.sequence_parallel or "attention." in p.name) else ()
+        add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
+    if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
+        add("all-reduce", ("pipeline",), s.local(p, "grads"))
+    if "fsdp" in p.optimizer and s.zero < 3:
+        add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
+    elif "fsdp" in p.params:
+        # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
+        # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
+        # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
+        gathers, nbytes = {"embedding": (1, a / 4), "lm_head": (1, 1)}.get(p.name, (2, 1))
+        if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
+            gathers, nbytes = 2, (a / 4 + 1) / 2
+        gathers = 1 if p.routed and s.expert_shard_map and not m.remat_policy.recomputes else gathers
+        add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
 
 
 def estimate(
