@@ -48,7 +48,7 @@ def choose_attention(
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring).
 
     context: the mesh's context-axis size; platform: "cuda" (an NVIDIA GPU), "gpu" (another GPU), "tpu", "cpu",
-    or None (unknown, in a traced model: "auto" never picks cuDNN, and cuDNN's device rules are not checked);
+    or None (unknown, in a traced model: "auto" never picks cuDNN, and cuDNN's limits are Hopper's);
     dtype: the compute dtype's name; compute_capability: the GPU's major version (0: unknown); softcap: the
     attention-logit soft cap (0: none; cuDNN has none). Raises SpmdkitError when an explicit choice cannot run.
     """
@@ -66,10 +66,12 @@ def choose_attention(
             f"--attention {kind} cannot split the sequence over context={context}: use ring (or auto), or drop "
             "context from the mesh"
         )
-    if kind == "cudnn" and platform is not None:
-        if platform != "cuda":
+    if kind == "cudnn":
+        if platform is not None and platform != "cuda":
             raise SpmdkitError(f"--attention cudnn needs an NVIDIA GPU, not {platform}: use blockwise (or auto)")
-        if reason := cudnn_refusal(dtype, head_dim, compute_capability):
+        # In a traced model the device is unknown: the widest head_dim any GPU takes (Hopper's); build_program
+        # checked the run's own GPU already.
+        if reason := cudnn_refusal(dtype, head_dim, compute_capability if platform else 9):
             raise SpmdkitError(reason)
     if kind == "cudnn" and softcap:
         raise SpmdkitError(f"--attention cudnn has no logit soft-capping (softcap={softcap}): use blockwise (or auto)")
