@@ -20,17 +20,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from spmdkit.checkpoint.steps import check_not_a_step, open_step, saved_config
+from spmdkit.checkpoint.steps import check_not_a_step
 from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import source_tokenizer
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer
 from spmdkit.data.tokenizer.tokenizer import TOKENIZER_FILE
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import find_tokenizer_dir
 from spmdkit.interop.loading import stored_dtype
 from spmdkit.interop.safetensors_files import TensorFiles
-from spmdkit.interop.sources import hf_config_path, source_kind, source_model
+from spmdkit.interop.sources import saved_run_config, source_kind, source_model
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.resolve import build_model
 from spmdkit.rundir.ownership import is_checkpoint_directory, is_run_directory
@@ -90,14 +89,9 @@ def open_source(path: str | Path, step: int | None = None) -> ModelSource:
         if step is not None:
             raise SpmdkitError(f"{path} is a Hugging Face model: it has no checkpoint steps to choose from")
         dtype = stored_dtype(TensorFiles(path))
-        model = read_hf_config(hf_config_path(path))[1].replace(dtype=dtype, param_dtype=dtype)
-        return ModelSource(path, "hf", hf_model=model)
-    checkpointer, step = open_step(path, step)
-    try:
-        config = saved_config(checkpointer, step)
-        return ModelSource(checkpointer.directory, "spmdkit", step, config)
-    finally:
-        checkpointer.close()
+        return ModelSource(path, "hf", hf_model=source_model(path).replace(dtype=dtype, param_dtype=dtype))
+    directory, step, config = saved_run_config(path, step)
+    return ModelSource(directory, "spmdkit", step, config)
 
 
 def model_tokenizer(source: ModelSource) -> Tokenizer | None:

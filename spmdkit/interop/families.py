@@ -49,17 +49,14 @@ def _types(model: TransformerConfig) -> list[str]:
     return [SLIDING if model.window_of(i) else FULL for i in range(model.layers)]
 
 
-def _biases(keys: Keys, mlp: bool = True) -> dict[str, Any]:
+def _biases(keys: Keys, layers: int = 0, *, mlp: bool = True) -> dict[str, Any]:
+    """`attention_bias` (q, k, v and o) and `mlp_bias` (with `mlp`); Llama's whole reader."""
     bias = bool(keys.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(keys.get("mlp_bias", False)) and mlp}
 
 
 def _write_biases(model: TransformerConfig) -> dict[str, Any]:
     return {"attention_bias": model.qkv_bias, "mlp_bias": model.mlp_bias}
-
-
-def _llama(keys: Keys, layers: int) -> dict[str, Any]:
-    return _biases(keys)
 
 
 def _mistral(keys: Keys, layers: int) -> dict[str, Any]:
@@ -260,7 +257,7 @@ _GEMMA2 = _GEMMA | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 3
 _QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": []}
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", _llama, _write_biases),
+    "llama": Family("LlamaForCausalLM", _biases, _write_biases),
     "mistral": Family("MistralForCausalLM", _mistral, _write_window_everywhere, {"sliding_window": 4096}),
     "qwen2": Family("Qwen2ForCausalLM", _qwen2, _write_qwen_window, _QWEN),
     "qwen3": Family("Qwen3ForCausalLM", _qwen3, _write_qwen3, _QWEN | {"head_dim": 128}),

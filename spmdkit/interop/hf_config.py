@@ -81,11 +81,8 @@ def _rope_fields(keys: Keys, max_positions: int, family: Family) -> dict[str, An
     for key in needed.get(rope_type, ()):
         if not isinstance(block.get(key), (int, float)):
             raise keys.refuse(f"rope {rope_type} scaling", f"needs a number for {key}, got {block.get(key)!r}")
-    if rope_type != "default":
-        fields["rope_factor"] = float(block["factor"])
+        fields[f"rope_{key}"] = float(block[key])
     if rope_type == "llama3":
-        fields["rope_low_freq_factor"] = float(block["low_freq_factor"])
-        fields["rope_high_freq_factor"] = float(block["high_freq_factor"])
         fields["rope_original_max_positions"] = int(block.get("original_max_position_embeddings") or max_positions)
     return fields
 

@@ -21,7 +21,6 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 GENERATION_CONFIG = "generation_config.json"
 CONFIG = "config.json"
-_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -53,19 +52,17 @@ def sidecar_candidates(path: str | Path) -> list[Path]:
 def find_hf_files(path: str | Path) -> Path | None:
     """The directory holding the Hugging Face files (config, tokenizer, generation config) of a model directory,
     checkpoint directory or run directory; None when there is none."""
-    for candidate in sidecar_candidates(path):
-        if is_hf_directory(candidate) or any((candidate / f).is_file() for f in _TOKENIZER_MARKERS):
-            return candidate
-    return None
+    return next((c for c in sidecar_candidates(path) if is_hf_directory(c) or _has_tokenizer(c)), None)
 
 
 def find_tokenizer_dir(path: str | Path) -> Path | None:
     """The directory holding the tokenizer files (`tokenizer.json`, ...) of a Hugging Face model directory, an
     spmdkit checkpoint directory or a run directory; None when the model came without a tokenizer."""
-    for candidate in sidecar_candidates(path):
-        if any((candidate / f).is_file() for f in _TOKENIZER_MARKERS):
-            return candidate
-    return None
+    return next((c for c in sidecar_candidates(path) if _has_tokenizer(c)), None)
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def staging_dir(out: Path) -> Path:

@@ -57,12 +57,9 @@ def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> 
             raise SpmdkitError(
                 f"{name} in {where} has shape {list(found[name])}, but config.json implies {list(shape)}"
             )
-    if model.tie_embeddings and "lm_head.weight" in found:
-        _check_tied_copy(files)
-
-
-def _check_tied_copy(files: TensorFiles) -> None:
-    vocab = files.shapes["lm_head.weight"][0]
+    if not (model.tie_embeddings and "lm_head.weight" in found):
+        return
+    vocab = found["lm_head.weight"][0]
     for start in range(0, vocab, 4096):
         rows = (slice(start, min(start + 4096, vocab)), slice(None))
         if not np.array_equal(files.read("lm_head.weight", rows), files.read("model.embed_tokens.weight", rows)):
@@ -76,12 +73,6 @@ def stored_dtype(files: TensorFiles) -> str:
     """The dtype the tensors are stored in (the widest when they differ)."""
     kinds = set(files.dtypes.values())
     return kinds.pop() if len(kinds) == 1 else "float32"
-
-
-def _set(tree: PureTree, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 CHUNK_BYTES = 64 * 2**20  # the most of a file read (and mapped) at once
@@ -134,7 +125,10 @@ def hf_params(files: TensorFiles, model: TransformerConfig, family: str, shardin
             value = read(tuple(slice(None) for _ in shape))
         else:
             value = jax.make_array_from_callback(shape, m.value_in(shardings), read)
-        _set(params, m.path, value)
+        tree = params
+        for key in m.path[:-1]:
+            tree = tree.setdefault(key, {})
+        tree[m.path[-1]] = value
     return params
 
 
@@ -145,22 +139,21 @@ def checkpoint_params(
     by `shardings` (`spmdkit.checkpoint.params.read_params`: the optimizer state is not read)."""
     from spmdkit.checkpoint.params import read_params
 
+    abstract = nnx.to_pure_dict(_abstract(model)[1])
     target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(dtype), sharding=s),
-        abstract_params(model),
-        shardings,
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(dtype), sharding=s), abstract, shardings
     )
     return read_params(path, target, step)[2]
 
 
-def abstract_params(model: TransformerConfig) -> PureTree:
-    """The model's parameters as a pure dict of ShapeDtypeStructs (nothing allocated)."""
-    return nnx.to_pure_dict(abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1])
+def _abstract(model: TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, the parameters as ShapeDtypeStructs) of `model`'s Transformer (nothing allocated)."""
+    return abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))
 
 
 def param_sharding_tree(model: TransformerConfig, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> PureTree:
     """A pure dict of each parameter's sharding: by the rules' parameter table on `mesh`, or the first device."""
-    abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))[1]
+    abstract = _abstract(model)[1]
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract))
@@ -212,6 +205,6 @@ def load_model(
         param_dtype = stored_dtype(TensorFiles(path)) if source_kind(path) == "hf" else stored.param_dtype
     model = (config or stored).replace(dtype=dtype, param_dtype=param_dtype)
     params = load_params(path, model, param_sharding_tree(model, mesh, rules), param_dtype, step)
-    graphdef, abstract = abstract_state(lambda: Transformer(model, rngs=nnx.Rngs(0)))
+    graphdef, abstract = _abstract(model)
     nnx.replace_by_pure_dict(abstract, params)
     return nnx.merge(graphdef, abstract)

@@ -56,13 +56,14 @@ def hf_family(path: str | Path) -> str:
     return family_of(read_json(config, "a Hugging Face model directory holds its config.json"), str(config))
 
 
-def saved_run_config(path: str | Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
-    """(the step: `step` or the newest, the run config saved with it) of an spmdkit checkpoint or run directory."""
+def saved_run_config(path: str | Path, step: int | None = None) -> tuple[Path, int, dict[str, Any]]:
+    """(the checkpoint directory, the step: `step` or the newest, the run config saved with it) of an spmdkit
+    checkpoint or run directory."""
     from spmdkit.checkpoint.steps import open_step, saved_config
 
     checkpointer, step = open_step(path, step)
     try:
-        return step, saved_config(checkpointer, step)
+        return checkpointer.directory, step, saved_config(checkpointer, step)
     finally:
         checkpointer.close()
 
@@ -72,5 +73,4 @@ def source_model(path: str | Path, step: int | None = None) -> TransformerConfig
     newest) holds."""
     if source_kind(path) == "hf":
         return read_hf_config(hf_config_path(path))[1]
-    _, saved = saved_run_config(path, step)
-    return build_model(saved.get("model") or {}, source_model)
+    return build_model(saved_run_config(path, step)[2].get("model") or {}, source_model)
