@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Sequence
@@ -44,20 +43,15 @@ def parser() -> ArgumentParser:
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """The flags and the path, before anything is read."""
-    if args.batches < 0:
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(list(argv))
+    if args.batches < 0:  # the flags and the path, before anything is read
         raise SpmdkitError(f"--batches {args.batches} must be >= 0 (0: the whole split)")
     if args.seq_len is not None and args.seq_len < 1:
         raise SpmdkitError(f"--seq-len {args.seq_len} must be at least 1 (default: the run's seq_len)")
     if args.batch_size < 1:
         raise SpmdkitError(f"--batch-size {args.batch_size} must be at least 1")
     check_source(args)
-
-
-def main(argv: Sequence[str]) -> int:
-    args = parser().parse_args(list(argv))
-    _check_args(args)
     quiet_absl()
     use_cpu_devices(args.cpu_devices)
     import dataclasses
@@ -76,9 +70,8 @@ def main(argv: Sequence[str]) -> int:
             f"{args.path} is a Hugging Face model, which names no data: pass --data (a prepared dataset made with its "
             f"tokenizer: spmdkit data prepare INPUT --tokenizer {args.path}, or a token file)"
         )
-    data = source.data or DataConfig()
     changes = {k: v for k, v in (("source", args.data), ("packing", args.packing)) if v is not None}
-    data = dataclasses.replace(data, **changes)
+    data = dataclasses.replace(source.data or DataConfig(), **changes)
     model_tok, data_tok = model_tokenizer(source), source_tokenizer(data)
     if model_tok is not None and data_tok is not None and not same_tokenizer(model_tok, data_tok):
         raise SpmdkitError(

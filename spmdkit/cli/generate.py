@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -72,8 +73,7 @@ def _read_prompt(name: str) -> str:
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt)
-    prompts += [_read_prompt(name) for name in args.prompt_file]
+    prompts = [*args.prompt, *(_read_prompt(name) for name in args.prompt_file)]
     if not prompts:
         raise SpmdkitError("no prompt given: pass --prompt TEXT or --prompt-file F")
     for i, prompt in enumerate(prompts):
@@ -141,7 +141,7 @@ def main(argv: Sequence[str]) -> int:
     completions = model.generate(prompts, sampling, on_text=show if stream else None)
     for prompt, completion in zip(prompts, completions, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, **completion.to_dict()}), flush=True)
+            print(json.dumps({"prompt": prompt, **dataclasses.asdict(completion)}), flush=True)
         elif stream:
             print()
         else:

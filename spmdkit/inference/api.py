@@ -94,7 +94,7 @@ class TextGenerator:
         for row, completion in enumerate(completions):
             if tok is not None:
                 completion.text = tok.decode(completion.tokens)
-                if streams is not None and (rest := streams[row].finish()):
+                if streams is not None and (rest := streams[row].push([], final=True)):
                     on_text(row, rest)
         return completions
 
@@ -106,16 +106,12 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
 
-    def push(self, ids: list[int]) -> str:
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """The new stable text once `ids` are added (`final`: all the rest, the stream's end)."""
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids)
-        stable = len(text.rstrip("\ufffd"))
+        stable = len(text) if final else len(text.rstrip("\ufffd"))
         new, self.sent = text[self.sent : stable], max(self.sent, stable)
-        return new
-
-    def finish(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        new, self.sent = text[self.sent :], len(text)
         return new
 
 

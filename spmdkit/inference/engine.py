@@ -68,9 +68,6 @@ class Completion:
     compile_s: float = 0.0
     text: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -108,16 +105,14 @@ class Generator:
 
     def _rows(self, batch: int) -> NamedSharding:
         """[batch, ...] arrays: rows split over `data` (the rules' `batch`)."""
-        spec = PartitionSpec("data") if self.replicas > 1 else PartitionSpec()
-        return NamedSharding(self.mesh, spec)
+        return NamedSharding(self.mesh, PartitionSpec("data") if self.replicas > 1 else PartitionSpec())
 
     def _state_shardings(self, batch: int, max_len: int) -> DecodeState:
         rows = self._rows(batch)
         return DecodeState(cache_shardings(self.config, batch, max_len, self.mesh, self.rules), rows, rows, rows, rows)
 
     def _settings_shardings(self) -> SamplingArrays:
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        return SamplingArrays(*([replicated] * len(SamplingArrays._fields)))
+        return SamplingArrays(*[NamedSharding(self.mesh, PartitionSpec())] * len(SamplingArrays._fields))
 
     def _compile(self, key: tuple, fn: Callable, args: tuple, out_shardings: Any, donate=()):
         """`fn` compiled once per `key` for `args` (`ShapeDtypeStruct`s carrying the shardings it takes)."""
@@ -182,12 +177,10 @@ class Generator:
         What one token costs: the HLO and memory proofs read it."""
         return self._compile_decode(("step", batch, max_len), self._step(batch), batch, max_len)
 
-    def decode_program(self, batch: int, max_len: int, steps: int | None = None) -> Any:
-        """Compiled (params, state, settings) -> (state, new tokens [B, steps], -1 where a row made none): up to
-        `steps` (default: `chunk`) decode steps in a `while_loop`, fewer when every row is done. The state is
-        donated."""
-        steps = steps or self.chunk
-        step = self._step(batch)
+    def decode_program(self, batch: int, max_len: int) -> Any:
+        """Compiled (params, state, settings) -> (state, new tokens [B, chunk], -1 where a row made none): up to
+        `chunk` decode steps in a `while_loop`, fewer when every row is done. The state is donated."""
+        steps, step = self.chunk, self._step(batch)
 
         def run(params, state: DecodeState, settings: SamplingArrays) -> tuple[DecodeState, jax.Array]:
             def body(carry):

@@ -74,13 +74,12 @@ def staging_dir(out: Path) -> Path:
     return staging
 
 
-def copy_hf_files(source: str | Path, destination: str | Path, with_config: bool = True) -> list[str]:
-    """Copy the tokenizer files, generation config and (`with_config`) config.json of `source` into `destination`
+def copy_hf_files(source: str | Path, destination: str | Path) -> list[str]:
+    """Copy the tokenizer files, generation config and config.json of `source` into `destination`
     (created through a temporary directory and a rename; an existing `destination` is left as it is). Returns the
     names copied."""
     source, destination = Path(source), Path(destination)
-    names = [*TOKENIZER_FILES, GENERATION_CONFIG, *([CONFIG] if with_config else [])]
-    present = [name for name in names if (source / name).is_file()]
+    present = [name for name in (*TOKENIZER_FILES, GENERATION_CONFIG, CONFIG) if (source / name).is_file()]
     if not present or destination.exists():
         return []
     staging = staging_dir(destination)
@@ -113,19 +112,16 @@ def special_token_ids(directory: str | Path | None) -> dict[str, int | None]:
     if directory is None:
         return {}
     directory = Path(directory)
-    out: dict[str, int | None] = {}
+    configs = [_json(directory / GENERATION_CONFIG) or {}, _json(directory / CONFIG) or {}]
     tokenizer_config = {
         **(_json(directory / "special_tokens_map.json") or {}),
         **(_json(directory / "tokenizer_config.json") or {}),
     }
+    out: dict[str, int | None] = {}
     for kind in ("bos", "eos", "pad"):
         key = f"{kind}_token_id"
-        for source in (_json(directory / GENERATION_CONFIG), _json(directory / CONFIG)):
-            if source is not None and key in source:  # the model's own configs decide, an explicit null included
-                out[key] = source[key]
-                break
-        else:
-            found = _token_id(directory, tokenizer_config.get(f"{kind}_token"))
-            if found is not None:
-                out[key] = found
+        decided = [config for config in configs if key in config]  # the model's own configs, an explicit null too
+        found = decided[0][key] if decided else _token_id(directory, tokenizer_config.get(f"{kind}_token"))
+        if decided or found is not None:
+            out[key] = found
     return out

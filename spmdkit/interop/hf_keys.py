@@ -57,11 +57,10 @@ class Keys:
             raise self.refuse(key, f"must be an integer, got {value!r}")
         return value
 
-    def number(self, key: str, default: Any = None, *, positive: bool = True) -> float:
+    def number(self, key: str, default: Any = None) -> float:
         value = self.hf.get(key, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or (positive and value <= 0):
-            raise self.refuse(f"{key}={value!r}", "must be a positive number" if positive else "must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise self.refuse(f"{key}={value!r}", "must be a positive number")
         return float(value)
 
     def off_or_number(self, key: str) -> float:
