@@ -273,19 +273,17 @@ class Generator:
             self._emit(on_tokens, out, seen)
         stop_ids = set(sampling.stop_tokens) | set(stop)
         completions = []
-        for r in range(n):
-            stopped = bool(out[r]) and out[r][-1] in stop_ids
-            generated = out[r][:-1] if stopped else out[r]
+        for r, tokens in enumerate(out):
+            stopped = bool(tokens) and tokens[-1] in stop_ids
+            generated, reason = (tokens[:-1], "stop") if stopped else (tokens, "length")
             decode_s = finished_at[r] or 0.0
-            rate = (len(out[r]) - 1) / decode_s if decode_s > 0 and len(out[r]) > 1 else 0.0
-            reason = "stop" if stopped else "length"
+            rate = (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0
             completions.append(Completion(list(prompts[r]), generated, reason, prefill_s, ttft, rate, compile_s))
         return completions
 
     @staticmethod
     def _emit(on_tokens: Callable | None, out: list[list[int]], seen: list[int]) -> None:
-        if on_tokens is None:
-            return
-        for r, tokens in enumerate(out):
+        """Hand each row's tokens past `seen` to `on_tokens` (when given)."""
+        for r, tokens in enumerate(out if on_tokens is not None else ()):
             if len(tokens) > seen[r]:
                 on_tokens(r, tokens[seen[r] :])
