@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -85,8 +86,14 @@ def abstract_model(config: TransformerConfig, mesh: Mesh, rules: Rules) -> tuple
     return graphdef, abstract, state_shardings(abstract, mesh, rules.params)
 
 
-def place_model(model: Transformer, mesh: Mesh, rules: Rules, *, dtype: str | None = None) -> Transformer:
-    """`model`'s parameters laid out on the inference mesh, as a module with the generation config
-    (`generation_config`: compute `dtype` when given)."""
-    graphdef, _, shardings = abstract_model(generation_config(model.config, dtype), mesh, rules)
-    return nnx.merge(graphdef, jax.device_put(nnx.state(model), shardings))
+def place_model(
+    model: Transformer, mesh: Mesh, rules: Rules, *, dtype: str | None = None, param_dtype: str | None = None
+) -> Transformer:
+    """`model`'s parameters laid out on the inference mesh (cast to `param_dtype` when given), as a module with
+    the generation config (`generation_config`)."""
+    config = generation_config(model.config, dtype)
+    graphdef, _, shardings = abstract_model(config, mesh, rules)
+    state = nnx.state(model)
+    if param_dtype is not None:
+        state = jax.tree.map(lambda a: a.astype(param_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+    return nnx.merge(graphdef, jax.device_put(state, shardings))
