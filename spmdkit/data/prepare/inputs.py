@@ -60,9 +60,6 @@ class Bad:
     reason: str
     kind: str
 
-    def message(self) -> str:
-        return f"{self.where}: {self.reason}: fix the input or pass --skip-bad to count and skip bad records"
-
 
 Record = Document | Bad
 
@@ -95,7 +92,7 @@ def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
         elif Path(spec).is_file():
             total += Path(spec).stat().st_size
         elif Path(spec).is_dir() and not _is_saved_dataset(Path(spec)):
-            total += sum(p.stat().st_size for p in _matching_files(Path(spec), options.glob))
+            total += sum(p.stat().st_size for p in _directory_files(Path(spec), options.glob)[0])
         else:
             return None
     return total
@@ -134,7 +131,7 @@ def check_inputs(inputs: list[str], out: str, options: InputOptions) -> list[str
         if real.is_dir() and _inside(out_path, real):
             raise SpmdkitError(f"--out {out} lies inside INPUT {spec}: choose a place outside the inputs")
         if real.is_dir() and not _is_saved_dataset(real):
-            outside = _links_out(path, options.glob)
+            outside = _directory_files(path, options.glob)[1]
             if outside:
                 warnings.append(
                     f"warning: {len(outside)} file(s) in {spec} are symbolic links leading outside it, not followed "
@@ -159,7 +156,7 @@ def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
         if _is_saved_dataset(path):
             yield from _read_saved(path, options)
             return
-        files = _matching_files(path, options.glob)
+        files = _directory_files(path, options.glob)[0]
         if not files:
             yield Bad(spec, f"no files match --glob {options.glob!r} in this directory", "empty")
         for file in files:
@@ -172,26 +169,19 @@ def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
         )
 
 
-def _candidates(directory: Path, glob: str) -> Iterator[Path]:
-    """Files under `directory` matching `glob` (recursively; linked directories are not entered), with no hidden
-    part in their path."""
-    for p in directory.rglob(glob):
-        parts = p.relative_to(directory).parts
-        if p.is_file() and not any(part.startswith(".") for part in parts):
-            yield p
-
-
-def _matching_files(directory: Path, glob: str) -> list[Path]:
-    """`_candidates`, sorted, without the symbolic links that lead outside `directory`."""
+def _directory_files(directory: Path, glob: str) -> tuple[list[Path], list[str]]:
+    """(the files under `directory` matching `glob`, recursively, with no hidden part in their path, sorted; the
+    symbolic links among them that lead outside `directory`, as `link -> target`, left out of the first list).
+    Linked directories are not entered."""
     real = directory.resolve()
-    return sorted(p for p in _candidates(directory, glob) if not p.is_symlink() or _inside(p.resolve(), real))
-
-
-def _links_out(directory: Path, glob: str) -> list[str]:
-    """The matching symbolic links under `directory` that lead outside it, as `link -> target`."""
-    real = directory.resolve()
-    links = (p for p in _candidates(directory, glob) if p.is_symlink() and not _inside(p.resolve(), real))
-    return sorted(f"{p} -> {p.resolve()}" for p in links)
+    files, outside = [], []
+    for p in sorted(directory.rglob(glob)):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts):
+            if p.is_symlink() and not _inside(p.resolve(), real):
+                outside.append(f"{p} -> {p.resolve()}")
+            else:
+                files.append(p)
+    return files, sorted(outside)
 
 
 def _is_saved_dataset(path: Path) -> bool:

@@ -13,21 +13,23 @@ The dataset appears in `--out` only when complete, and a run killed midway is cl
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import time
-import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from zlib import crc32
 
 import numpy as np
 
 from spmdkit.data.prepare.inputs import Bad, Document, InputOptions, check_inputs, input_bytes, read_inputs
 from spmdkit.data.prepare.text import PIECE_CHARS, split_text
-from spmdkit.data.prepare.workers import Encoded, Encoder, Pieces, steady_heap
+from spmdkit.data.prepare.workers import Pieces, encode, steady_heap
 from spmdkit.data.store import DatasetWriter
 from spmdkit.data.store.staging import Staging
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
@@ -55,32 +57,24 @@ class PrepareOptions:
     workers: int = 0  # tokenizer processes; 0: one per CPU core
 
 
-class _Counter:
-    """Passes documents through; raises a bad record as one line, or counts it when `skip_bad`."""
-
-    def __init__(self, skip_bad: bool):
-        self.skip_bad = skip_bad
-        self.skipped: collections.Counter[str] = collections.Counter()
-
-    def documents(self, records: Iterator[Document | Bad]) -> Iterator[Document]:
-        for record in records:
-            if isinstance(record, Bad):
-                if not self.skip_bad:
-                    raise SpmdkitError(record.message())
-                self.skipped[record.kind] += 1
-                continue
+def _documents(records: Iterator[Document | Bad], skip_bad: bool, skipped: Counter[str]) -> Iterator[Document]:
+    """The documents of `records`; a bad record is raised as one line, or counted in `skipped` when `skip_bad`."""
+    for record in records:
+        if isinstance(record, Document):
             yield record
+        elif skip_bad:
+            skipped[record.kind] += 1
+        else:
+            raise SpmdkitError(
+                f"{record.where}: {record.reason}: fix the input or pass --skip-bad to count and skip bad records"
+            )
 
 
 def _pieces(documents: Iterator[Document], limit: int) -> Iterator[Document]:
     """Documents, each text longer than `limit` characters cut into pieces (`text.split_text`)."""
     for document in documents:
-        if len(document.text) <= limit:
-            yield document
-            continue
         pieces = split_text(document.text, limit)
-        piece = next(pieces)
-        first = document.first
+        piece, first = next(pieces), document.first
         for following in pieces:
             yield Document(document.name, piece, first, False)
             piece, first = following, False
@@ -88,25 +82,19 @@ def _pieces(documents: Iterator[Document], limit: int) -> Iterator[Document]:
 
 
 def _batches(pieces: Iterator[Document], batch_bytes: int) -> Iterator[Pieces]:
+    """`pieces` in batches of about `batch_bytes` characters of text."""
     batch: list[Document] = []
     size = 0
-    for piece in pieces:
-        batch.append(piece)
-        size += len(piece.text)
-        if size >= batch_bytes:
-            yield _batch(batch)
+    for piece in itertools.chain(pieces, [None]):  # None: the input ended
+        if piece is not None:
+            batch.append(piece)
+            size += len(piece.text)
+        if batch and (piece is None or size >= batch_bytes):
+            firsts, lasts = np.array([p.first for p in batch], bool), np.array([p.last for p in batch], bool)
+            yield Pieces(
+                [p.text for p in batch], firsts, lasts, np.array([crc32(p.name.encode()) for p in batch], np.uint32)
+            )
             batch, size = [], 0
-    if batch:
-        yield _batch(batch)
-
-
-def _batch(pieces: list[Document]) -> Pieces:
-    return Pieces(
-        [p.text for p in pieces],
-        np.fromiter((p.first for p in pieces), bool, count=len(pieces)),
-        np.fromiter((p.last for p in pieces), bool, count=len(pieces)),
-        np.fromiter((zlib.crc32(p.name.encode()) for p in pieces), np.uint32, count=len(pieces)),
-    )
 
 
 def _progress(enabled: bool, total: int | None, desc: str) -> Any:
@@ -122,19 +110,16 @@ def resolve_tokenizer(spec: str, options: PrepareOptions, input_options: InputOp
     if not spec.startswith("bpe:"):
         return load_tokenizer(spec)
     vocab = parse_bpe_spec(spec)
-    counter = _Counter(options.skip_bad)  # fails fast on a bad record; the encoding pass counts the skipped ones
-    bar = _progress(options.progress, input_bytes(list(options.inputs), input_options), f"train {spec}")
 
     def texts() -> Iterator[str]:
-        for document in counter.documents(read_inputs(list(options.inputs), input_options)):
+        # fails fast on a bad record; the encoding pass counts the skipped ones
+        for document in _documents(read_inputs(list(options.inputs), input_options), options.skip_bad, Counter()):
             bar.update(len(document.text))
             yield from split_text(document.text, TRAIN_PIECE_CHARS)
 
     started = time.perf_counter()
-    try:
+    with _progress(options.progress, input_bytes(list(options.inputs), input_options), f"train {spec}") as bar:
         tokenizer = train_bpe(texts(), vocab)
-    finally:
-        bar.close()
     log(f"trained {spec} in {time.perf_counter() - started:.1f} s: {tokenizer.vocab_size:,} ids")
     return tokenizer
 
@@ -145,9 +130,7 @@ def check_new_directory(out: str | Path) -> None:
     path = Path(out).expanduser().absolute()
     if path.exists():
         raise SpmdkitError(f"--out {out} already exists: choose a new directory (prepared data is never overwritten)")
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = next(p for p in path.parents if p.exists())
     if not existing.is_dir():
         raise SpmdkitError(f"--out {out} lies under {existing}, which is a file: pass a new directory")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -170,18 +153,24 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
     with Staging(options.out) as staging:
         input_options = dataclasses.replace(input_options, cache_dir=str(staging.cache))
         tokenizer = resolve_tokenizer(options.tokenizer, options, input_options, log)
-        counter = _Counter(options.skip_bad)
+        skipped: Counter[str] = Counter()
         started = time.perf_counter()
         with DatasetWriter(options.out, tokenizer, options.dtype, options.shard_tokens, staging) as writer:
-            _tokenize(writer, tokenizer, counter, input_options, options)
+            bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
+            documents = _documents(read_inputs(inputs, input_options), options.skip_bad, skipped)
+            batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
+            workers = options.workers or os.cpu_count() or 1
+            with bar, contextlib.closing(encode(tokenizer, workers, writer.dtype, batches)) as encoded:
+                for done in encoded:  # in input order, from worker processes
+                    writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
+                    bar.update(int(done.text_bytes.sum()))
             if writer.documents == 0:
                 raise SpmdkitError("the inputs hold no documents (every one was empty or bad): check the INPUTs")
-            skipped = dict(sorted(counter.skipped.items()))
             flags = {"glob": options.glob, "text_key": options.text_key, "split": options.split}
-            meta = writer.finish({"inputs": inputs, "options": flags, "skipped": skipped})
+            meta = writer.finish({"inputs": inputs, "options": flags, "skipped": dict(sorted(skipped.items()))})
         seconds = time.perf_counter() - started
     if skipped:
-        log(f"skipped {sum(skipped.values()):,} bad records ({', '.join(f'{k}: {v}' for k, v in skipped.items())})")
+        log(f"skipped {skipped.total():,} bad records ({', '.join(f'{k}: {v}' for k, v in meta['skipped'].items())})")
     text_bytes = meta["bytes"]
     log(
         f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens from {text_bytes / 1e6:,.2f} MB of "
@@ -190,27 +179,3 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         f"{meta['tokens'] / seconds:,.0f} tokens/s -> {options.out}"
     )
     return meta
-
-
-def _tokenize(
-    writer: DatasetWriter, tokenizer: Tokenizer, counter: _Counter, input_options: InputOptions, options: PrepareOptions
-) -> None:
-    """Read, cut, batch, encode (in worker processes, in order) and write every document of the inputs."""
-    inputs = list(options.inputs)
-    bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
-    documents = counter.documents(read_inputs(inputs, input_options))
-    workers = options.workers or os.cpu_count() or 1
-    try:
-        with Encoder(tokenizer, workers, writer.dtype) as encoder:
-            for batch in _batches(_pieces(documents, options.piece_chars), options.batch_bytes):
-                for done in encoder.submit(batch):
-                    _write(writer, done, bar)
-            for done in encoder.drain():
-                _write(writer, done, bar)
-    finally:
-        bar.close()
-
-
-def _write(writer: DatasetWriter, done: Encoded, bar: Any) -> None:
-    writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
-    bar.update(int(done.text_bytes.sum()))

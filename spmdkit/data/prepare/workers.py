@@ -1,4 +1,4 @@
-"""Tokenization in worker processes, in input order: `Encoder(tokenizer, workers, dtype)`.
+"""Tokenization in worker processes, in input order: `encode(tokenizer, workers, dtype, batches)`.
 
 Batches of pieces (`Pieces`: texts with first/last flags) are submitted in input order and their results
 (`Encoded`) come back in that order, whatever the number of workers, so the output bytes do not depend on it. Each
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import pickle
 import queue
@@ -141,54 +142,28 @@ def _receive(stream: Any) -> Any:
     return pickle.loads(data)
 
 
-class Encoder:
-    """`submit(batch)` returns the results that are due (in order); `drain()` yields the rest. A context manager.
-    Batch k goes to worker k mod N and its result is read back in turn: the order is the input's."""
-
-    def __init__(self, tokenizer: Tokenizer, workers: int, dtype: str):
-        self.tokenizer, self.workers, self.dtype = tokenizer, max(1, workers), dtype
-        self.pool: list[_Worker] = []
-        self.sent = self.received = 0
-        self.first: Pieces | None = None  # the first batch waits: alone, it is encoded here
-
-    def __enter__(self) -> Encoder:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for worker in self.pool:
+def encode(tokenizer: Tokenizer, workers: int, dtype: str, batches: Iterator[Pieces]) -> Iterator[Encoded]:
+    """The `Encoded` of each of `batches`, in input order: batch k goes to worker k mod N and its result is read back
+    in turn. Close the generator (or exhaust it) to stop the workers."""
+    first, second = next(batches, None), next(batches, None)
+    if second is None:
+        if first is not None:
+            yield encode_pieces(tokenizer, first, dtype)
+        return
+    workers = max(1, workers)
+    pool = [_Worker(tokenizer, dtype) for _ in range(workers)]
+    sent = received = 0
+    try:
+        for pieces in itertools.chain([first, second], batches, [None]):  # None: the input ended, drain the rest
+            if pieces is not None:
+                pool[sent % workers].inbox.put(pieces)
+                sent += 1
+            while received < sent and (pieces is None or sent - received > 2 * workers):
+                yield pool[received % workers].receive()
+                received += 1
+    finally:
+        for worker in pool:
             worker.stop()
-        self.pool = []
-
-    def _send(self, pieces: Pieces) -> None:
-        self.pool[self.sent % self.workers].inbox.put(pieces)
-        self.sent += 1
-
-    def _receive(self) -> Encoded:
-        done = self.pool[self.received % self.workers].receive()
-        self.received += 1
-        return done
-
-    def submit(self, pieces: Pieces) -> list[Encoded]:
-        if not self.pool and self.first is None:
-            self.first = pieces
-            return []
-        if not self.pool:
-            self.pool = [_Worker(self.tokenizer, self.dtype) for _ in range(self.workers)]
-            assert self.first is not None
-            self._send(self.first)
-            self.first = None
-        self._send(pieces)
-        done = []
-        while self.sent - self.received > 2 * self.workers:
-            done.append(self._receive())
-        return done
-
-    def drain(self) -> Iterator[Encoded]:
-        if self.first is not None:
-            first, self.first = self.first, None
-            yield encode_pieces(self.tokenizer, first, self.dtype)
-        while self.received < self.sent:
-            yield self._receive()
 
 
 def main() -> None:
