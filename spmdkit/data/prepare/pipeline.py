@@ -155,7 +155,7 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         tokenizer = resolve_tokenizer(options.tokenizer, options, input_options, log)
         skipped: Counter[str] = Counter()
         started = time.perf_counter()
-        with DatasetWriter(options.out, tokenizer, options.dtype, options.shard_tokens, staging) as writer:
+        with DatasetWriter(staging, tokenizer, options.dtype, options.shard_tokens) as writer:
             bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
             documents = _documents(read_inputs(inputs, input_options), options.skip_bad, skipped)
             batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,61 +21,14 @@ from spmdkit.data.tokenizer import Tokenizer
 from spmdkit.errors import SpmdkitError
 
 INDEX_DTYPES = {"offsets": "int64", "bytes": "int64", "keys": "uint32"}
-FLUSH_DOCUMENTS = 1 << 16  # index entries buffered before they go to their raw files
-
-
-class _Index:
-    """The document index, appended to raw files (offsets, its leading 0 first; bytes; keys)."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.files = {name: open(directory / f"{name}.raw", "wb") for name in INDEX_DTYPES}
-        self.files["offsets"].write(np.zeros(1, np.int64).tobytes())
-        self.buffer: dict[str, list[np.ndarray]] = {name: [] for name in INDEX_DTYPES}
-        self.buffered = 0
-
-    def add(self, ends: np.ndarray, text_bytes: np.ndarray, keys: np.ndarray) -> None:
-        self.buffer["offsets"].append(np.asarray(ends, np.int64))
-        self.buffer["bytes"].append(np.asarray(text_bytes, np.int64))
-        self.buffer["keys"].append(np.asarray(keys, np.uint32))
-        self.buffered += len(ends)
-        if self.buffered >= FLUSH_DOCUMENTS:
-            self.flush()
-
-    def flush(self) -> None:
-        for name, parts in self.buffer.items():
-            if parts:
-                self.files[name].write(np.concatenate(parts).astype(INDEX_DTYPES[name], copy=False).tobytes())
-            parts.clear()
-        self.buffered = 0
-
-    def finish(self, documents: int) -> dict[str, dict[str, str]]:
-        """Write the `.npy` index files; returns `dataset.json`'s `index`."""
-        self.flush()
-        for f in self.files.values():
-            f.close()
-        index = {}
-        for name, dtype in INDEX_DTYPES.items():
-            path, raw = self.directory / fmt.INDEX_FILES[name], self.directory / f"{name}.raw"
-            count = documents + 1 if name == "offsets" else documents
-            index[name] = {"file": path.name, "sha256": fmt.write_npy(str(path), dtype, count, str(raw))}
-            raw.unlink()
-        return index
 
 
 class DatasetWriter:
     """Appends documents to shards of at most `shard_tokens` tokens (a longer document gets a shard of its own; no
-    document spans shards). Use as a context manager: leaving it by an exception removes the staging directory.
-    `staging`: an entered `Staging` of `out` to write into (one is made when None)."""
+    document spans shards), in the directory of an entered `Staging`. A context manager: it closes its files; leaving
+    the `Staging` without `finish` removes what was written."""
 
-    def __init__(
-        self,
-        out: str | Path,
-        tokenizer: Tokenizer,
-        dtype: str = "auto",
-        shard_tokens: int = 1 << 28,
-        staging: Staging | None = None,
-    ):
+    def __init__(self, staging: Staging, tokenizer: Tokenizer, dtype: str = "auto", shard_tokens: int = 1 << 28):
         if shard_tokens < 1:
             raise SpmdkitError(f"--shard-tokens {shard_tokens} must be positive")
         self.dtype = fmt.token_dtype(tokenizer.vocab_size, dtype)
@@ -91,11 +43,11 @@ class DatasetWriter:
         self.tokenizer, self.shard_tokens = tokenizer, shard_tokens
         self.itemsize = np.dtype(self.dtype).itemsize
         self.chunk_tokens = fmt.CHUNK_TOKENS
-        self._own_staging = staging is None
-        self.staging = Staging(out).__enter__() if staging is None else staging
-        assert self.staging.directory is not None
-        self.tmp = self.staging.directory
-        self.index = _Index(self.tmp)
+        assert staging.directory is not None
+        self.staging, self.tmp = staging, staging.directory
+        # the document index, appended to raw files (offsets, its leading 0 first; bytes; keys), `.npy` at the end
+        self._index = {name: open(self.tmp / f"{name}.raw", "wb", buffering=1 << 20) for name in INDEX_DTYPES}
+        self._index["offsets"].write(np.zeros(1, np.int64).tobytes())
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
         self._open_doc: list[int] | None = None  # [start in shard, tokens, text bytes, key] of a document in pieces
@@ -105,18 +57,14 @@ class DatasetWriter:
     def __enter__(self) -> DatasetWriter:
         return self
 
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        if kind is not None:
-            self.abort()
+    def __exit__(self, *exc: Any) -> None:
+        for f in (self._file, *self._index.values()):
+            if f is not None:
+                f.close()
 
-    def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        for f in self.index.files.values():
-            f.close()
-        if self._own_staging:
-            self.staging.__exit__(None, None, None)
+    def _add_index(self, ends: Any, text_bytes: Any, keys: Any) -> None:
+        for name, values in zip(INDEX_DTYPES, (ends, text_bytes, keys), strict=True):
+            self._index[name].write(np.asarray(values, INDEX_DTYPES[name]).tobytes())
 
     # -- shards ----------------------------------------------------------------------------------------------
 
@@ -181,7 +129,7 @@ class DatasetWriter:
             shard["documents"] += fit
             shard["tokens"] += stop - done_tokens
             done_docs, done_tokens = done_docs + fit, stop
-        self.index.add(self.tokens + ends, text_bytes, keys)
+        self._add_index(self.tokens + ends, text_bytes, keys)
         self.documents += len(lengths)
         self.tokens += int(ends[-1]) if len(ends) else 0
         self.text_bytes += int(np.sum(text_bytes))
@@ -236,7 +184,7 @@ class DatasetWriter:
         if start > 0 and start + count > self.shard_tokens:
             self._move_open_document(start)
         self.shards[-1]["documents"] += 1
-        self.index.add(np.array([self.tokens + count]), np.array([text_bytes]), np.array([key]))
+        self._add_index([self.tokens + count], [text_bytes], [key])
         self.documents += 1
         self.tokens += count
         self.text_bytes += text_bytes
@@ -248,7 +196,13 @@ class DatasetWriter:
         what `dataset.json` holds. `info` adds `inputs`, `options`, `skipped` and the like."""
         assert self._open_doc is None, "a document in pieces is still open"
         self._close_shard()
-        index = self.index.finish(self.documents)
+        index = {}
+        for name, dtype in INDEX_DTYPES.items():
+            self._index[name].close()
+            path, raw = self.tmp / fmt.INDEX_FILES[name], self.tmp / f"{name}.raw"
+            count = self.documents + 1 if name == "offsets" else self.documents
+            index[name] = {"file": path.name, "sha256": fmt.write_npy(str(path), dtype, count, str(raw))}
+            raw.unlink()
         self.tokenizer.save(self.tmp)
         hashes = [s["sha256"] for s in self.shards] + [index[k]["sha256"] for k in fmt.INDEX_FILES]
         meta = {
@@ -268,6 +222,4 @@ class DatasetWriter:
         }
         (self.tmp / fmt.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         self.staging.commit()
-        if self._own_staging:
-            self.staging.__exit__(None, None, None)
         return meta
