@@ -2,15 +2,9 @@
 
 `make_data(config, *, seq_len, global_batch, vocab_size, seed, split="train") -> DataStream`, an iterator of this
 process's batches: dicts of int32 [global_batch // process_count, seq_len] numpy arrays. The keys
-(`DataStream.keys`) depend on the packing (`spmdkit.data.config`):
-
-- `inputs`: token ids (documents: 0 at padding);
-- `targets`: the next token (documents: of the same document; 0 where masked);
-- `positions`: windows: 0..seq_len-1; documents: the position in the document, 0 at each document start (a
-  document continued from the previous row continues its positions);
-- `segment_ids` (documents only): 0 = padding, 1, 2, ... = the documents of the row; attention must stay
-  within a segment (and causal inside it);
-- `loss_mask` (documents only): 1 where the target counts; 0 at padding and after each document's last token.
+(`DataStream.keys`) are the row fields of `spmdkit.data.packing.rows`: `inputs`, `targets`, `positions`, and with
+documents packing (`spmdkit.data.config`) `segment_ids` and `loss_mask`; attention must stay within a segment (and
+causal inside it).
 
 Windows packing is what the stdlib, token files and synthetic data give (and `--packing windows` on prepared
 data); documents packing is what prepared datasets and mixtures give (and `--packing documents` on stdlib).
@@ -28,6 +22,7 @@ tokenizer). `get_state` / `set_state` and `iterator` (for `grain.checkpoint.Chec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +43,7 @@ from spmdkit.errors import SpmdkitError
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 
+@dataclasses.dataclass(eq=False)
 class DataStream(Iterator[dict[str, np.ndarray]]):
     """Iterator of local batches: a dict of int32 `[local_batch, seq_len]` arrays named by `keys` (see the module
     docstring); `tokenizer` and `token_bytes` as there.
@@ -56,24 +52,19 @@ class DataStream(Iterator[dict[str, np.ndarray]]):
     `grain.checkpoint.CheckpointSave(stream.iterator)` inside an Orbax checkpoint.
     """
 
-    def __init__(
-        self,
-        dataset: grain.IterDataset,
-        *,
-        seq_len: int,
-        global_batch: int,
-        local_batch: int,
-        num_records: int,
-        split: str,
-        packing: str = "windows",
-        tokenizer: Tokenizer | None = None,
-        token_bytes: np.ndarray | None = None,
-    ):
-        self.iterator: grain.DatasetIterator = iter(dataset)
-        self.seq_len, self.global_batch, self.local_batch = seq_len, global_batch, local_batch
-        self.num_records, self.split = num_records, split
-        self.keys, self.packing = FIELDS[packing], packing
-        self.tokenizer, self.token_bytes = tokenizer, token_bytes
+    iterator: grain.DatasetIterator
+    seq_len: int
+    global_batch: int
+    local_batch: int
+    num_records: int
+    split: str
+    packing: str = "windows"
+    tokenizer: Tokenizer | None = None
+    token_bytes: np.ndarray | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return FIELDS[self.packing]
 
     @property
     def steps_per_epoch(self) -> int:
@@ -117,7 +108,7 @@ def make_data(
         config, resolved, seq_len, global_batch, vocab_size, seed, split
     )
     return DataStream(
-        batches.to_iter_dataset(_READ_OPTIONS),
+        iter(batches.to_iter_dataset(_READ_OPTIONS)),
         seq_len=seq_len,
         global_batch=global_batch,
         local_batch=global_batch // nproc,
