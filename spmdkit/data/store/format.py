@@ -24,9 +24,6 @@ The same inputs and flags give the same bytes in every file, `dataset.json` incl
 
 Every file name in `dataset.json` is a plain name inside DIR (no absolute path, no `..`, no symlink leading out).
 Datasets written before `max_token_id` and the chunk checksums (same version) are read with the other checks only.
-A plain text file is one document; a long one is tokenized in pieces cut at line boundaries
-(`spmdkit.data.prepare.text`), which for `bytes` and byte-level BPEs with GPT-2- or Llama-3-style pre-tokenization
-gives exactly the tokens of the whole text.
 """
 
 from __future__ import annotations
