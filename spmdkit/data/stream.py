@@ -31,8 +31,7 @@ import jax
 import numpy as np
 
 from spmdkit.data.config import DataConfig
-from spmdkit.data.packing.mixture import global_rows, packed_rows
-from spmdkit.data.packing.rows import FIELDS, window_fields
+from spmdkit.data.packing.rows import FIELDS, PackedRows, window_fields
 from spmdkit.data.resolve import Resolved, check_vocab, resolve_source, shared_tokenizer
 from spmdkit.data.sources import record_source, stdlib_documents
 from spmdkit.data.store import PreparedDataset, check_vocabulary
@@ -148,7 +147,13 @@ def _window_batches(
 def _packed_batches(
     config: DataConfig, resolved: Resolved, seq_len: int, global_batch: int, vocab_size: int, seed: int, split: str
 ) -> tuple[grain.MapDataset, int, Tokenizer]:
-    """Prepared datasets, mixtures, and the stdlib under `--packing documents`: rows from document stores."""
+    """Prepared datasets, mixtures, and the stdlib under `--packing documents`: rows from document stores.
+
+    One store: its `PackedRows`. Several (`--data A=0.7,B=0.3`): `grain.MapDataset.mix` of their rows with the
+    weights, a deterministic interleave (row g comes from a component and a row index that g alone decides), so a
+    mixture is as resumable and as independent of the process count as one store. Each component draws its epochs
+    with its own salt (its place in the mixture). Train streams are infinite; an eval mixture ends when a component's
+    one pass does (grain's rule for finite components)."""
     if resolved.kind == "stdlib":
         stores, tokenizer, name = [("stdlib", stdlib_documents())], byte_tokenizer(), "stdlib"
         if vocab_size < tokenizer.vocab_size:
@@ -159,10 +164,19 @@ def _packed_batches(
     check_vocab(tokenizer, vocab_size, name)
     for store in (s for _, s in stores if isinstance(s, PreparedDataset)):
         check_vocabulary(store, vocab_size)  # the largest id recorded at prepare time
-    parts = packed_rows(
-        stores, seq_len=seq_len, packing=resolved.packing, split=split, eval_fraction=config.eval_fraction, seed=seed
-    )
-    rows = global_rows(parts, resolved.weights or (1.0,))
+    parts, packing = [], resolved.packing
+    options: dict[str, Any] = dict(seq_len=seq_len, packing=packing, split=split, eval_fraction=config.eval_fraction)
+    for salt, (store_name, store) in enumerate(stores):
+        part = PackedRows(store, seed=seed, salt=salt, **options)
+        if part.rows_per_epoch() == 0:
+            raise SpmdkitError(
+                f"{store_name} {split} split has {int(part.doc_lengths.sum()):,} tokens in {len(part.doc_ids):,} "
+                f"documents, not one row of seq_len {seq_len} ({packing} packing): use more data, a smaller seq_len "
+                "or another eval_fraction"
+            )
+        parts.append(part)
+    sources = [grain.MapDataset.source(part) for part in parts]
+    rows = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, list(resolved.weights))
     if split == "eval":
         num_records = len(rows) - len(rows) % global_batch
         if num_records == 0:

@@ -19,8 +19,6 @@ import dataclasses
 
 import numpy as np
 
-PACKINGS = ("documents", "windows")
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -52,13 +50,6 @@ def pack_starts(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     return starts, -(-pos // seq_len)
 
 
-def window_starts(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
-    """`windows` packing: (start of each document when back to back, whole windows of seq_len + 1)."""
-    ends = np.cumsum(np.asarray(lengths, np.int64))
-    starts = ends - lengths
-    return starts, int(ends[-1] // (seq_len + 1)) if len(ends) else 0
-
-
 def make_plan(
     doc_ids: np.ndarray, lengths: np.ndarray, seq_len: int, packing: str, rng: np.random.Generator | None
 ) -> Plan:
@@ -72,9 +63,9 @@ def make_plan(
     if packing == "documents":
         starts, rows = pack_starts(lengths, seq_len)
         row_len = seq_len
-    else:
-        starts, rows = window_starts(lengths, seq_len)
-        row_len = seq_len + 1
+    else:  # back to back, whole windows of seq_len + 1
+        starts, row_len = np.cumsum(lengths) - lengths, seq_len + 1
+        rows = int(lengths.sum() // row_len)
     row_order = rng.permutation(rows) if rng is not None else None
     return Plan(order, starts, lengths, rows, row_len, row_order)
 

@@ -74,10 +74,6 @@ class PackedRows(Sequence[dict[str, np.ndarray]]):
             None if split == "train" else make_plan(self.doc_ids, self.doc_lengths, seq_len, packing, None)
         )
 
-    @property
-    def tokens(self) -> int:
-        return int(self.doc_lengths.sum())
-
     def epoch_plan(self, epoch: int) -> Plan:
         """The plan of train epoch `epoch` (the two most recent are kept)."""
         if self._eval_plan is not None:
@@ -101,14 +97,11 @@ class PackedRows(Sequence[dict[str, np.ndarray]]):
         if self._eval_plan is not None:
             return 0, index
         with self._lock:
-            return self._locate(index)
-
-    def _locate(self, index: int) -> tuple[int, int]:
-        while not self._epoch_ends or self._epoch_ends[-1] <= index:
-            epoch = len(self._epoch_ends)
-            self._epoch_ends.append((self._epoch_ends[-1] if epoch else 0) + self.rows_per_epoch(epoch))
-        epoch = bisect.bisect_right(self._epoch_ends, index)
-        return epoch, index - (self._epoch_ends[epoch - 1] if epoch else 0)
+            while not self._epoch_ends or self._epoch_ends[-1] <= index:
+                epoch = len(self._epoch_ends)
+                self._epoch_ends.append((self._epoch_ends[-1] if epoch else 0) + self.rows_per_epoch(epoch))
+            epoch = bisect.bisect_right(self._epoch_ends, index)
+            return epoch, index - (self._epoch_ends[epoch - 1] if epoch else 0)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:  # type: ignore[override]
         index = int(index)
