@@ -83,14 +83,10 @@ def text_pieces(path: Path, limit: int = PIECE_CHARS) -> Iterator[tuple[str, boo
     pieces of at most `limit` characters cut by `cut_point`."""
     pending, first = "", True
     with open(path, encoding="utf-8", newline="") as f:  # newline="": every character as it is in the file
-        while True:
-            text = f.read(limit)
-            final = not text
-            pending += text
-            while len(pending) > limit or (final and pending):
-                cut = cut_point(pending, limit) if len(pending) > limit else len(pending)
-                piece, pending = pending[:cut], pending[cut:]
-                yield piece, first, final and not pending
+        for block in iter(lambda: f.read(limit), ""):
+            *done, pending = split_text(pending + block, limit)
+            for piece in done:
+                yield piece, first, False
                 first = False
-            if final:
-                return
+    if pending:
+        yield pending, first, True
