@@ -42,20 +42,12 @@ OFFSETS_FILE = "documents.npy"
 BYTES_FILE = "document_bytes.npy"
 KEYS_FILE = "document_keys.npy"
 INDEX_FILES = {"offsets": OFFSETS_FILE, "bytes": BYTES_FILE, "keys": KEYS_FILE}
-UINT16_VOCAB = 1 << 16
 CHUNK_TOKENS = 1 << 20  # tokens per checksummed chunk of a shard (2 MiB of uint16)
 EVAL_BUCKETS = 10_000  # the same rule as the stdlib source's eval files: crc32(name) % 10,000 < fraction x 10,000
 
 
 def shard_file(index: int) -> str:
     return f"tokens-{index:05d}.bin"
-
-
-def token_dtype(vocab_size: int, requested: str = "auto") -> str:
-    """uint16 when every id fits (vocab <= 65,536), else uint32; "uint16"/"uint32" as requested when it fits."""
-    if requested == "auto":
-        return "uint16" if vocab_size <= UINT16_VOCAB else "uint32"
-    return requested
 
 
 def is_eval(keys: np.ndarray, eval_fraction: float) -> np.ndarray:

@@ -31,7 +31,8 @@ class DatasetWriter:
     def __init__(self, staging: Staging, tokenizer: Tokenizer, dtype: str = "auto", shard_tokens: int = 1 << 28):
         if shard_tokens < 1:
             raise SpmdkitError(f"--shard-tokens {shard_tokens} must be positive")
-        self.dtype = fmt.token_dtype(tokenizer.vocab_size, dtype)
+        # auto: uint16 when every id fits (vocab <= 65,536), else uint32
+        self.dtype = ("uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32") if dtype == "auto" else dtype
         if self.dtype not in ("uint16", "uint32"):
             raise SpmdkitError(f"--dtype {dtype}: use auto, uint16 or uint32")
         limit = np.iinfo(self.dtype).max + 1
@@ -156,38 +157,29 @@ class DatasetWriter:
                 k = j
                 continue
             if firsts[k]:
-                self._begin(int(keys[k]))
-            self._extend(np.asarray(tokens[starts[k] : ends[k]]).astype(self.dtype, copy=False), int(text_bytes[k]))
+                assert self._open_doc is None, "a document in pieces is still open"
+                if self._file is not None and self.shards[-1]["tokens"] >= self.shard_tokens:
+                    self._close_shard()
+                if self._file is None:
+                    self._open_shard()
+                self._open_doc = [self.shards[-1]["tokens"], 0, 0, int(keys[k])]
+            assert self._open_doc is not None, "a document's middle piece came without its first"
+            piece = np.asarray(tokens[starts[k] : ends[k]]).astype(self.dtype, copy=False)
+            self._write(piece)
+            self.shards[-1]["tokens"] += len(piece)
+            self._open_doc[1] += len(piece)
+            self._open_doc[2] += int(text_bytes[k])
             if lasts[k]:
-                self._end()
+                start, count, size, key = self._open_doc
+                self._open_doc = None
+                if start > 0 and start + count > self.shard_tokens:
+                    self._move_open_document(start)
+                self.shards[-1]["documents"] += 1
+                self._add_index([self.tokens + count], [size], [key])
+                self.documents += 1
+                self.tokens += count
+                self.text_bytes += size
             k += 1
-
-    def _begin(self, key: int) -> None:
-        assert self._open_doc is None, "a document in pieces is still open"
-        if self._file is not None and self.shards[-1]["tokens"] >= self.shard_tokens:
-            self._close_shard()
-        if self._file is None:
-            self._open_shard()
-        self._open_doc = [self.shards[-1]["tokens"], 0, 0, key]
-
-    def _extend(self, tokens: np.ndarray, text_bytes: int) -> None:
-        assert self._open_doc is not None, "a document's middle piece came without its first"
-        self._write(tokens)
-        self.shards[-1]["tokens"] += len(tokens)
-        self._open_doc[1] += len(tokens)
-        self._open_doc[2] += text_bytes
-
-    def _end(self) -> None:
-        assert self._open_doc is not None
-        start, count, text_bytes, key = self._open_doc
-        self._open_doc = None
-        if start > 0 and start + count > self.shard_tokens:
-            self._move_open_document(start)
-        self.shards[-1]["documents"] += 1
-        self._add_index([self.tokens + count], [text_bytes], [key])
-        self.documents += 1
-        self.tokens += count
-        self.text_bytes += text_bytes
 
     # -- the end ---------------------------------------------------------------------------------------------
 
