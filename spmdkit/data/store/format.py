@@ -38,10 +38,7 @@ import numpy as np
 FORMAT = "spmdkit-prepared-dataset"
 VERSION = 1
 META_FILE = "dataset.json"
-OFFSETS_FILE = "documents.npy"
-BYTES_FILE = "document_bytes.npy"
-KEYS_FILE = "document_keys.npy"
-INDEX_FILES = {"offsets": OFFSETS_FILE, "bytes": BYTES_FILE, "keys": KEYS_FILE}
+INDEX_FILES = {"offsets": "documents.npy", "bytes": "document_bytes.npy", "keys": "document_keys.npy"}
 CHUNK_TOKENS = 1 << 20  # tokens per checksummed chunk of a shard (2 MiB of uint16)
 EVAL_BUCKETS = 10_000  # the same rule as the stdlib source's eval files: crc32(name) % 10,000 < fraction x 10,000
 

@@ -64,9 +64,7 @@ class PreparedDataset:
             self._chunk_tokens = self._check_chunk_lists()
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             self._damaged(f"{meta_path} lacks or mangles {error}")
-        self.offsets, self.text_bytes, self.keys = (
-            self._index_array(name) for name in (fmt.OFFSETS_FILE, fmt.BYTES_FILE, fmt.KEYS_FILE)
-        )
+        self.offsets, self.text_bytes, self.keys = (self._index_array(name) for name in fmt.INDEX_FILES.values())
         self._check_index()
         self.lengths = np.diff(self.offsets).astype(np.int64)
         counts = [s["tokens"] for s in self.meta["shards"]]
@@ -164,9 +162,9 @@ class PreparedDataset:
         if self.offsets.shape != (docs + 1,) or self.text_bytes.shape != (docs,) or self.keys.shape != (docs,):
             self._damaged(f"its document index does not hold {docs:,} documents as {fmt.META_FILE} says")
         if docs == 0 or self.offsets[0] != 0 or self.offsets[-1] != self.meta["tokens"]:
-            self._damaged(f"{fmt.OFFSETS_FILE} does not span the {self.meta['tokens']:,} tokens")
+            self._damaged(f"{fmt.INDEX_FILES['offsets']} does not span the {self.meta['tokens']:,} tokens")
         if np.any(np.diff(self.offsets) <= 0):
-            self._damaged(f"{fmt.OFFSETS_FILE} has an empty or negative document")
+            self._damaged(f"{fmt.INDEX_FILES['offsets']} has an empty or negative document")
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:

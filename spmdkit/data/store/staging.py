@@ -25,10 +25,6 @@ MARK = ".spmdkit-prepare"
 CACHE = "cache"  # scratch space inside the staging directory (e.g. the `datasets` Arrow cache), removed at the end
 
 
-def lock_path(out: Path) -> Path:
-    return out.parent / f".{out.name}{MARK}.lock"
-
-
 def staging_dirs(out: Path) -> list[Path]:
     """The staging directories of `--out` there are now (of this run or of earlier, killed ones)."""
     if not out.parent.is_dir():
@@ -43,7 +39,7 @@ class Staging:
 
     def __init__(self, out: str | Path):
         self.out = Path(out).expanduser().absolute()
-        self.lock = lock_path(self.out)
+        self.lock = self.out.parent / f".{self.out.name}{MARK}.lock"
         self.directory: Path | None = None
         self._fd: int | None = None
 
