@@ -145,28 +145,23 @@ def read_inputs(inputs: list[str], options: InputOptions) -> Iterator[Record]:
     if not inputs:
         raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
     for spec in inputs:
-        yield from _read_input(spec, options)
-
-
-def _read_input(spec: str, options: InputOptions) -> Iterator[Record]:
-    path = _input_path(spec)
-    if path is None:  # stdlib (as --data stdlib; a directory of that name is ./stdlib) or builder:GLOB
-        yield from _read_stdlib() if spec == STDLIB else _read_loaded(spec, options)
-    elif path.is_dir():
-        if _is_saved_dataset(path):
+        path = _input_path(spec)
+        if path is None:  # stdlib (as --data stdlib; a directory of that name is ./stdlib) or builder:GLOB
+            yield from _read_stdlib() if spec == STDLIB else _read_loaded(spec, options)
+        elif path.is_dir() and _is_saved_dataset(path):
             yield from _read_saved(path, options)
-            return
-        files = _directory_files(path, options.glob)[0]
-        if not files:
-            yield Bad(spec, f"no files match --glob {options.glob!r} in this directory", "empty")
-        for file in files:
-            yield from _read_file(file, file.relative_to(path).as_posix(), options)
-    elif path.is_file():
-        yield from _read_file(path, spec, options)
-    else:
-        raise SpmdkitError(
-            f"input {spec!r} not found: pass existing files or directories, 'stdlib', or json:|parquet:|text:GLOB"
-        )
+        elif path.is_dir():
+            files = _directory_files(path, options.glob)[0]
+            if not files:
+                yield Bad(spec, f"no files match --glob {options.glob!r} in this directory", "empty")
+            for file in files:
+                yield from _read_file(file, file.relative_to(path).as_posix(), options)
+        elif path.is_file():
+            yield from _read_file(path, spec, options)
+        else:
+            raise SpmdkitError(
+                f"input {spec!r} not found: pass existing files or directories, 'stdlib', or json:|parquet:|text:GLOB"
+            )
 
 
 def _directory_files(directory: Path, glob: str) -> tuple[list[Path], list[str]]:
