@@ -51,34 +51,29 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
 
 
 def resolve_source(config: DataConfig) -> Resolved:
-    source, packing = config.source, config.packing
+    source = config.source
+    prepared = "documents" if config.packing == "auto" else config.packing  # auto, for prepared data
     if "=" in source:
         parts = parse_mixture(source)
         for path, _ in parts:
             if not is_prepared_dataset(path):
                 PreparedDataset(path)  # raises the one-line error of a missing or unprepared directory
         total = sum(w for _, w in parts)
-        return Resolved(
-            "mixture", _packing(packing, "documents"), tuple(p for p, _ in parts), tuple(w / total for _, w in parts)
-        )
+        return Resolved("mixture", prepared, tuple(p for p, _ in parts), tuple(w / total for _, w in parts))
     if source in ("stdlib", "synthetic"):
         kind = source
     elif Path(source).is_dir():
         PreparedDataset(source)  # a directory must be a prepared dataset: its one-line error otherwise
-        return Resolved("prepared", _packing(packing, "documents"), (source,), (1.0,))
+        return Resolved("prepared", prepared, (source,), (1.0,))
     else:
         kind = "file"
-    resolved = _packing(packing, "windows")
+    resolved = "windows" if config.packing == "auto" else config.packing
     if resolved == "documents" and kind != "stdlib":
         raise SpmdkitError(
             f"--packing documents needs document boundaries, which {kind} data has not: prepare the text with "
             "`spmdkit data prepare` and pass --data DIR, or use --packing windows"
         )
     return Resolved(kind, resolved)
-
-
-def _packing(requested: str, auto: str) -> str:
-    return auto if requested == "auto" else requested
 
 
 def source_tokenizer(config: DataConfig) -> Tokenizer | None:
