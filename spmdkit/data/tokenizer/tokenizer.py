@@ -169,7 +169,10 @@ class Tokenizer:
         `<0xNN>` byte fallback) it counts the leading space such tokenizers add to a text; others are approximate."""
         size = self.vocab_size if size is None else size
         out = np.zeros(size, np.int32)
-        byte_level = _uses_byte_level(json.loads(self.json_text))
+        # byte-level: the decoder maps GPT-2 byte-level characters back to bytes (alone or in a Sequence)
+        byte_level = any(
+            p.get("type") == "ByteLevel" for p in _parts(json.loads(self.json_text), "decoder", "decoders")
+        )
         special = set(self.special_ids.values())
         for token, i in self.hf.get_vocab(with_added_tokens=True).items():
             if i >= size or i in special:
@@ -185,11 +188,10 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def _uses_byte_level(spec: dict[str, Any]) -> bool:
-    """Whether the decoder maps GPT-2 byte-level characters back to bytes (alone or in a Sequence)."""
-    decoder = spec.get("decoder") or {}
-    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    return any(p.get("type") == "ByteLevel" for p in parts)
+def _parts(spec: dict[str, Any], key: str, sequence_key: str) -> list[dict[str, Any]]:
+    """The `key` component of a `tokenizer.json`, or the parts (`sequence_key`) of it when it is a Sequence."""
+    component = spec.get(key) or {}
+    return component.get(sequence_key, [component]) if component.get("type") == "Sequence" else [component]
 
 
 def _config_token(value: Any) -> str | None:
@@ -198,9 +200,7 @@ def _config_token(value: Any) -> str | None:
 
 def _template_tokens(spec: dict[str, Any]) -> tuple[str | None, str | None]:
     """(BOS, EOS) of a TemplateProcessing post-processor's single-sequence template, else (None, None)."""
-    processor = spec.get("post_processor") or {}
-    parts = processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]
-    for part in parts:
+    for part in _parts(spec, "post_processor", "processors"):
         if part.get("type") != "TemplateProcessing":
             continue
         items = part.get("single", [])
