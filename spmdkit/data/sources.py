@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sysconfig
@@ -34,15 +35,18 @@ SYNTHETIC_RECORDS = 1_000_000
 # ----------------------------------------------------------------------------------------------- record sources
 
 
+@dataclasses.dataclass(frozen=True)
 class SyntheticSource(Sequence[np.ndarray]):
     """Record `i`: `seq_len + 1` uniform tokens in `[0, vocab_size)` from `np.random.default_rng((seed, stream, i))`."""
 
-    def __init__(self, num_records: int, seq_len: int, vocab_size: int, seed: int, stream: int):
-        self._len = num_records
-        self.seq_len, self.vocab_size, self.seed, self.stream = seq_len, vocab_size, seed, stream
+    num_records: int
+    seq_len: int
+    vocab_size: int
+    seed: int
+    stream: int
 
     def __len__(self) -> int:
-        return self._len
+        return self.num_records
 
     def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
         rng = np.random.default_rng((self.seed, self.stream, int(index)))
