@@ -66,6 +66,7 @@ class PreparedDataset:
             self._damaged(f"{meta_path} lacks or mangles {error}")
         self.offsets, self.text_bytes, self.keys = (self._index_array(name) for name in fmt.INDEX_FILES.values())
         self._check_index()
+        self.documents, self.tokens = int(self.meta["documents"]), int(self.meta["tokens"])
         self.lengths = np.diff(self.offsets).astype(np.int64)
         counts = [s["tokens"] for s in self.meta["shards"]]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -86,14 +87,6 @@ class PreparedDataset:
 
     def _damaged(self, what: str) -> None:
         raise SpmdkitError(f"{what}: the prepared dataset {self.path} is damaged or was changed; prepare it again")
-
-    @property
-    def documents(self) -> int:
-        return int(self.meta["documents"])
-
-    @property
-    def tokens(self) -> int:
-        return int(self.meta["tokens"])
 
     def __repr__(self) -> str:
         return f"PreparedDataset({str(self.path)!r}, documents={self.documents}, tokens={self.tokens})"
