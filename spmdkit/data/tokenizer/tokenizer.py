@@ -52,8 +52,9 @@ class Tokenizer:
     """Text <-> token ids, with the BOS/EOS convention above.
 
     Attributes: `hf` (the `tokenizers.Tokenizer`), `name` ("bytes", "bpe:N" or the path it came from),
-    `vocab_size`, `bos_id` / `eos_id` (None when the tokenizer has none), `special_ids` ({token: id} of the special
-    added tokens), `sha256` (of the `tokenizer.json` text, as saved), `model_vocab_size`.
+    `vocab_size`, `bos_id` / `eos_id` (None when the tokenizer has none), `bos` / `eos` ([id], or [] for none),
+    `special_ids` ({token: id} of the special added tokens), `sha256` (of the `tokenizer.json` text, as saved),
+    `model_vocab_size`.
     """
 
     def __init__(self, json_text: str, *, name: str, config: dict[str, Any] | None = None):
@@ -73,6 +74,8 @@ class Tokenizer:
         bos, eos = _special_tokens(json.loads(json_text), config, self.special_ids)
         self.bos_id = None if bos is None or bos == eos else self._id_of(bos)
         self.eos_id = None if eos is None else self._id_of(eos)
+        self.bos = [] if self.bos_id is None else [self.bos_id]
+        self.eos = [] if self.eos_id is None else [self.eos_id]
         from spmdkit.data.tokenizer.builtin import BYTES_NAME, is_byte_tokenizer
 
         if is_byte_tokenizer(self):  # the byte vocabulary, wherever it was loaded from, is called "bytes"
@@ -92,14 +95,6 @@ class Tokenizer:
         if self.name == BYTES_NAME:
             return BYTES_VOCAB
         return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-    @property
-    def bos(self) -> list[int]:
-        return [] if self.bos_id is None else [self.bos_id]
-
-    @property
-    def eos(self) -> list[int]:
-        return [] if self.eos_id is None else [self.eos_id]
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
