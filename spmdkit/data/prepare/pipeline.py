@@ -3,12 +3,9 @@
 
 The tokenizer is `bytes`, a `tokenizer.json` (or a directory holding one), or `bpe:N`, trained first on the same
 inputs (one extra pass over them, fed to the trainer in pieces of at most 64 Ki characters). Everything streams:
-records are read, cut into pieces (a plain text file is read in pieces of `piece_chars` characters, and so is any
-longer text: `text.py`), gathered into batches of about `batch_bytes` of text, tokenized by `--workers` processes
-(`workers.py`, results in input order: the same bytes for any worker count) and written as they come
-(`DatasetWriter`), so memory does not grow with the input. A progress bar on stderr, and a final throughput line.
-The dataset appears in `--out` only when complete, and a run killed midway is cleaned up by the next one
-(`spmdkit.data.store.staging`). `inputs.check_inputs` refuses an input given twice and an `--out` inside an input.
+records are read (`inputs.py`), cut into pieces (`text.py`), gathered into batches of about `batch_bytes` of text,
+tokenized by `--workers` processes (`workers.py`) and written as they come (`DatasetWriter`, into a `Staging`
+directory), so memory does not grow with the input. A progress bar on stderr, and a final throughput line.
 """
 
 from __future__ import annotations
