@@ -35,13 +35,10 @@ def _cut_around(text: str, char: str, lo: int, hi: int) -> int:
 def cut_point(text: str, limit: int) -> int:
     """Where to cut `text` (longer than `limit`) so that its first piece has at most `limit` characters (and at
     least half of them); see the module docstring."""
-    lo = limit // 2
-    newline = _cut_around(text, "\n", lo, limit)
-    if newline > 0:
-        return newline + 1
-    space = _cut_around(text, " ", lo, limit)
-    if space > 0:
-        return space
+    for char, after in (("\n", 1), (" ", 0)):  # after a newline, or at a space
+        pos = _cut_around(text, char, limit // 2, limit)
+        if pos > 0:
+            return pos + after
     return limit
 
 
