@@ -57,9 +57,7 @@ def byte_tokenizer() -> Tokenizer:
 
 def is_byte_tokenizer(tokenizer: Tokenizer) -> bool:
     """Whether `tokenizer` is spmdkit's byte vocabulary (its `tokenizer.json` text, wherever it was loaded from)."""
-    import hashlib
-
-    return tokenizer.sha256 == hashlib.sha256(_byte_tokenizer_json().encode()).hexdigest()
+    return tokenizer.json_text == _byte_tokenizer_json()
 
 
 def parse_bpe_spec(spec: str) -> int:
