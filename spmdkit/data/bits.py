@@ -11,15 +11,8 @@ sum to its text's UTF-8 bytes (its first token, BOS or not, is never a target); 
 no bytes, which is the cost of knowing where a document ends. The embedded `stdlib` source (windows of bytes, no
 mask) uses the `bytes` table: 1 per byte token, 0 for BOS/EOS.
 
-The trainer's step computes, next to the loss:
-
-```python
-text_bytes = target_bytes(batch["targets"], token_bytes, batch.get("loss_mask"))  # scalar, on device
-tokens = batch["loss_mask"].sum() if "loss_mask" in batch else batch["targets"].size
-metrics["bits_per_byte"] = bits_per_byte(loss, tokens, text_bytes)
-```
-
-(with microbatches, sum `loss x tokens` and `text_bytes` over them before dividing). Whole-dataset figures are in
+The trainer's step (`spmdkit.train.step`) computes both next to the loss (with microbatches, it sums
+`loss x tokens` and `text_bytes` over them before dividing). Whole-dataset figures are in
 `dataset.json` (`tokens`, `bytes`) and per document in the index (`document_bytes.npy`).
 """
 

@@ -6,9 +6,6 @@ process's batches: dicts of int32 [global_batch // process_count, seq_len] numpy
 documents packing (`spmdkit.data.config`) `segment_ids` and `loss_mask`; attention must stay within a segment (and
 causal inside it).
 
-Windows packing is what the stdlib, token files and synthetic data give (and `--packing windows` on prepared
-data); documents packing is what prepared datasets and mixtures give (and `--packing documents` on stdlib).
-
 Windows: records of `seq_len + 1` tokens (`spmdkit.data.sources`) become inputs (the first `seq_len`) and targets
 (the last `seq_len`); each JAX process reads records `process_index::process_count`. Documents
 (`spmdkit.data.packing`): a stream of global rows (one store, or a grain mixture of several); process p takes rows

@@ -23,7 +23,6 @@ The same inputs and flags give the same bytes in every file, `dataset.json` incl
 `--workers` and whether an earlier run was killed.
 
 Every file name in `dataset.json` is a plain name inside DIR (no absolute path, no `..`, no symlink leading out).
-Datasets written before `max_token_id` and the chunk checksums (same version) are read with the other checks only.
 """
 
 from __future__ import annotations
