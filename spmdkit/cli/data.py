@@ -57,9 +57,12 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(meta: dict) -> str:
+def run_inspect(args: argparse.Namespace) -> int:
+    from spmdkit.data.store import PreparedDataset
+
+    meta = PreparedDataset(args.directory).meta
     tok = meta["tokenizer"]
-    return "\n".join(
+    summary = "\n".join(
         [
             f"documents   {meta['documents']:,}",
             f"tokens      {meta['tokens']:,} ({meta['dtype']}, {len(meta['shards'])} shard(s), largest id "
@@ -71,12 +74,7 @@ def _summary(meta: dict) -> str:
             f"skipped     {sum(meta.get('skipped', {}).values()):,} bad records",
         ]
     )
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    from spmdkit.data.store import PreparedDataset
-
-    print(_summary(PreparedDataset(args.directory).meta))
+    print(summary)
     return 0
 
 
