@@ -16,7 +16,7 @@ from spmdkit.interop.sources import source_model
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
-from spmdkit.plan.devices import DEVICE_TYPES, Device, make_device, parse_mesh
+from spmdkit.plan.devices import DEVICE_FLAGS, DEVICE_TYPES, Device, make_device, parse_mesh
 from spmdkit.plan.estimate import REMAT_ORDER, estimate
 from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
 from spmdkit.plan.report import explain, format_details, format_table, plot
@@ -129,8 +129,7 @@ def main(argv: Sequence[str]) -> int:
     model = build_model({"name": args.model}, source_model).replace(
         dtype=args.dtype, remat=args.remat or "none", fp8=args.fp8
     )
-    names = ("hbm_gb", "peak_tflops", "intra_node_gbs", "inter_node_gbs", "gpus_per_node", "hbm_gbs")
-    dev = make_device(args.device_type, **flag_values(args, *names))
+    dev = make_device(args.device_type, **flag_values(args, *DEVICE_FLAGS))
     _check_args(args)
     if args.inference:
         return inference(args, dev)

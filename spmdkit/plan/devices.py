@@ -56,105 +56,41 @@ def mixed_peak(device: Device, fp8_share: float = 0.0) -> float:
 # host_bw: PCIe Gen5 x16, 63 GB/s raw per direction (32 GT/s x 16 lanes, 128b/130b; PCI-SIG PCIe 5.0 base
 # specification), ~50 GB/s effective in pinned host <-> device copies (H200, B200: the same link).
 _H100 = Device(
-    "h100",
-    80e9,
-    989e12,
-    450e9,
-    50e9,
-    kinds=("H100", "H800"),
-    hbm_bw=3.35e12,
-    link_latency=8e-6,
-    compute_capability=9,
-    host_bw=50e9,
-    fp8_peak_flops=1979e12,
-)
+    "h100", 80e9, 989e12, 450e9, 50e9, kinds=("H100", "H800"), hbm_bw=3.35e12, link_latency=8e-6,
+    compute_capability=9, host_bw=50e9, fp8_peak_flops=1979e12,
+)  # fmt: skip
 
-DEVICES: dict[str, Device] = {
-    # HBM bandwidth (hbm_bw) is the datasheet's: H100 SXM 3.35 TB/s, H200 4.8, A100 80GB 2.04, L40S 0.864 (GDDR6),
-    # B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
-    # (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
-    "h100": _H100,
+# HBM bandwidth (hbm_bw) is the datasheet's: H100 SXM 3.35 TB/s, H200 4.8, A100 80GB 2.04, L40S 0.864 (GDDR6),
+# B200/GB200 8, TPU v4 1.2, v5e 0.82, v5p 2.77, v6e 1.64. link_latency: a small NCCL all-reduce over NVLink
+# (NVSwitch) takes ~8-10 us, over PCIe ~20 us; TPU ICI ~10 us.
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    _H100,
     # H200: an H100 with 141 GB of HBM3e at 4.8 TB/s.
-    "h200": dataclasses.replace(_H100, name="h200", hbm_bytes=141e9, kinds=("H200", "GH200"), hbm_bw=4.8e12),
+    dataclasses.replace(_H100, name="h200", hbm_bytes=141e9, kinds=("H200", "GH200"), hbm_bw=4.8e12),
     # A100 SXM 80 GB: 312 TFLOP/s, NVLink3 600 GB/s both ways, 200 Gb/s HDR per GPU.
-    "a100": Device(
-        "a100",
-        80e9,
-        312e12,
-        300e9,
-        25e9,
-        kinds=("A100", "A800"),
-        hbm_bw=2.039e12,
-        compute_capability=8,
-    ),
+    Device("a100", 80e9, 312e12, 300e9, 25e9, kinds=("A100", "A800"), hbm_bw=2.039e12, compute_capability=8),
     # L40S: 48 GB GDDR6, 362 TFLOP/s bf16 dense, no NVLink (PCIe Gen4 x16, ~32 GB/s per direction).
-    "l40s": Device(
-        "l40s",
-        48e9,
-        362e12,
-        32e9,
-        25e9,
-        kinds=("L40S",),
-        hbm_bw=0.864e12,
-        link_latency=20e-6,
-        compute_capability=8,
-        fp8_peak_flops=733e12,
-    ),
+    Device("l40s", 48e9, 362e12, 32e9, 25e9, kinds=("L40S",), hbm_bw=0.864e12, link_latency=20e-6,
+           compute_capability=8, fp8_peak_flops=733e12),
     # B200 (DGX B200: 180 GB usable of 192), 2.25 PFLOP/s dense bf16, NVLink5 1.8 TB/s, 400 Gb/s per GPU.
-    "b200": Device(
-        "b200",
-        180e9,
-        2250e12,
-        900e9,
-        50e9,
-        kinds=("B200",),
-        hbm_bw=8e12,
-        link_latency=8e-6,
-        compute_capability=10,
-        host_bw=50e9,
-        fp8_peak_flops=4500e12,
-    ),
+    Device("b200", 180e9, 2250e12, 900e9, 50e9, kinds=("B200",), hbm_bw=8e12, link_latency=8e-6,
+           compute_capability=10, host_bw=50e9, fp8_peak_flops=4500e12),
     # GB200 NVL72: 186 GB usable, 2.5 PFLOP/s dense bf16, NVLink5 1.8 TB/s in a 72-GPU domain.
-    "gb200": Device(
-        "gb200",
-        186e9,
-        2500e12,
-        900e9,
-        50e9,
-        gpus_per_node=72,
-        kinds=("GB200",),
-        hbm_bw=8e12,
-        compute_capability=10,
-        fp8_peak_flops=5000e12,
-    ),
+    Device("gb200", 186e9, 2500e12, 900e9, 50e9, gpus_per_node=72, kinds=("GB200",), hbm_bw=8e12,
+           compute_capability=10, fp8_peak_flops=5000e12),
     # TPU v4: 32 GB HBM, 275 TFLOP/s; ICI ~ 2 x 45 GB/s per link, 6 links. TPU v5e: 16 GB, 197 TFLOP/s.
-    "tpu-v4": Device(
-        "tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",), hbm_bw=1.2e12
-    ),
-    "tpu-v5e": Device(
-        "tpu-v5e",
-        16e9,
-        197e12,
-        100e9,
-        25e9,
-        gpus_per_node=256,
-        backend="tpu",
-        kinds=("TPU v5 lite", "TPU v5e"),
-        hbm_bw=0.819e12,
-    ),
+    Device("tpu-v4", 32e9, 275e12, 135e9, 25e9, gpus_per_node=4096, backend="tpu", kinds=("TPU v4",), hbm_bw=1.2e12),
+    Device("tpu-v5e", 16e9, 197e12, 100e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5 lite", "TPU v5e"),
+           hbm_bw=0.819e12),
     # TPU v5p: 95 GB HBM, 459 TFLOP/s; a bidirectional ring along one torus axis ~2 x 100 GB/s; DCN ~25 GB/s.
-    "tpu-v5p": Device(
-        "tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5",), hbm_bw=2.765e12
-    ),
+    Device("tpu-v5p", 95e9, 459e12, 200e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v5",), hbm_bw=2.765e12),
     # TPU v6e (Trillium): 32 GB HBM, 918 TFLOP/s bf16, ICI ~ 2 x 200 GB/s.
-    "tpu-v6e": Device(
-        "tpu-v6e", 32e9, 918e12, 400e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v6",), hbm_bw=1.64e12
-    ),
+    Device("tpu-v6e", 32e9, 918e12, 400e9, 25e9, gpus_per_node=256, backend="tpu", kinds=("TPU v6",), hbm_bw=1.64e12),
     # Simulated host devices (--xla_force_host_platform_device_count): the compiler-proof target. Its bytes are
     # real; its FLOP/s and bandwidths are placeholders (no `kinds`: MFU on a CPU is reported as unknown;
     # `scripts/bench_generate.py` measures this machine's copy bandwidth instead).
-    "cpu": Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu", hbm_bw=10e9, link_latency=20e-6),
-}
+    Device("cpu", 16e9, 1e12, 10e9, 10e9, backend="cpu", hbm_bw=10e9, link_latency=20e-6),
+)}  # fmt: skip
 
 
 def device_for_kind(device_kind: str) -> Device | None:
@@ -164,31 +100,22 @@ def device_for_kind(device_kind: str) -> Device | None:
 
 
 DEVICE_TYPES: tuple[str, ...] = (*DEVICES, "custom")
+# make_device's keywords, named as `spmdkit plan`'s flags (hbm_gb: --hbm-gb): the Device field each sets, its unit
+DEVICE_FLAGS = {
+    "hbm_gb": ("hbm_bytes", 1e9), "peak_tflops": ("peak_flops", 1e12), "intra_node_gbs": ("intra_node_bw", 1e9),
+    "inter_node_gbs": ("inter_node_bw", 1e9), "gpus_per_node": ("gpus_per_node", 1), "hbm_gbs": ("hbm_bw", 1e9),
+}  # fmt: skip
+CUSTOM_FLAGS = ("hbm_gb", "peak_tflops", "intra_node_gbs", "inter_node_gbs")  # what a custom device must give
 
 
-def make_device(
-    kind: str,
-    *,
-    hbm_gb: float | None = None,
-    peak_tflops: float | None = None,
-    intra_node_gbs: float | None = None,
-    inter_node_gbs: float | None = None,
-    gpus_per_node: int | None = None,
-    hbm_gbs: float | None = None,
-) -> Device:
-    """A named device (a key of `DEVICES`) with optional overrides, or `custom` (all given)."""
-    # field: (its flag, the flag's value, the flag's unit)
-    given = {
-        "hbm_bytes": ("--hbm-gb", hbm_gb, 1e9),
-        "peak_flops": ("--peak-tflops", peak_tflops, 1e12),
-        "intra_node_bw": ("--intra-node-gbs", intra_node_gbs, 1e9),
-        "inter_node_bw": ("--inter-node-gbs", inter_node_gbs, 1e9),
-        "gpus_per_node": ("--gpus-per-node", gpus_per_node, 1),
-        "hbm_bw": ("--hbm-gbs", hbm_gbs, 1e9),
-    }
-    required = ("hbm_bytes", "peak_flops", "intra_node_bw", "inter_node_bw")  # what a custom device must give
+def make_device(kind: str, **flags: float | None) -> Device:
+    """A named device (a key of `DEVICES`) with optional overrides, or `custom` (`CUSTOM_FLAGS` given); `flags`:
+    keywords of `DEVICE_FLAGS` in their flags' units (None: not given)."""
+    if unknown := sorted(set(flags) - set(DEVICE_FLAGS)):
+        raise TypeError(f"make_device() got unexpected keyword arguments {unknown}")
+    given = {flag: value for flag, value in flags.items() if value is not None}
     if kind == "custom":
-        missing = [given[field][0] for field in required if given[field][1] is None]
+        missing = [f"--{flag.replace('_', '-')}" for flag in CUSTOM_FLAGS if flag not in given]
         if missing:
             raise SpmdkitError(f"--device-type custom needs {', '.join(missing)}")
         base = Device("custom", 0.0, 0.0, 0.0, 0.0)
@@ -196,8 +123,8 @@ def make_device(
         base = DEVICES[kind]
     else:
         raise SpmdkitError(f"unknown device type {kind!r}: choose one of {', '.join(DEVICE_TYPES)}")
-    device = dataclasses.replace(base, **{k: v * unit for k, (_, v, unit) in given.items() if v is not None})
-    for field in (*required, "gpus_per_node"):
+    device = dataclasses.replace(base, **{DEVICE_FLAGS[f][0]: v * DEVICE_FLAGS[f][1] for f, v in given.items()})
+    for field in (*(DEVICE_FLAGS[flag][0] for flag in CUSTOM_FLAGS), "gpus_per_node"):
         if getattr(device, field) <= 0:
             raise SpmdkitError(f"device {field.replace('_', ' ')} must be positive (got {getattr(device, field)})")
     return device
