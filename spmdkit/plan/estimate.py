@@ -66,25 +66,12 @@ from collections.abc import Callable, Mapping
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
-from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
 from spmdkit.plan.layout import Layout, Sharded, check_layout
-from spmdkit.plan.memory import (
-    activation_bytes,
-    attention_kernel,
-    attention_scratch,
-    manual_region,
-    memory,
-    optimizer_bytes,
-    pipeline_schedule,
-)
-from spmdkit.plan.remat_cost import REMAT_ORDER, forward_sums, host_kept_bytes, named_recompute_flops
+from spmdkit.plan.memory import attention_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
+from spmdkit.plan.remat_cost import REMAT_ORDER as REMAT_ORDER  # re-exported: the search's order
+from spmdkit.plan.remat_cost import forward_sums, host_kept_bytes, named_recompute_flops
 from spmdkit.sharding.strategy import Strategy, mesh_text
-
-__all__ = [
-    "REMAT_ORDER", "SCHEDULES", "Collective", "Estimate", "activation_bytes", "attention_kernel", "attention_scratch",
-    "collectives", "estimate", "evaluate", "manual_region", "memory", "pipeline_schedule", "planner_platform",
-]  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -56,10 +56,6 @@ from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
 from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
-__all__ = [
-    "MEMORY_KEYS", "activation_bytes", "attention_kernel", "attention_scratch", "manual_region",
-    "memory", "moe_activation_bytes", "pipeline_schedule", "ring_scratch",
-]  # fmt: skip
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
 MLP_KEPT = 6  # [F] arrays the gated MLP keeps without remat
 
@@ -112,13 +108,7 @@ def _block_plan(m: TransformerConfig, seq: int, window: int) -> BlockPlan:
 
 
 def activation_bytes(
-    m: TransformerConfig,
-    T: int,
-    sp: bool,
-    C: int,
-    seq: int,
-    platform: str | None = None,
-    capability: int = 0,
+    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None, capability: int = 0
 ) -> tuple[float, float]:
     """(bytes kept per token per layer under `m.remat`, bytes per token of one layer's recompute); module doc."""
     a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T

@@ -21,11 +21,6 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.models.remat import RematPolicy
 from spmdkit.plan.layout import DTYPE_BYTES
 
-__all__ = [
-    "REMAT_ORDER", "forward_sums", "host_kept_bytes", "mlp_named_bytes", "name_bytes", "named_kept_bytes",
-    "named_recompute_flops",
-]  # fmt: skip
-
 # What `spmdkit plan` searches and `spmdkit compile` tries, least recomputation (most memory) first. Left out:
 # `minimal` (the bytes and FLOPs of dots_with_no_batch_dims_saveable) and the offload presets (the search does not
 # budget host memory); any of them can still be given with --remat.

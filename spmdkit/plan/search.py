@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.plan.devices import Device
-from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, memory, planner_platform
+from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, planner_platform
 from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.plan.memory import memory
 from spmdkit.sharding.strategy import mesh_text
 
 LONG_CONTEXT = 16384  # sequences at least this long make context parallelism a candidate
