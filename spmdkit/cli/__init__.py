@@ -18,17 +18,6 @@ from typing import Any
 
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 
-COMMANDS = {  # name -> its module (loaded only when the command runs: `spmdkit plan` never imports JAX)
-    "train": "spmdkit.cli.train",
-    "data": "spmdkit.cli.data",
-    "ckpt": "spmdkit.cli.ckpt",
-    "plan": "spmdkit.cli.plan",
-    "compile": "spmdkit.cli.compile",
-    "launch": "spmdkit.cli.launch",
-    "bench": "spmdkit.cli.bench",
-    "generate": "spmdkit.cli.generate",
-    "eval": "spmdkit.cli.eval",
-}
 SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own help
     "train": "train a model",
     "data": "prepare a dataset from text (tokenize, shard, index); inspect or verify one",
@@ -40,6 +29,8 @@ SUMMARIES = {  # name -> one line for `spmdkit --help` and the command's own hel
     "generate": "complete prompts with a trained model: KV-cache decoding, sampling, sharded",
     "eval": "loss, perplexity and bits per byte of a checkpoint on held-out data",
 }
+# name -> its module (loaded only when the command runs: `spmdkit plan` never imports JAX)
+COMMANDS = {name: f"spmdkit.cli.{name}" for name in SUMMARIES}
 DESCRIPTION = "SPMD sharding toolkit for training transformers with JAX."
 JAX_FREE = {"plan", "launch", "data"}  # commands that never start JAX (the planner answers in well under two seconds)
 
