@@ -55,15 +55,11 @@ def _sizes(mesh: Mapping[str, int]) -> dict[str, int]:
 
 def weight_bytes(m: TransformerConfig, mesh: Mapping[str, int], local_batch: float | None = None) -> float:
     """Weight bytes per device (in `m.param_dtype`); with `local_batch`, only the routed experts its tokens use."""
-    sizes = _sizes(mesh)
-    scale = DTYPE_BYTES[m.param_dtype] / 4
-    used = 1.0
+    scale, used = DTYPE_BYTES[m.param_dtype] / 4, 1.0
     if m.moe_layers and local_batch is not None:
         used = 1 - (1 - m.top_k / m.experts) ** local_batch  # share of experts some token routes to
-    total = 0.0
-    for p in sharded(m, tuple(sizes.items()), 0):
-        total += p.nbytes * scale / p.divisor["params"][0] * (used if p.routed else 1.0)
-    return total
+    params = sharded(m, tuple(_sizes(mesh).items()), 0)
+    return sum(p.nbytes * scale / p.divisor["params"][0] * (used if p.routed else 1.0) for p in params)
 
 
 def kv_bytes(m: TransformerConfig, mesh: Mapping[str, int], batch: int, context: int) -> float:
@@ -84,6 +80,11 @@ def decode_memory(
 def matmul_params(m: TransformerConfig) -> int:
     """N_mm: parameters a token's matmuls use (active experts, LM head), without the embedding table and norms."""
     return m.num_params(active=True) - m.vocab_size * m.embed - (2 * m.layers + 1) * m.embed
+
+
+def _sequence_flops(m: TransformerConfig, context: int) -> float:
+    """FLOPs of one sequence's decode step at `context` positions: its matmuls and its attention over the cache."""
+    return 2 * matmul_params(m) + 4 * m.layers * m.heads * m.head_dim * context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +133,11 @@ def _peak(m: TransformerConfig, device: Device, efficiency: float) -> float:
     return device.peak_flops * efficiency * (0.5 if m.dtype == "float32" else 1.0)
 
 
-def _check_device(device: Device) -> None:
+def _bandwidth(device: Device) -> float:
+    """The HBM bytes/s a decode step achieves on `device` (one line for a device without an HBM bandwidth)."""
     if device.hbm_bw <= 0:
         raise SpmdkitError(f"device {device.name} has no HBM bandwidth: pass --hbm-gbs for the inference planner")
+    return device.hbm_bw * MEMORY_EFFICIENCY
 
 
 def tp_comm_s(m: TransformerConfig, mesh: Mapping[str, int], device: Device, local_batch: float) -> float:
@@ -151,34 +154,20 @@ def tp_comm_s(m: TransformerConfig, mesh: Mapping[str, int], device: Device, loc
 
 
 def decode_estimate(
-    m: TransformerConfig,
-    mesh: Mapping[str, int],
-    device: Device,
-    *,
-    batch: int,
-    context: int,
-    efficiency: float = 0.5,
+    m: TransformerConfig, mesh: Mapping[str, int], device: Device, *, batch: int, context: int, efficiency: float = 0.5
 ) -> DecodeEstimate:
     """Time and bytes of one decode step (see the module docstring)."""
-    _check_device(device)
-    sizes = _sizes(mesh)
+    bandwidth, sizes = _bandwidth(device), _sizes(mesh)
     if batch < 1 or context < 1 or batch % sizes["data"]:
         raise SpmdkitError(f"batch {batch} must be a positive multiple of data={sizes['data']}, context positive")
     local = batch / sizes["data"]
     weights, kv = weight_bytes(m, sizes, local), kv_bytes(m, sizes, batch, context)
-    flops = (2 * matmul_params(m) + 4 * m.layers * m.heads * m.head_dim * context) * local / sizes["tensor"]
+    flops = _sequence_flops(m, context) * local / sizes["tensor"]
     return DecodeEstimate(
-        mesh=sizes,
-        batch=batch,
-        context=context,
-        weights_read=weights,
-        kv_read=kv,
-        memory_bytes=weight_bytes(m, sizes) + kv,
-        hbm_bytes=device.hbm_bytes,
-        memory_s=(weights + kv) / (device.hbm_bw * MEMORY_EFFICIENCY),
-        compute_s=flops / _peak(m, device, efficiency),
+        sizes, batch, context, weights_read=weights, kv_read=kv, memory_bytes=weight_bytes(m, sizes) + kv,
+        hbm_bytes=device.hbm_bytes, memory_s=(weights + kv) / bandwidth, compute_s=flops / _peak(m, device, efficiency),
         comm_s=tp_comm_s(m, sizes, device, local),
-    )
+    )  # fmt: skip
 
 
 def compute_bound_batch(
@@ -186,10 +175,8 @@ def compute_bound_batch(
 ) -> float | None:
     """B*: the global batch from which a decode step's FLOPs take longer than its reads (dense weights; None when
     the KV cache's reads grow as fast as the FLOPs, so decode stays memory-bound at any batch)."""
-    _check_device(device)
-    sizes = _sizes(mesh)
-    bandwidth = device.hbm_bw * MEMORY_EFFICIENCY
-    per_sequence_flops = (2 * matmul_params(m) + 4 * m.layers * m.heads * m.head_dim * context) / sizes["tensor"]
+    bandwidth, sizes = _bandwidth(device), _sizes(mesh)
+    per_sequence_flops = _sequence_flops(m, context) / sizes["tensor"]
     per_sequence_kv = kv_bytes(m, sizes, sizes["data"], context)  # one sequence on each replica
     per_sequence_s = per_sequence_flops / _peak(m, device, efficiency) - per_sequence_kv / bandwidth
     if per_sequence_s <= 0:
