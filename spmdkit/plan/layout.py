@@ -27,7 +27,7 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.capacity import capacity
 from spmdkit.parallel.pipeline.schedule import check_arguments, check_layers, check_pipelinable
 from spmdkit.plan.devices import parse_mesh
-from spmdkit.sharding.rules import REPLICATE_IF_INDIVISIBLE, AxisTable, make_rules
+from spmdkit.sharding.rules import REPLICATE_IF_INDIVISIBLE, make_rules
 from spmdkit.sharding.strategy import Strategy, mesh_text
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -110,14 +110,6 @@ def parameters(m: TransformerConfig) -> list[Param]:
     return [*out, ("final_norm", (E,), ("norm",)), *head]
 
 
-def tables(zero: int) -> dict[str, AxisTable]:
-    """The rule table `make_rules(zero)` applies to each kind of per-parameter tensor: its value, its optimizer
-    moments and its gradient (ZeRO-2 lays gradients out like the optimizer state)."""
-    rules = make_rules(zero)
-    grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
-    return {"params": rules.params, "optimizer": rules.optimizer, "grads": grads}
-
-
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
@@ -145,15 +137,19 @@ class Sharded:
 @functools.cache
 def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) -> tuple[Sharded, ...]:
     """Every parameter under the rules, as `logical_to_spec` lays it out: each dim takes the mesh axes of its
-    logical name that are > 1 and not yet used by the array; kv_heads replicate when the axes do not divide them."""
-    sizes, out = dict(mesh), []
+    logical name that are > 1 and not yet used by the array; kv_heads replicate when the axes do not divide them.
+    Each kind of tensor has its rule table: the value, its optimizer moments, its gradient (ZeRO-2 lays gradients
+    out like the optimizer state)."""
+    sizes, out, rules = dict(mesh), [], make_rules(zero)
+    grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
+    tables = {"params": rules.params, "optimizer": rules.optimizer, "grads": grads}
     for name, shape, names in parameters(m):
         axes = {}
-        for kind, rules in tables(zero).items():
+        for kind, table in tables.items():
             axes[kind] = []
             for size, logical in zip(shape, names, strict=True):
                 dim_axes = (
-                    [x for x in rules.get(logical, ()) if sizes[x] > 1 and x not in axes[kind]] if logical else []
+                    [x for x in table.get(logical, ()) if sizes[x] > 1 and x not in axes[kind]] if logical else []
                 )
                 split = math.prod(sizes[x] for x in dim_axes)
                 if dim_axes and size % split:

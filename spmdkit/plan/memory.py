@@ -91,15 +91,10 @@ def kernel_scores(m: TransformerConfig, kernel: str, T: int, C: int, seq: int) -
     if kernel == "ring":
         return 4 * H * seq * (1 + d / ring_key_tile(seq // (2 * C)))
     if kernel == "blockwise":  # the mean over the layers (a local layer's plan skips what its window hides)
-        plans = [_block_plan(m, seq, w) for w in _windows(m)]  # per pair, its scores and its rows' p v
+        plans = [_block_plan(m, seq, m.window_of(i)) for i in range(m.layers)]  # per pair, its scores and p v
         kept = [sum(len(s.q) * p.sizes(s)[0] * (p.sizes(s)[1] + d) for s in p.steps) for p in plans]
         return sum(kept) / len(kept) * 4 * H / seq
     return 0.0
-
-
-def _windows(m: TransformerConfig) -> list[int]:
-    """Each layer's sliding window (0: global)."""
-    return [m.window_of(i) for i in range(m.layers)]
 
 
 def _block_plan(m: TransformerConfig, seq: int, window: int) -> BlockPlan:
@@ -129,12 +124,13 @@ def activation_bytes(
     return kept, none - kept
 
 
-def attention_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float, kernel: str) -> float:
+def attention_scratch(m: TransformerConfig, T: int, seq: int, seqs: float, kernel: str) -> float:
     """Bytes the blockwise kernel holds while one layer runs: 3 float32 score arrays (P, dP, dS) of its widest step
     (`spmdkit.kernels.block_plan`), for `seqs` sequences per device and the local heads; 0 for the other kernels."""
     if kernel != "blockwise":
         return 0.0
-    scores = max(_block_plan(m, seq, w).widest_step() for w in set(_windows(m)))  # per (sequence, head)
+    windows = {m.window_of(i) for i in range(m.layers)}  # each layer's sliding window (0: global)
+    scores = max(_block_plan(m, seq, w).widest_step() for w in windows)  # per (sequence, head)
     return 3 * 4 * scores * m.heads / T * seqs
 
 
@@ -268,15 +264,15 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     layer = _layer_bytes(s, gathered=True)
     layers = 2 * layer * a / 4 if gathers else 0.0  # two gathered layers, cast before the all-gather
     tp = 2 * mb * E * a if T > 1 else 0.0
-    scratch = attention_scratch(m, T, s["context"], s.seq_len, mb / s.seq_len, kernel)
+    scratch = attention_scratch(m, T, s.seq_len, mb / s.seq_len, kernel)
     forward = ring_scratch(m, T, s["context"], s.seq_len, mb * s["context"] / s.seq_len) if kernel == "ring" else 0.0
     if m.remat_policy.kind == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice
         forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
-    grads = _gradients(s)
+    grads, loss = _gradients(s), _loss_phase(s)
     split = s["fsdp"] > 1 and s.zero >= 2 and not manual_region(s)  # a layer's gradient before its reduce-scatter
     phases = [
         {"comm_buffers": layers + tp, "activations": scratch + forward},  # forward: no gradients yet
-        {**_loss_phase(s), "gradients": grads + _loss_phase(s)["gradients"]},
+        {**loss, "gradients": grads + loss["gradients"]},
         {"gradients": grads + (layer if split else 0.0), "comm_buffers": layers + tp,
          "activations": mb * recompute + scratch},
     ]  # fmt: skip
