@@ -107,12 +107,11 @@ def inference(args: argparse.Namespace, dev: Device) -> int:
     """`spmdkit plan --inference`: decode latency and throughput of each mesh (or --mesh) by batch size."""
     model = build_model({"name": args.model}, source_model).replace(dtype=args.dtype, param_dtype=args.dtype)
     meshes = [parse_mesh(args.mesh, args.devices)] if args.mesh else inference_meshes(args.devices, model)
-    batches = (args.batch_size,) if args.batch_size else BATCHES
     reports = []
     for sizes in meshes:
         if args.batch_size and args.batch_size % sizes["data"]:
             raise SpmdkitError(f"--batch-size {args.batch_size} is not a multiple of data={sizes['data']}")
-        per_replica = tuple(b // sizes["data"] for b in batches) if args.batch_size else batches
+        per_replica = (args.batch_size // sizes["data"],) if args.batch_size else BATCHES
         reports.append(
             inference_report(model, sizes, dev, context=args.seq_len, batches=per_replica, efficiency=args.efficiency)
         )

@@ -152,9 +152,8 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     shared = (m.shared_expert_mlp or m.mlp) / T if m.shared_expert else 0.0
 
     def mlp(width: float, policy: RematPolicy) -> float:  # a dense MLP's kept bytes per token (activation_bytes')
-        named = mlp_named_bytes(policy, a, width)
-        if named is not None:
-            return named
+        if policy.named:
+            return mlp_named_bytes(policy, a, width)
         return {"none": MLP_KEPT * a * width, "full": 0.0}.get(policy.kind, 2 * a * width)
 
     # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer

@@ -53,10 +53,10 @@ def host_kept_bytes(m: TransformerConfig, T: int, sp: bool) -> float:
     return sum(name_bytes(m, T, sp)[n] for n in policy.offloaded) if policy.named else 0.0
 
 
-def mlp_named_bytes(policy: RematPolicy, a: float, width: float) -> float | None:
+def mlp_named_bytes(policy: RematPolicy, a: float, width: float) -> float:
     """Device bytes per token the named policy `policy` keeps of a dense MLP of hidden `width` (an MoE's shared
-    expert); None for JAX's policies."""
-    return a * width * len(policy.saved & {"mlp_gate", "mlp_up", "mlp_hidden"}) if policy.named else None
+    expert)."""
+    return a * width * len(policy.saved & {"mlp_gate", "mlp_up", "mlp_hidden"})
 
 
 def named_recompute_flops(m: TransformerConfig, seq_len: int) -> float:
