@@ -12,11 +12,21 @@ bijection). Sums add over any partition of the elements, so each shard is summed
 sums of several processes add up. Changing any one element always changes the first sum (f is a bijection);
 other damage goes unnoticed with probability about 2^-64. Orbax 0.12.8 checksums only its shard index
 (`crc32c` on the zarr3 index), not the data, hence this.
+
+The non-array files, the data-iterator states (`data/process_<i>-of-<n>.json`) and the run config
+(`config/metadata`), are saved with the SHA-256 of each file's JSON value written canonically (sorted keys, no
+spaces: `digest`), so a file re-indented by hand still matches and a changed value never does. They are checked
+with bounds that hold for any state however it was written: an iterator's `next_index` (batches read) is at most
+the step, and no position is negative or beyond the tokens the run has read (an edited `next_index: 10**12` made
+grain skip records for hours).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit.checkpoint.item_checks import item_digests, items_problem
 from spmdkit.distributed.gather import gather_over_processes
 
 FORMAT = "spmdkit-checksum-1"
+CONFIG_FILE = "config/metadata"  # what Orbax's JsonSave writes for the `config` item
+_DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # a data item's file: process i of n
 _GOLDEN, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 
 
@@ -136,11 +147,8 @@ def _host_leaf(x: Any, own: bool = False) -> np.ndarray:
 def process_fingerprints(tree: Any) -> dict[str, tuple[str, int]]:
     """`fingerprints` of the elements this process's shards hold (each once): the checksums of a step each process
     saves alone. Local: no other process is asked."""
-    found = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        first, second, bad = (int(v) for v in _host_leaf(x, own=True))
-        found[path_text(path)] = (fingerprint_text(first, second), bad)
-    return found
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    return {path_text(path): fingerprint(*_host_leaf(x, own=True)) for path, x in flat}
 
 
 def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[str, int]]:
@@ -161,20 +169,14 @@ def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[st
         ]
     else:
         on_device_each = [on_device and isinstance(x, jax.Array) for x in leaves]
-    results: list[tuple[int, int, int]] = [(0, 0, 0)] * len(leaves)
-    chosen = [i for i, device in enumerate(on_device_each) if device]
-    if chosen:
-        computed = jax.device_get(_device_fingerprint([leaves[i] for i in chosen]))
-        for i, (first, second, bad) in zip(chosen, computed, strict=True):
-            results[i] = (int(first), int(second), int(bad))
-    host = [i for i, device in enumerate(on_device_each) if not device]
+    device = [i for i, chosen in enumerate(on_device_each) if chosen]
+    host = [i for i, chosen in enumerate(on_device_each) if not chosen]
+    results = {}
+    if device:
+        results.update(zip(device, jax.device_get(_device_fingerprint([leaves[i] for i in device])), strict=True))
     if host:
-        for i, row in zip(host, sum_over_processes([_host_leaf(leaves[i]) for i in host]), strict=True):
-            results[i] = row
-    return {
-        path_text(path): (fingerprint_text(first, second), bad)
-        for (path, _), (first, second, bad) in zip(flat, results, strict=True)
-    }
+        results.update(zip(host, sum_over_processes([_host_leaf(leaves[i]) for i in host]), strict=True))
+    return {path_text(path): fingerprint(*results[i]) for i, (path, _) in enumerate(flat)}
 
 
 def sum_over_processes(parts: list[np.ndarray]) -> list[tuple[int, int, int]]:
@@ -187,9 +189,9 @@ def sum_over_processes(parts: list[np.ndarray]) -> list[tuple[int, int, int]]:
     return [(row[0], row[1], row[2]) for row in stacked.tolist()]
 
 
-def fingerprint_text(first: int, second: int) -> str:
-    """The checksum as saved: 16 hex digits."""
-    return f"{first:08x}{second:08x}"
+def fingerprint(first: Any, second: Any, bad: Any) -> tuple[str, int]:
+    """(the checksum as saved: 16 hex digits, the count of NaN/Inf values) of an array's sums."""
+    return f"{int(first):08x}{int(second):08x}", int(bad)
 
 
 def path_text(path: tuple[Any, ...]) -> str:
@@ -197,11 +199,27 @@ def path_text(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
 
 
-def checksum_record(found: Mapping[str, tuple[str, int]], data: Any = None, config: Any = None) -> dict[str, Any]:
-    """What is saved with a step (in its `_CHECKPOINT_METADATA`, under `custom_metadata`): the arrays' checksums and
-    the digests of the data-iterator states (`data`: the iterator saved) and the config (`item_checks`)."""
-    arrays = {path: checksum for path, (checksum, _) in found.items()}
-    return {"format": FORMAT, "arrays": arrays, "items": item_digests(data, config)}
+def digest(value: Any) -> str:
+    """SHA-256 (hex) of a JSON value written canonically (see the module docstring)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checksum_record(
+    found: Mapping[str, tuple[str, int]], data: Any = None, config: Any = None, layout: str | None = None
+) -> dict[str, Any]:
+    """What is saved with a step (in its `_CHECKPOINT_METADATA`, under `custom_metadata`): the arrays' checksums,
+    the digests of the data-iterator states (`data`: the iterator saved; every process's, gathered: a collective
+    with several processes) and of the config under `items`. With a `layout` (a step each process saves alone, as
+    `layout.layout_digest` describes it), the layout too, and only this process's iterator state."""
+    items = {}
+    if data is not None:
+        own = digest(data.get_state())
+        states = dict(enumerate(gather_over_processes(own))) if layout is None else {jax.process_index(): own}
+        items.update({f"data/process_{i}-of-{jax.process_count()}.json": d for i, d in states.items()})
+    if config is not None:
+        items["config"] = digest(config)
+    record = {"format": FORMAT, "arrays": {path: checksum for path, (checksum, _) in found.items()}}
+    return {**record, "layout": layout, "items": items} if layout is not None else {**record, "items": items}
 
 
 def name_list(names: list[str], most: int = 6) -> str:
@@ -228,49 +246,93 @@ def array_problems(saved: Mapping[str, Any] | None, found: Mapping[str, tuple[st
 def item_problem(
     step_dir: Path, listed: set[str] | None = None, saved: Mapping[str, Any] | None = None, every_process: bool = True
 ) -> str | None:
-    """None if every item the step lists (or holds) is complete, and its data and config files match the digests
-    of the step's checksum record `saved` and are within bounds (`item_checks`); else what is missing or broken.
-    `every_process`: the data item holds every process's iterator file (else only this process's, checked by its
-    digest)."""
+    """None if every item the step lists (or holds) is complete, its data and config files match the digests of the
+    step's checksum record `saved` (None, or a record without them: a step saved before them) and its iterator
+    states are within bounds; else what is missing or broken, naming the file. `every_process`: the data item holds
+    every process's iterator file (else only this process's, checked by its digest)."""
     missing = [item for item in ["state", *sorted(set(listed or ()) - {"state"})] if not (step_dir / item).is_dir()]
     if missing:
         return f"{missing[0]}/ is missing"
     if every_process and (step_dir / "data").exists() and (problem := data_problem(step_dir / "data")):
         return problem
-    return items_problem(step_dir, (saved or {}).get("items") if isinstance(saved, Mapping) else None)
+    config, digests = None, saved.get("items") if isinstance(saved, Mapping) else None
+    for name, expected in sorted((digests or {}).items()):
+        path = step_dir / (CONFIG_FILE if name == "config" else name)
+        if name.startswith("data/") and not path.exists() and data_files(step_dir / "data"):
+            continue  # the positions of another process count: restore refuses them as such, naming both counts
+        try:
+            value = _read_json(path)
+        except (OSError, ValueError):
+            return f"{path.relative_to(step_dir)} is missing or not JSON"
+        if digest(value) != expected:
+            return f"checksum mismatch in {path.relative_to(step_dir)}"
+        config = value if name == "config" else config
+    if config is None and (step_dir / CONFIG_FILE).is_file():
+        with contextlib.suppress(OSError, ValueError):
+            config = _read_json(step_dir / CONFIG_FILE)
+    return _bounds_problem(step_dir, config if isinstance(config, dict) else None)
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _bounds_problem(step_dir: Path, config: dict[str, Any] | None) -> str | None:
+    """What is out of bounds in the step's iterator states (see the module docstring); None when all are within."""
+    step = int(step_dir.name) if step_dir.name.isdigit() else None
+    run = (config or {}).get("run") or {}
+    sizes = [run.get(k) for k in ("batch_size", "seq_len")]
+    tokens = None
+    if step is not None and all(isinstance(n, int) and n > 0 for n in sizes):
+        tokens = max(step, 1) * sizes[0] * sizes[1]  # positions of any kind (rows, records, tokens) stay below
+    for name in data_files(step_dir / "data"):
+        try:
+            state = _read_json(step_dir / "data" / name)
+        except (OSError, ValueError):
+            continue  # reported by the item check
+        index = state.get("next_index") if isinstance(state, dict) else None
+        if index is not None and (not isinstance(index, int) or step is not None and not 0 <= index <= step):
+            return f"data/{name} says next_index {index!r}, but step {step} has read {step} batches"
+        for value in _integers(state):
+            if value < 0:
+                return f"data/{name} holds the negative position {value}"
+            if tokens is not None and value > tokens:
+                return f"data/{name} holds the position {value}, beyond the {tokens} tokens step {step} has read"
+    return None
+
+
+def _integers(value: Any, key: str = "") -> list[int]:
+    """The integers of a state held under keys naming positions (`next_index`, `*_offset`, ...): seeds are not."""
+    if isinstance(value, dict):
+        return [n for k, v in value.items() for n in _integers(v, str(k))]
+    if isinstance(value, list):
+        return [n for v in value for n in _integers(v, key)]
+    positional = any(word in key for word in ("index", "position", "offset"))
+    return [value] if positional and isinstance(value, int) and not isinstance(value, bool) else []
 
 
 def data_files(data_dir: Path) -> list[str]:
     """The data iterator's `process_<i>-of-<n>.json` files in a step's `data/`."""
-    return sorted(p.name for p in data_dir.iterdir() if _data_file(p.name)) if data_dir.is_dir() else []
-
-
-def _data_file(name: str) -> tuple[int, int] | None:
-    stem = name.removeprefix("process_").removesuffix(".json")
-    index, _, count = stem.partition("-of-")
-    if name.startswith("process_") and name.endswith(".json") and index.isdigit() and count.isdigit():
-        return int(index), int(count)
-    return None
+    return sorted(p.name for p in data_dir.iterdir() if _DATA_FILE.fullmatch(p.name)) if data_dir.is_dir() else []
 
 
 def data_process_count(data_dir: Path) -> int | None:
     """How many processes wrote a (complete) `data/` item; None without one."""
-    counts = {_data_file(f)[1] for f in data_files(data_dir)}  # type: ignore[index]
+    counts = {int(_DATA_FILE.fullmatch(name)[2]) for name in data_files(data_dir)}  # type: ignore[index]
     return counts.pop() if len(counts) == 1 else None
 
 
 def data_problem(data_dir: Path) -> str | None:
     """None if `data/` holds a valid iterator file for each of its processes; else what is wrong."""
     files = data_files(data_dir)
+    counts = sorted({int(_DATA_FILE.fullmatch(name)[2]) for name in files})  # type: ignore[index]
     if not files:
         return "data/ holds no process_*-of-*.json file"
-    counts = {_data_file(f)[1] for f in files}  # type: ignore[index]
     if len(counts) != 1:
-        return f"data/ mixes process counts {sorted(counts)}"
-    (count,) = counts
-    missing = [i for i in range(count) if f"process_{i}-of-{count}.json" not in files]
+        return f"data/ mixes process counts {counts}"
+    missing = [i for i in range(counts[0]) if f"process_{i}-of-{counts[0]}.json" not in files]
     if missing:
-        return f"data/ lacks the iterator state of process(es) {missing} of {count}"
+        return f"data/ lacks the iterator state of process(es) {missing} of {counts[0]}"
     for name in files:
         try:
             json.loads((data_dir / name).read_text())

@@ -18,21 +18,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from spmdkit.checkpoint.integrity import (
-    FORMAT,
     checksum_record,
     data_process_count,
+    digest,
     fingerprints,
     item_problem,
     path_text,
     process_fingerprints,
 )
-from spmdkit.checkpoint.item_checks import digest
 from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.errors import SpmdkitError
 
@@ -46,27 +44,42 @@ def process_directory(local_dir: Path) -> Path:
     return Path(local_dir) / f"{PREFIX}{jax.process_index()}"
 
 
-class _Shared:
-    """One directory all processes write together (see the module docstring)."""
+class Layout:
+    """Who writes a directory (see the module docstring): all processes together (`SHARED`), or each process its own
+    (`PER_PROCESS`); with the latter, `any_non_finite`, `record` and `gather` are collectives."""
 
-    per_process = False
-    advice = ": see 'spmdkit ckpt verify', then delete the damaged steps or use a fresh --checkpoint-dir"
-    state_save, state_restore = staticmethod(ocp.args.StandardSave), staticmethod(ocp.args.StandardRestore)
-    fingerprints = staticmethod(fingerprints)  # whole arrays: already summed over the processes
+    def __init__(self, per_process: bool, advice: str):
+        self.per_process = per_process
+        self.advice = advice  # what to do when every step is damaged
+
+    def state_save(self, tree: Any) -> ocp.args.CheckpointArgs:
+        return ocp.args.PyTreeSave(tree) if self.per_process else ocp.args.StandardSave(tree)
+
+    def state_restore(self, target: Any) -> ocp.args.CheckpointArgs:
+        if not self.per_process:
+            return ocp.args.StandardRestore(target)
+        return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+    def fingerprints(self, tree: Any) -> dict[str, tuple[str, int]]:
+        """Shared: of the whole arrays (summed over the processes); per process: of this process's elements."""
+        return process_fingerprints(tree) if self.per_process else fingerprints(tree)
 
     def any_non_finite(self, found: dict[str, tuple[str, int]]) -> bool:
-        return any(count for _, count in found.values())
+        """Whether any process holds NaN/Inf (every process refuses alike)."""
+        return any(self.gather(np.int32(any(count for _, count in found.values()))))
 
     def record(self, tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
-        """The step's checksums and item digests (`integrity.checksum_record`)."""
-        return checksum_record(found, data, config)
+        """The step's checksums and item digests (`integrity.checksum_record`); per process, also its layout."""
+        return checksum_record(found, data, config, layout_digest(tree) if self.per_process else None)
 
     def items_problem(self, step_dir: Path, listed: set[str], record: dict[str, Any] | None) -> str | None:
-        return item_problem(step_dir, listed, record)
+        """What is wrong with the step's items (per process: this process's), as `integrity.item_problem` says."""
+        return item_problem(step_dir, listed, record, every_process=not self.per_process)
 
     def check_data(self, directory: Path, step: int) -> None:
-        """SpmdkitError (not damage) when the step's data positions were saved by another number of processes."""
-        saved = data_process_count(directory / str(step) / "data")
+        """SpmdkitError (not damage) when the step's data positions were saved by another number of processes (per
+        process, nothing: the step's layout, checked before, names the process count)."""
+        saved = None if self.per_process else data_process_count(directory / str(step) / "data")
         if saved is not None and saved != jax.process_count():
             raise SpmdkitError(
                 f"checkpoint step {step} in {directory} holds the data positions of {saved} process(es), this "
@@ -76,63 +89,25 @@ class _Shared:
 
     def wanted(self, state: Any) -> str | None:
         """The layout a step must record to be read onto `state` (None: any)."""
-        return None
+        return layout_digest(state) if self.per_process else None
 
     def gather(self, value: Any) -> list[Any]:
-        """What every process found (one directory: all find the same, nothing is asked)."""
-        return [value]
+        """What every process found (one shared directory: all find the same, nothing is asked)."""
+        return gather_over_processes(value) if self.per_process else [value]
 
     def set_aside(self, directory: Path, steps: list[int], why: str) -> None:
-        """Rename `steps` out of Orbax's view: process 0 renames, the others wait for it."""
-        if jax.process_index() == 0:
+        """Rename `steps` out of Orbax's view: shared, process 0 renames and the others wait for it; per process,
+        each renames its own copies (no other process waited for)."""
+        if self.per_process or jax.process_index() == 0:
             _rename(directory, steps, why)
-        if jax.process_count() > 1:
+        if not self.per_process and jax.process_count() > 1:
             gather_over_processes(np.int32(0))  # a barrier: every process sees the renamed steps
 
 
-class _PerProcess(_Shared):
-    """This process's own directory of the local tier (see the module docstring)."""
-
-    per_process = True
-    advice = " on some process: see the warnings, then delete the damaged steps or use a fresh --checkpoint.local-dir"
-    state_save = staticmethod(ocp.args.PyTreeSave)
-
-    @staticmethod
-    def state_restore(target: Any) -> ocp.args.PyTreeRestore:
-        return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-
-    fingerprints = staticmethod(process_fingerprints)  # this process's elements: no other process asked
-
-    def any_non_finite(self, found: dict[str, tuple[str, int]]) -> bool:
-        """Whether any process holds NaN/Inf (a collective: every process refuses alike)."""
-        return any(gather_over_processes(np.int32(sum(count for _, count in found.values()))))
-
-    def record(self, tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
-        """This process's checksums, the digests of its items and its layout."""
-        arrays = {path: checksum for path, (checksum, _) in found.items()}
-        return {"format": FORMAT, "arrays": arrays, "layout": layout_digest(tree), "items": _digests(data, config)}
-
-    def items_problem(self, step_dir: Path, listed: set[str], record: dict[str, Any] | None) -> str | None:
-        """What is wrong with this process's items: one missing, or not matching its digest."""
-        return item_problem(step_dir, listed, record, every_process=False)
-
-    def check_data(self, directory: Path, step: int) -> None:
-        """Nothing: the step's layout, checked before, names the process count."""
-
-    def wanted(self, state: Any) -> str | None:
-        return layout_digest(state)
-
-    def gather(self, value: Any) -> list[Any]:
-        """What every process found (a collective)."""
-        return gather_over_processes(value)
-
-    def set_aside(self, directory: Path, steps: list[int], why: str) -> None:
-        """Rename this process's copies of `steps` (no other process waited for)."""
-        _rename(directory, steps, why)
-
-
-SHARED, PER_PROCESS = _Shared(), _PerProcess()
-Layout = _Shared
+SHARED = Layout(False, ": see 'spmdkit ckpt verify', then delete the damaged steps or use a fresh --checkpoint-dir")
+PER_PROCESS = Layout(
+    True, " on some process: see the warnings, then delete the damaged steps or use a fresh --checkpoint.local-dir"
+)
 
 
 def _rename(directory: Path, steps: list[int], why: str) -> None:
@@ -143,26 +118,13 @@ def _rename(directory: Path, steps: list[int], why: str) -> None:
             path.rename(directory / f"{step}.{why}-{stamp}")
 
 
-def _blocks(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
-    """The distinct blocks ((start, stop) per dimension) of an array `shape` this process's devices hold."""
-    found = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        found.add(tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True)))
-    return sorted(found)
-
-
 def layout_digest(tree: Any) -> str:
-    """Digest of which blocks of which array this process holds, out of how many processes: a step is read back
-    only by a process of the same layout (arrays or ShapeDtypeStructs with shardings)."""
-    blocks = {path_text(p): _blocks(x.sharding, tuple(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    """Digest of which blocks ((start, stop) per dimension) of which array this process's devices hold, out of how
+    many processes: a step is read back only by a process of the same layout (arrays or ShapeDtypeStructs with
+    shardings)."""
+    blocks = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        held = x.sharding.addressable_devices_indices_map(tuple(x.shape)).values()
+        found = {tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)) for index in held}
+        blocks[path_text(path)] = sorted(found)
     return digest({"process": [jax.process_index(), jax.process_count()], "blocks": blocks})
-
-
-def _digests(data: grain.DatasetIterator | None, config: dict[str, Any] | None) -> dict[str, str]:
-    """`item_checks.item_digests` of this process's part: its own iterator file and the config."""
-    digests = {}
-    if data is not None:
-        digests[f"data/process_{jax.process_index()}-of-{jax.process_count()}.json"] = digest(data.get_state())
-    if config is not None:
-        digests["config"] = digest(config)
-    return digests

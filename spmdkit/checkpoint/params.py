@@ -37,7 +37,7 @@ from spmdkit.checkpoint.failures import describe_error
 from spmdkit.checkpoint.integrity import (
     block_sums,
     checksum_record,
-    fingerprint_text,
+    fingerprint,
     fingerprints,
     name_list,
     path_text,
@@ -172,10 +172,7 @@ def _read(step_dir: Path, target: PureTree) -> tuple[PureTree, dict[str, tuple[s
     for name, wanted in names.items():
         arrays[name], sums = _read_array(_open(state_dir, f"model/{name}", zarr3), wanted)
         parts.append(sums)
-    found = {
-        f"model/{name}": (fingerprint_text(first, second), bad)
-        for name, (first, second, bad) in zip(names, sum_over_processes(parts), strict=True)
-    }
+    found = {f"model/{name}": fingerprint(*row) for name, row in zip(names, sum_over_processes(parts), strict=True)}
     leaves = [arrays[name] for name in names]
     return jax.tree.unflatten(jax.tree.structure(target), leaves), found
 
