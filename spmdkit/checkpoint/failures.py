@@ -61,28 +61,22 @@ def drop_orphaned_reads() -> None:
 _NOTICES = ("Given directory is read only", "Global object size logging disabled")
 
 
-class _OrbaxErrors(logging.Filter):
+class _Quiet(logging.Filter):
     """Drops Orbax's ERROR records (each with a traceback: the Checkpointer turns the failure into one line) and its
-    `_NOTICES`."""
+    `_NOTICES`, and asyncio's "Future exception was never retrieved" of the writes a failed save abandoned."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}orbax{os.sep}" not in record.pathname:
-            return True
-        return record.levelno < logging.ERROR and not record.getMessage().startswith(_NOTICES)
-
-
-class _AbandonedWrites(logging.Filter):
-    """Drops asyncio's "Future exception was never retrieved" of the writes a failed save abandoned."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "exception was never retrieved" not in record.getMessage()
+        message = record.getMessage()
+        if record.name == "asyncio":
+            return "exception was never retrieved" not in message
+        orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not orbax or (record.levelno < logging.ERROR and not message.startswith(_NOTICES))
 
 
 def quiet_orbax_errors() -> None:
-    """Install (once) both filters: on absl's logger, through which Orbax logs, and on asyncio's; and the hook that
+    """Install (once) the filter: on absl's logger, through which Orbax logs, and on asyncio's; and the hook that
     drops the orphans of a failed read or write (a failure in a background thread comes with them)."""
     drop_orphaned_reads()
-    for name, kind in (("absl", _OrbaxErrors), ("asyncio", _AbandonedWrites)):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, kind) for f in logger.filters):
-            logger.addFilter(kind())
+    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+        if not any(isinstance(f, _Quiet) for f in logger.filters):
+            logger.addFilter(_Quiet())

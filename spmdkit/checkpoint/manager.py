@@ -126,25 +126,20 @@ class Checkpointer:
             )
         if step in store.manager.all_steps():  # asked after the check above, a collective per process
             return False
-        saved = store._write(step, tree, data, config, force, store.layout.record(tree, found, data, config))
-        if saved and store is not self:
-            store.wait()
-        return saved
-
-    def _write(self, step: int, tree: Any, data: Any, config: Any, force: bool, record: dict[str, Any]) -> bool:
-        """Start the save of the items (`record`: the step's checksums); the one line of a failed write."""
-        items: dict[str, Any] = {"state": self.layout.state_save(tree)}
+        items: dict[str, Any] = {"state": store.layout.state_save(tree)}
         if data is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data)
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
+        custom = {"checksums": store.layout.record(tree, found, data, config)}
         try:
-            custom = {"checksums": record}
-            saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force, custom_metadata=custom)
+            saved = store.manager.save(step, args=ocp.args.Composite(**items), force=force, custom_metadata=custom)
         except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
-            raise self._write_error(step, error) from None
+            raise store._write_error(step, error) from None
         if saved:
-            self._saved = self._pending = step
+            store._saved = store._pending = step
+            if store is not self:
+                store.wait()
         return saved
 
     def poll(self) -> None:
@@ -241,19 +236,6 @@ class Checkpointer:
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata)
         return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
 
-    def check_compatible(self, step: int, target: dict[str, Any]) -> None:
-        """SpmdkitError naming the first array whose shape differs between the checkpoint and `target`."""
-        try:
-            saved = self.saved_shapes(step)
-        except Exception as error:  # noqa: BLE001 - unreadable metadata is damage
-            raise Damage(f"unreadable array metadata: {describe_error(error)}") from None
-        mismatch = first_mismatch(saved, target)
-        if mismatch:
-            raise SpmdkitError(
-                f"checkpoint step {step} in {self.directory} does not match this model: {mismatch}: use the model "
-                f"settings it was saved with (see 'spmdkit ckpt inspect {self.directory}'), or a fresh --checkpoint-dir"
-            )
-
     def _check_items(self, step: int) -> dict[str, Any] | None:
         """The step's checksum record; Damage if its metadata is unreadable or an item is incomplete."""
         try:
@@ -272,7 +254,16 @@ class Checkpointer:
         the step holds one). DamagedStep (one line) if the step is damaged: see the module docstring."""
         target = abstract_target(state, shardings)
         try:
-            self.check_compatible(step, target)
+            try:
+                saved = self.saved_shapes(step)
+            except Exception as error:  # noqa: BLE001 - unreadable metadata is damage
+                raise Damage(f"unreadable array metadata: {describe_error(error)}") from None
+            if mismatch := first_mismatch(saved, target):
+                raise SpmdkitError(
+                    f"checkpoint step {step} in {self.directory} does not match this model: {mismatch}: use the "
+                    f"model settings it was saved with (see 'spmdkit ckpt inspect {self.directory}'), or a fresh "
+                    "--checkpoint-dir"
+                )
             checksums = self._check_items(step)
             items: dict[str, Any] = {"state": self.layout.state_restore(target)}
             if data is not None and (self.directory / str(step) / "data").is_dir():
@@ -360,7 +351,7 @@ class Checkpointer:
             return _DAMAGED, None
 
     def _saved_config(self, step: int) -> dict[str, Any] | None:
-        self._check_items(step)  # the config is believed only once every item matches its checksum
+        """The config item of `step` (None without one), read once `_check_items` found every item as saved."""
         if not (self.directory / str(step) / "config").is_dir():
             return None
         try:

@@ -135,7 +135,10 @@ class LocalTier:
                 persistent.restored_from = persistent.directory
                 found = persistent.restore_newest(state, shardings, data, accept)
         self._refuse_lost(persistent, found, why)
-        if local.layout.per_process and (unmatched := self._set_aside_above(found[0] if found else 0)):
+        # the local steps above where the run resumes: another timeline's, which the steps saved here must not meet
+        unmatched = [s for s in local.own_steps() if s > (found[0] if found else 0)] if local.layout.per_process else []
+        if unmatched:
+            local.set_aside(unmatched, "unmatched")
             warnings.warn(
                 f"local {_listed(unmatched)} in {local.directory}: not held by every process, of another "
                 f"layout, or newer than where the run resumes ({f'step {found[0]}' if found else 'scratch'}): set "
@@ -162,13 +165,6 @@ class LocalTier:
                 "local directories to start afresh"
             )
 
-    def _set_aside_above(self, step: int) -> list[int]:
-        """Set aside the local steps above `step`, where the run resumes: another timeline's, which the steps saved
-        from here must not meet; returns them."""
-        newer = [s for s in self.store.own_steps() if s > step]
-        self.store.set_aside(newer, "unmatched")
-        return newer
-
     def _restore_newest(
         self, persistent: Checkpointer, state: nnx.State, shardings: Any, data: Data, accept: Accept | None
     ) -> tuple[int, nnx.State] | None:
@@ -187,7 +183,7 @@ class LocalTier:
                 first.set_aside([step for step in listed[id(first)] if step > older.step])
                 continue
             except SpmdkitError as error:
-                if bound < 0 or not _all_damaged(error, first):
+                if bound < 0 or not str(error).startswith(f"every checkpoint step in {first.directory} is damaged"):
                     raise
                 first.set_aside(listed[id(first)])  # the other tier still holds steps
                 continue
@@ -210,8 +206,3 @@ def _bounded(accept: Accept | None, bound: int) -> Accept:
 def _listed(steps: list[int]) -> str:
     """'steps 6, 8', 'step 8' or 'none'."""
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "none"
-
-
-def _all_damaged(error: SpmdkitError, tier: Checkpointer) -> bool:
-    """Whether `error` is `Checkpointer.restore_newest`'s report that every step of `tier` is damaged."""
-    return str(error).startswith(f"every checkpoint step in {tier.directory} is damaged")

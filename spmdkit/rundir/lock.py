@@ -205,18 +205,3 @@ def lock_run(
         index, text = refused[0]
         raise SpmdkitError(text if index == jax.process_index() else f"process {index}: {text}")
     return lock
-
-
-def lock_all(directories: list[tuple[str, Path, str | None, bool]], command: str) -> list[RunLock | None]:
-    """`lock_run` of every directory ((flag, directory, label, each), in order); all or none: a refusal releases
-    the locks taken."""
-    locks: list[RunLock | None] = []
-    try:
-        for flag, directory, label, each in directories:
-            locks.append(lock_run(directory, command, flag, label, each=each))
-    except BaseException:
-        for lock in reversed(locks):
-            if lock is not None:
-                lock.release(failed=True)
-        raise
-    return locks

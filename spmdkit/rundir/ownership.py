@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.rundir.lock import LOCK_FILE, RunLock, lock_all
+from spmdkit.rundir.lock import LOCK_FILE, RunLock, lock_run
 
 CONFIG = "config.json"
 
@@ -27,18 +27,14 @@ def _json(path: Path) -> Any:
         return None
 
 
-def is_run_config(path: Path) -> bool:
-    """Whether `path` is the `config.json` spmdkit train writes (an object of sections, among them `run`, `model`)."""
-    value = _json(path)
-    return isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in ("run", "model"))
-
-
 def is_run_directory(path: Path) -> bool:
-    """Whether `path` is a directory an spmdkit run wrote (or holds the lock of)."""
+    """Whether `path` is a directory an spmdkit run wrote (or holds the lock of); one holding a `config.json` is when
+    that is the one spmdkit train writes (an object of sections, among them `run` and `model`)."""
     if not path.is_dir():
         return False
     if (path / CONFIG).exists():
-        return is_run_config(path / CONFIG)
+        value = _json(path / CONFIG)
+        return isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in ("run", "model"))
     return (
         (path / LOCK_FILE).exists()
         or (path / "metrics.jsonl").is_file()
@@ -131,17 +127,27 @@ def enclosing_run(path: str | Path) -> Path | None:
 def lock_run_directories(
     run_dir: Path, written: dict[str, Path | None], command: str, each: dict[str, Path] | None = None
 ) -> list[RunLock | None]:
-    """The locks a trainer holds (`lock.lock_all`, all or none): its run directory's and, for every other directory
-    it writes (`written`: flag -> directory or None, e.g. its checkpoint directory) that lies elsewhere, the lock of
-    the run directory holding it (else of the directory itself); `each`: flag -> a directory within that one which
-    every process locks, each its own (`<local-dir>/process-<i>/`: each host's disk is its own)."""
-    locks: list[tuple[str, Path, str | None, bool]] = [("--run-dir", run_dir, None, False)]
+    """The locks a trainer holds (`lock.lock_run` of each, in order; all or none: a refusal releases the locks
+    taken): its run directory's and, for every other directory it writes (`written`: flag -> directory or None,
+    e.g. its checkpoint directory) that lies elsewhere, the lock of the run directory holding it (else of the
+    directory itself); `each`: flag -> a directory within that one which every process locks, each its own
+    (`<local-dir>/process-<i>/`: each host's disk is its own)."""
+    wanted: list[tuple[str, Path, str | None, bool]] = [("--run-dir", run_dir, None, False)]
     for flag, path in written.items():
         if path is None or path.is_relative_to(run_dir):
             continue  # the run directory's lock covers it
         owner = enclosing_run(path) or path
         label = f"{flag} {path}" + (f" lies in the run directory {owner}, which" if owner != path else "")
-        locks.append((flag, owner, label, False))
+        wanted.append((flag, owner, label, False))
         if flag in (each or {}):
-            locks.append((flag, each[flag], f"{flag} {each[flag]}", True))
-    return lock_all(locks, command)
+            wanted.append((flag, each[flag], f"{flag} {each[flag]}", True))
+    locks: list[RunLock | None] = []
+    try:
+        for flag, directory, label, one_each in wanted:
+            locks.append(lock_run(directory, command, flag, label, each=one_each))
+    except BaseException:
+        for lock in reversed(locks):
+            if lock is not None:
+                lock.release(failed=True)
+        raise
+    return locks
