@@ -48,16 +48,6 @@ def _handlers(alone: ocp.options.MultiprocessingOptions | None, concurrent_gb: f
     return {"state": state, "data": grain.checkpoint.CheckpointHandler(), "config": config}
 
 
-def _process_options() -> dict:
-    """The manager options of a directory this process writes alone (Orbax refuses to create its root)."""
-    alone = ocp.options.MultiprocessingOptions(
-        primary_host=None,
-        active_processes={jax.process_index()},
-        barrier_sync_key_prefix=f"spmdkit-local-{jax.process_index()}",
-    )
-    return {"multiprocessing_options": alone, "enable_per_process_directory_creation": True, "create": False}
-
-
 def open_manager(
     directory: Path,
     *,
@@ -76,7 +66,14 @@ def open_manager(
     if every < 0:
         raise SpmdkitError(f"--checkpoint-every {every} must be >= 0 (0 saves only at the end)")
     quiet_orbax_errors()
-    extra = _process_options() if per_process else {"create": not read_only, "read_only": read_only}
+    extra = {"create": not read_only, "read_only": read_only}
+    if per_process:  # a directory this process writes alone (Orbax refuses to create its root)
+        alone = ocp.options.MultiprocessingOptions(
+            primary_host=None,
+            active_processes={jax.process_index()},
+            barrier_sync_key_prefix=f"spmdkit-local-{jax.process_index()}",
+        )
+        extra = {"multiprocessing_options": alone, "enable_per_process_directory_creation": True, "create": False}
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.FixedIntervalPolicy(every) if every else policies.SpecificStepsPolicy(()),
         save_interval_steps=0 if read_only else 1,  # what Orbax sets for a reader, with a warning

@@ -34,8 +34,6 @@ from spmdkit.checkpoint.integrity import (
 from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.errors import SpmdkitError
 
-__all__ = ["PER_PROCESS", "PREFIX", "SHARED", "process_directory"]
-
 PREFIX = "process-"  # `<local-dir>/process-<i>/`: process i's steps
 
 

@@ -42,7 +42,6 @@ from spmdkit.errors import SpmdkitError
 if TYPE_CHECKING:
     from spmdkit.checkpoint.tiers import LocalTier
 
-__all__ = ["Checkpointer", "CheckpointWarning", "DamagedStep", "NonFiniteState", "abstract_target", "to_saved_tree"]
 
 Accept = Callable[[int, dict[str, Any] | None], None]  # refuses a step (SpmdkitError) given its saved config
 Data = grain.DatasetIterator | None

@@ -32,17 +32,12 @@ def open_step(
     check_not_a_step(directory, choose)
     checkpointer = Checkpointer(directory, read_only=True)
     steps = checkpointer.steps()
+    if steps and (step is None or step in steps):
+        return checkpointer, steps[-1] if step is None else step
+    checkpointer.close()
     if not steps:
-        checkpointer.close()
         raise SpmdkitError(f"no checkpoint steps in {checkpointer.directory}: pass a directory written by training")
-    if step is None:
-        return checkpointer, steps[-1]
-    if step not in steps:
-        checkpointer.close()
-        raise SpmdkitError(
-            f"step {step} is not in {checkpointer.directory}: it holds steps {', '.join(map(str, steps))}"
-        )
-    return checkpointer, step
+    raise SpmdkitError(f"step {step} is not in {checkpointer.directory}: it holds steps {', '.join(map(str, steps))}")
 
 
 def saved_config(checkpointer: Checkpointer, step: int) -> dict[str, Any]:

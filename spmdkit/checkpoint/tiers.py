@@ -38,8 +38,6 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.rundir.lock import LOCK_FILE
 from spmdkit.sharding.mesh import process_hosts
 
-__all__ = ["LOCAL_FLAG", "LOCAL_KEEP", "LocalTier", "check_local_dir", "open_checkpointer", "own_local_dirs"]
-
 LOCAL_FLAG = "--checkpoint.local-dir"
 LOCAL_KEEP = 2  # the local tier only bridges the gap to the next persistent step
 

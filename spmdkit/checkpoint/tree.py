@@ -59,13 +59,9 @@ def read_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> dict[str, 
     found: dict[str, str | None] = {}
     with ocp.PyTreeCheckpointer() as reader:
         for path, leaf in jax.tree_util.tree_leaves_with_path(metadata):
-            target: dict[str, Any] = {}
-            node = target
-            for key in path[:-1]:
-                node = node.setdefault(getattr(key, "key", getattr(key, "idx", key)), {})
-            node[getattr(path[-1], "key", getattr(path[-1], "idx", path[-1]))] = jax.ShapeDtypeStruct(
-                leaf.shape, leaf.dtype, sharding=sharding
-            )
+            target = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            for key in reversed(path):  # the tree of this one array
+                target = {getattr(key, "key", getattr(key, "idx", key)): target}
             args = ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
             )
