@@ -144,33 +144,27 @@ def _host_leaf(x: Any, own: bool = False) -> np.ndarray:
     return (total % 2**32).astype(np.uint32)
 
 
-def process_fingerprints(tree: Any) -> dict[str, tuple[str, int]]:
-    """`fingerprints` of the elements this process's shards hold (each once): the checksums of a step each process
-    saves alone. Local: no other process is asked."""
-    flat = jax.tree_util.tree_leaves_with_path(tree)
-    return {path_text(path): fingerprint(*_host_leaf(x, own=True)) for path, x in flat}
-
-
-def fingerprints(tree: Any, on_device: bool | None = None) -> dict[str, tuple[str, int]]:
+def fingerprints(tree: Any, on_device: bool | None = None, own: bool = False) -> dict[str, tuple[str, int]]:
     """'model/embedding' -> (checksum as 16 hex digits, count of NaN/Inf values) of every array of `tree`.
 
     Accelerator arrays are summed on their devices (one compiled program, any mesh; `on_device=True` does that
     for CPU arrays too); CPU and host arrays (numpy, or jax.Arrays in host memory) on the host, shard by shard.
     With several JAX processes the partial sums are added across them (a collective: every process must call this).
+    `own`: of the elements this process's shards hold, each once, on the host (the checksums of a step each process
+    saves alone): local, no other process is asked.
     """
     flat = jax.tree_util.tree_leaves_with_path(tree)
+    if own:
+        return {path_text(path): fingerprint(*_host_leaf(x, own=True)) for path, x in flat}
     leaves = [x for _, x in flat]
-    if on_device is None:  # arrays in host memory (`--optimizer.offload`'s pinned_host) are summed on the host
-        on_device_each = [
-            isinstance(x, jax.Array)
-            and next(iter(x.devices())).platform != "cpu"
-            and x.sharding.memory_kind in (None, "device")
-            for x in leaves
-        ]
-    else:
-        on_device_each = [on_device and isinstance(x, jax.Array) for x in leaves]
-    device = [i for i, chosen in enumerate(on_device_each) if chosen]
-    host = [i for i, chosen in enumerate(on_device_each) if not chosen]
+
+    def summed_on_device(x: Any) -> bool:  # arrays in host memory (`--optimizer.offload`'s pinned_host): on the host
+        if not isinstance(x, jax.Array) or on_device is not None:
+            return bool(on_device) and isinstance(x, jax.Array)
+        return next(iter(x.devices())).platform != "cpu" and x.sharding.memory_kind in (None, "device")
+
+    device = [i for i, x in enumerate(leaves) if summed_on_device(x)]
+    host = sorted(set(range(len(leaves))) - set(device))
     results = {}
     if device:
         results.update(zip(device, jax.device_get(_device_fingerprint([leaves[i] for i in device])), strict=True))

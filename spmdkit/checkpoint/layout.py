@@ -29,7 +29,6 @@ from spmdkit.checkpoint.integrity import (
     fingerprints,
     item_problem,
     path_text,
-    process_fingerprints,
 )
 from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.errors import SpmdkitError
@@ -60,7 +59,7 @@ class Layout:
 
     def fingerprints(self, tree: Any) -> dict[str, tuple[str, int]]:
         """Shared: of the whole arrays (summed over the processes); per process: of this process's elements."""
-        return process_fingerprints(tree) if self.per_process else fingerprints(tree)
+        return fingerprints(tree, own=self.per_process)
 
     def any_non_finite(self, found: dict[str, tuple[str, int]]) -> bool:
         """Whether any process holds NaN/Inf (every process refuses alike)."""

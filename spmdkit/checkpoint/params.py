@@ -167,14 +167,11 @@ def _read(step_dir: Path, target: PureTree) -> tuple[PureTree, dict[str, tuple[s
     """(the `state/model` arrays of a step as `target` lays them out, their fingerprints as saved)."""
     state_dir = (step_dir / "state").absolute()
     zarr3 = bool(json.loads((state_dir / "_METADATA").read_text()).get("use_zarr3"))
-    names = _flat(target)
-    arrays, parts = {}, []
-    for name, wanted in names.items():
-        arrays[name], sums = _read_array(_open(state_dir, f"model/{name}", zarr3), wanted)
-        parts.append(sums)
-    found = {f"model/{name}": fingerprint(*row) for name, row in zip(names, sum_over_processes(parts), strict=True)}
-    leaves = [arrays[name] for name in names]
-    return jax.tree.unflatten(jax.tree.structure(target), leaves), found
+    names = _flat(target)  # in the tree's leaf order
+    read = [_read_array(_open(state_dir, f"model/{name}", zarr3), wanted) for name, wanted in names.items()]
+    summed = sum_over_processes([sums for _, sums in read])
+    found = {f"model/{name}": fingerprint(*row) for name, row in zip(names, summed, strict=True)}
+    return jax.tree.unflatten(jax.tree.structure(target), [array for array, _ in read]), found
 
 
 def read_params(

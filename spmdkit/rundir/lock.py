@@ -97,7 +97,10 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
-                holder = self._wait_for_holder(fd)
+                for _ in range(20):  # the holder writes its record just after locking: an empty file is read again
+                    if holder := _read_holder(fd):
+                        break
+                    time.sleep(0.05)
                 os.close(fd)
                 if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
@@ -122,16 +125,6 @@ class RunLock:
             return os.stat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
-
-    @staticmethod
-    def _wait_for_holder(fd: int) -> dict[str, Any] | None:
-        """The holder's record; it writes it just after locking, so an empty file is read again for a moment."""
-        for _ in range(20):
-            holder = _read_holder(fd)
-            if holder:
-                return holder
-            time.sleep(0.05)
-        return None
 
     def _take_over(self, stale: dict[str, Any] | None) -> None:
         """A record left in a free lock file: its writer ended without releasing (killed): warn, naming it."""
