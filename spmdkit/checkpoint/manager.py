@@ -313,7 +313,16 @@ class Checkpointer:
         process layout or mesh."""
         wanted, damaged = self.layout.wanted(abstract_target(state, shardings)), []
         for step in reversed(self.agreed_steps()):
-            found, config = self._verdict(step, wanted, accept is not None)
+            found, config = _OK, None  # what this process finds of the step without reading its arrays
+            try:
+                record = self._check_items(step) or {}
+                if wanted is not None and record.get("layout") != wanted:
+                    found = _OTHER_LAYOUT
+                elif accept is not None:
+                    config = self._saved_config(step)
+            except Damage as damage:
+                found, error = _DAMAGED, DamagedStep(step, self.directory, str(damage))
+                warnings.warn(f"{error}; falling back to the previous step", CheckpointWarning, stacklevel=3)
             verdicts = self.layout.gather(found)
             if _OTHER_LAYOUT in verdicts:
                 raise LayoutMismatch(f"step {step}, the newest all hold, was saved on another mesh or process layout")
@@ -333,21 +342,6 @@ class Checkpointer:
             listed = ", ".join(map(str, damaged))
             raise SpmdkitError(f"every checkpoint step in {self.directory} is damaged ({listed}){self.layout.advice}")
         return None
-
-    def _verdict(self, step: int, wanted: str | None, with_config: bool) -> tuple[int, dict[str, Any] | None]:
-        """(what this process finds of `step` without reading its arrays, the step's config); warns of damage."""
-        try:
-            record = self._check_items(step) or {}
-            if wanted is not None and record.get("layout") != wanted:
-                return _OTHER_LAYOUT, None
-            return _OK, self._saved_config(step) if with_config else None
-        except Damage as damage:
-            warnings.warn(
-                f"{DamagedStep(step, self.directory, str(damage))}; falling back to the previous step",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-            return _DAMAGED, None
 
     def _saved_config(self, step: int) -> dict[str, Any] | None:
         """The config item of `step` (None without one), read once `_check_items` found every item as saved."""
