@@ -21,6 +21,7 @@ Composed in, not subclassed: who writes the directory (`layout`: all processes t
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from spmdkit.checkpoint.damage import CheckpointWarning, Damage, DamagedStep, La
 from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_reason
 from spmdkit.checkpoint.integrity import array_problems, fingerprints, name_list, path_text
 from spmdkit.checkpoint.layout import SHARED, Layout
-from spmdkit.checkpoint.tree import abstract_target, first_mismatch, from_saved_tree, read_arrays, to_saved_tree
+from spmdkit.checkpoint.tree import abstract_target, first_mismatch, from_saved_tree, to_saved_tree, unreadable_arrays
 from spmdkit.errors import SpmdkitError
 
 if TYPE_CHECKING:
@@ -159,15 +160,12 @@ class Checkpointer:
                 self.local.store.wait()
 
     def close(self) -> None:
-        """Wait for the saves, then close the managers."""
-        try:
+        """Wait for the saves, then close the managers (each, whatever failed before)."""
+        with contextlib.ExitStack() as closing:
+            if self.local is not None:
+                closing.callback(self.local.store.close)
+            closing.callback(self.manager.close)
             self.wait()
-        finally:
-            try:
-                self.manager.close()
-            finally:
-                if self.local is not None:
-                    self.local.store.close()
 
     def newest(self) -> str:
         """'step N' of the newest complete step (a local tier's named with its directory), 'none', or 'unknown' for
@@ -366,10 +364,9 @@ class Checkpointer:
         except Exception as error:  # noqa: BLE001 - find which arrays fail to read
             drop_orphaned_reads()
             try:
-                unreadable = read_arrays(self.manager.item_metadata(step)["state"], self.directory / str(step), device)
+                names = unreadable_arrays(self.manager.item_metadata(step)["state"], self.directory / str(step), device)
             except Exception:  # noqa: BLE001 - not even one by one: the first error says why
                 return [describe_error(error)]
-            names = [path for path, problem in unreadable.items() if problem]
             return [f"unreadable: {name_list(names)}" if names else describe_error(error)]
         return array_problems(checksums, fingerprints(state))
 

@@ -10,7 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads
+from spmdkit.checkpoint.failures import drop_orphaned_reads
 from spmdkit.checkpoint.integrity import path_text
 
 
@@ -52,11 +52,11 @@ def from_saved_tree(saved: dict[str, Any], like: nnx.State) -> nnx.State:
     return treedef.unflatten(leaves)
 
 
-def read_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> dict[str, str | None]:
-    """'model/embedding' -> None if that array of a saved `state/` item reads back, else why not: each array is
-    read on its own (partial restore), so that the damaged ones can be named."""
+def unreadable_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> list[str]:
+    """The arrays ('model/embedding') of a saved `state/` item that do not read back: each array is read on its own
+    (partial restore), so that the damaged ones can be named."""
     sharding = jax.sharding.SingleDeviceSharding(device)
-    found: dict[str, str | None] = {}
+    unreadable = []
     with ocp.PyTreeCheckpointer() as reader:
         for path, leaf in jax.tree_util.tree_leaves_with_path(metadata):
             target = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
@@ -67,8 +67,7 @@ def read_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> dict[str, 
             )
             try:
                 reader.restore(step_dir / "state", args=args)
-                found[path_text(path)] = None
-            except Exception as error:  # noqa: BLE001 - what is being looked for
+            except Exception:  # noqa: BLE001 - what is being looked for
                 drop_orphaned_reads()
-                found[path_text(path)] = describe_error(error)
-    return found
+                unreadable.append(path_text(path))
+    return unreadable
