@@ -96,7 +96,9 @@ class Layout:
         """Rename `steps` out of Orbax's view: shared, process 0 renames and the others wait for it; per process,
         each renames its own copies (no other process waited for)."""
         if self.per_process or jax.process_index() == 0:
-            _rename(directory, steps, why)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step in (s for s in steps if (directory / str(s)).exists()):
+                (directory / str(step)).rename(directory / f"{step}.{why}-{stamp}")
         if not self.per_process and jax.process_count() > 1:
             gather_over_processes(np.int32(0))  # a barrier: every process sees the renamed steps
 
@@ -105,14 +107,6 @@ SHARED = Layout(False, ": see 'spmdkit ckpt verify', then delete the damaged ste
 PER_PROCESS = Layout(
     True, " on some process: see the warnings, then delete the damaged steps or use a fresh --checkpoint.local-dir"
 )
-
-
-def _rename(directory: Path, steps: list[int], why: str) -> None:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for step in steps:
-        path = directory / str(step)
-        if path.exists():
-            path.rename(directory / f"{step}.{why}-{stamp}")
 
 
 def layout_digest(tree: Any) -> str:

@@ -113,15 +113,10 @@ def _open(state_dir: Path, name: str, zarr3: bool) -> ts.TensorStore:
     return ts.open(spec, read=True, open=True).result()
 
 
-def _spans(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) cut at the multiples of `chunk`."""
-    cuts = [start, *range((start // chunk + 1) * chunk, stop, chunk), stop]
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
-
-
 def _cells(key: tuple[tuple[int, int], ...], chunk: tuple[int, ...]) -> Iterator[tuple[slice, ...]]:
     """The pieces of the block `key` ((start, stop) per dimension) that each lie in one stored chunk."""
-    for cell in itertools.product(*(_spans(start, stop, c) for (start, stop), c in zip(key, chunk, strict=True))):
+    cuts = [[start, *range((start // c + 1) * c, stop, c), stop] for (start, stop), c in zip(key, chunk, strict=True)]
+    for cell in itertools.product(*(zip(at[:-1], at[1:], strict=True) for at in cuts)):  # [start, stop) cut at chunks
         yield tuple(slice(lo, hi) for lo, hi in cell)
 
 
