@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,28 +44,19 @@ _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # a data item's file: 
 _GOLDEN, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 
 
-def _mix(h: Any, xp: Any) -> Any:
-    """MurmurHash3's fmix32 on a uint32 array (`xp` is numpy or jax.numpy)."""
-    h = h ^ (h >> 16)
-    h = h * xp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * xp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
 def _sums(bits: Any, index: Any, xp: Any) -> tuple[Any, Any]:
-    """The two checksum sums of uint32 `bits` at uint32 global flat positions `index` (same shape)."""
+    """The two checksum sums of uint32 `bits` at uint32 global flat positions `index` (same shape; `xp` is numpy or
+    jax.numpy)."""
     key = index * xp.uint32(_GOLDEN) + xp.uint32(_OFFSET)
-    mixed = _mix(bits ^ key, xp)
+    mixed = bits ^ key
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # MurmurHash3's fmix32
+        mixed = (mixed ^ (mixed >> shift)) * xp.uint32(factor)
+    mixed = mixed ^ (mixed >> 16)
     return xp.sum(mixed, dtype=xp.uint32), xp.sum(mixed * (key | xp.uint32(1)), dtype=xp.uint32)
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
-    strides, size = [], 1
-    for n in reversed(shape):
-        strides.append(size)
-        size *= n
-    return strides[::-1]
+    return [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
 
 
 def _device_bits(x: jax.Array) -> jax.Array:
