@@ -61,16 +61,6 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _make_directory(directory: Path) -> list[Path]:
-    """mkdir -p `directory`; the directories it made (outermost first)."""
-    made, missing = [], directory
-    while not missing.exists() and missing != missing.parent:
-        made.append(missing)
-        missing = missing.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    return made[::-1]
-
-
 class RunLock:
     """The exclusive lock of one directory, taken by `RunLock(directory, command, flag)` (process-local: see
     `lock_run` for many processes); `release()` (or the `with` block's end) deletes the file and frees it."""
@@ -79,10 +69,11 @@ class RunLock:
         self.directory = Path(directory).expanduser().absolute()
         self.label = label or f"{flag} {self.directory}"
         self.path = self.directory / LOCK_FILE
-        self.made: list[Path] = []
+        self.made: list[Path] = []  # the directories this lock made (mkdir -p), outermost first
         self.fd: int | None = None
         try:
-            self.made = _make_directory(self.directory)
+            self.made = [p for p in (self.directory, *self.directory.parents) if not p.exists()][::-1]
+            self.directory.mkdir(parents=True, exist_ok=True)
             self._acquire(command, flag)
         except OSError as error:
             self._remove_made()
