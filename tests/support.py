@@ -1,6 +1,7 @@
 """Helpers the test modules share: running the `spmdkit` command as a user does, and the files and directories it
 must leave alone (their hashes, a read-only directory)."""
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -91,13 +92,18 @@ def autodiff_kept_bytes(config, batch: int = 3, seq: int = 256) -> tuple[float, 
     return sum(x.size * x.dtype.itemsize for x in per_layer) / (config.layers * batch * seq), per_layer
 
 
-def compile_in_parallel(lowered: list, options: dict) -> list:
-    """`[l.compile(compiler_options=options) for l in lowered]`, two (or as many as there are cores) at a time in
-    threads: XLA compiles outside the GIL, so a 2-core machine compiles a module's programs about 1.6 x faster."""
+def in_parallel(calls: list) -> list:
+    """`[call() for call in calls]`, two (or as many as there are cores) at a time in threads: XLA compiles, and a
+    subprocess runs, outside the GIL, so a 2-core machine runs a module's compiles about 1.6 x faster."""
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        return list(pool.map(lambda one: one.compile(compiler_options=options), lowered))
+        return list(pool.map(lambda call: call(), calls))
+
+
+def compile_in_parallel(lowered: list, options: dict) -> list:
+    """`[l.compile(compiler_options=options) for l in lowered]`, two at a time (`in_parallel`)."""
+    return in_parallel([functools.partial(one.compile, compiler_options=options) for one in lowered])
 
 
 def file_hashes(directory: Path) -> dict[str, str]:

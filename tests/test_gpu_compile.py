@@ -10,12 +10,13 @@ accumulation over replica axes included. Small shapes (`tiny`, seq 128): each co
 per strategy for the module.
 """
 
+import functools
 import json
 import re
 from dataclasses import replace
 
 import pytest
-from support import compile_in_parallel, error_lines, run_spmdkit
+from support import error_lines, in_parallel, run_spmdkit
 
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
@@ -26,7 +27,6 @@ from spmdkit.targets.flags import gpu_compiler_options
 from spmdkit.tools.gpu_compile import (
     attention_in_hlo,
     attention_windows,
-    compile_for_target,
     format_report,
     lower_train_step,
     memory_bytes,
@@ -59,20 +59,59 @@ STRATEGIES = {
     "hsdp_accum": (replace(T["hsdp"], microbatches=2).flags(), {"all-gather", "reduce-scatter", "all-reduce"}),
     "ep_accum": (MOE + replace(T["ep"], microbatches=2).flags(), {"all-to-all"}),
 }
+# The other programs the tests below read, compiled with the strategies: name -> the flags of `spmdkit train`
+PACKED_HD256 = "--mesh fsdp=4,tensor=2 --packing documents --model.heads 2 --model.kv-heads 1 --model.head-dim 256"
+LOCAL = "--model.sliding-window 16 --model.window-pattern LG --model.head-dim 16"
+PROGRAMS = {
+    "cudnn_fsdp8": "--mesh fsdp=8 --attention cudnn",
+    "cudnn_packed_hd256": PACKED_HD256,
+    "local_window": LOCAL,
+    "softcapped_window": f"{LOCAL} --model.attention-softcap 30",
+}
+H200_TWO_HOSTS = "--mesh data=2,fsdp=8 --batch-size 32"
+# ... and the `spmdkit compile` runs they read: name -> its arguments
+MOE_DROPLESS = f"{SMALL} --model tiny-moe --moe-dispatch dropless --mesh tensor=8"
+LLAMA3_8B = "--model llama3-8b --mesh fsdp=8 --seq-len 8192 --batch-size 8 --model.remat full"
+COMMANDS = {
+    "llama3_8b": f"{LLAMA3_8B} --json",
+    "llama3_70b": "--model llama3-70b --mesh fsdp=8 --seq-len 512 --batch-size 8 --json",
+    "json": f"{SMALL} --mesh fsdp=4,tensor=2 --json",
+    "moe_dropless": f"{MOE_DROPLESS} --json",
+    "decode": "--decode --model tiny --mesh tensor=4,data=2 --seq-len 64 --batch-size 8 --json",
+    "bad_target": "--target x100",
+    "bad_devices": "--devices 12",
+    "bad_mesh": "--devices 8 --mesh fsdp=16",
+}
 _COMPILED: dict[str, tuple] = {}
+_RUNS: dict[str, object] = {}
 
 
 @pytest.fixture(scope="module")
 def h100():
-    """8 compile-only H100s, with every strategy of `STRATEGIES` compiled for them (two at a time) into the cache
-    `compile_flags` reads."""
+    """8 compile-only H100s. Everything this module compiles is compiled here, two at a time: the `spmdkit compile`
+    runs of `COMMANDS` (into `_RUNS`), every strategy of `STRATEGIES` and the programs of `PROGRAMS` on these
+    devices, and hybrid data x FSDP on two hosts of H200 (into the cache `compile_flags` reads)."""
     devices = target_devices("h100", 8, 8)
-    programs = {name: build_program(parse_flags(f"{SMALL} {flags}".split(), TrainConfig()), devices)
-                for name, (flags, _) in STRATEGIES.items()}  # fmt: skip
-    compiled = compile_in_parallel([lower_train_step(p) for p in programs.values()], gpu_compiler_options())
-    for (name, program), one in zip(programs.items(), compiled, strict=True):
+    flags = {**{name: flags for name, (flags, _) in STRATEGIES.items()}, **PROGRAMS}
+    programs = {name: build_program(parse_flags(f"{SMALL} {f}".split(), TrainConfig()), devices)
+                for name, f in flags.items()}  # fmt: skip
+    h200 = target_devices("h200", 16, 8)
+    programs["h200_two_hosts"] = build_program(parse_flags(f"{SMALL} {H200_TWO_HOSTS}".split(), TrainConfig()), h200)
+    options = gpu_compiler_options()
+    runs = [functools.partial(run_spmdkit, "compile", *args.split()) for args in COMMANDS.values()]
+    steps = [functools.partial(lower_train_step(p).compile, compiler_options=options) for p in programs.values()]
+    done = in_parallel(runs + steps)  # the longest first
+    _RUNS.update(zip(COMMANDS, done[: len(runs)], strict=True))
+    for (name, program), one in zip(programs.items(), done[len(runs) :], strict=True):
         _COMPILED[name] = (program, one.as_text(), memory_bytes(one))
     return devices
+
+
+def compile_run(name: str) -> dict:
+    """The JSON report of `spmdkit compile COMMANDS[name]` (the `h100` fixture ran it), its exit status checked."""
+    result = _RUNS[name]
+    assert result.returncode == (1 if name == "llama3_70b" else 0), result.stderr[-2000:]
+    return json.loads(result.stdout)
 
 
 def compile_flags(flags: str, devices: list, key: str | None = None) -> tuple:
@@ -116,13 +155,13 @@ def test_cudnn_on_fsdp_8_compiles(h100):
     """The regression: cuDNN attention in a shard_map over a strict subset of the mesh axes (fsdp alone; data,
     tensor, ... of size 1 left out) failed in XLA:GPU's SPMD partitioner (custom_partitioner ...
     get_num_ways_dim_sharded AssertionError)."""
-    program, text, _ = compile_flags("--mesh fsdp=8 --attention cudnn", h100)
+    program, text, _ = compile_flags(PROGRAMS["cudnn_fsdp8"], h100, key="cudnn_fsdp8")
     assert program.attention == "cudnn" and text.count("__cudnn$fmhaSoftmax") >= 1
 
 
 def test_cudnn_takes_packed_documents_and_head_dim_256_on_hopper(h100):
-    flags = "--mesh fsdp=4,tensor=2 --packing documents --model.heads 2 --model.kv-heads 1 --model.head-dim 256"
-    program, text, _ = compile_flags(flags, h100)
+    flags = PACKED_HD256
+    program, text, _ = compile_flags(flags, h100, key="cudnn_packed_hd256")
     assert program.attention == "cudnn" and "segment_ids" in program.batch_keys()
     # the documents' mask goes in as a bias: cuDNN's scale-bias-softmax kernels, forward and backward
     assert "__cudnn$fmhaScaleBiasSoftmax" in text and "__cudnn$fmhaScaleBiasSoftmaxBackward" in text
@@ -135,7 +174,7 @@ def test_cudnn_takes_packed_documents_and_head_dim_256_on_hopper(h100):
 def test_local_layers_reach_cudnn_with_their_window(h100):
     """A Gemma-like pattern (one local, one global layer): every cuDNN call of a local layer carries the window,
     forward and backward; the global layers' calls carry none."""
-    _, text, _ = compile_flags("--model.sliding-window 16 --model.window-pattern LG --model.head-dim 16", h100)
+    _, text, _ = compile_flags(LOCAL, h100, key="local_window")
     assert attention_in_hlo(text) == "cudnn"
     windows = attention_windows(text)
     assert set(windows) == {0, 16} and windows[16] == windows[0] == 4  # 2 layers each: 2 forward + 2 backward
@@ -144,8 +183,7 @@ def test_local_layers_reach_cudnn_with_their_window(h100):
 def test_a_soft_capped_windowed_model_compiles_the_blockwise_kernel(h100):
     """Gemma 2's soft-capping keeps cuDNN out: the blockwise kernel runs, its window splitting the diagonal block
     into sub-block steps (seq 128 is one block; the window 16 cuts it down to 16-position pairs)."""
-    flags = "--model.sliding-window 16 --model.window-pattern LG --model.attention-softcap 30 --model.head-dim 16"
-    _, text, _ = compile_flags(flags, h100)
+    _, text, _ = compile_flags(PROGRAMS["softcapped_window"], h100, key="softcapped_window")
     assert attention_in_hlo(text) == "blockwise" and not attention_windows(text)
 
 
@@ -183,10 +221,10 @@ def test_latency_hiding_scheduler_overlaps_fsdp_all_gathers_with_compute(h100):
     assert overlapped and max(overlapped) >= 1 and sum(c > 0 for c in overlapped) >= len(overlapped) // 2, overlapped
 
 
-def test_two_hosts_of_h200_compile_hybrid_data_fsdp():
+def test_two_hosts_of_h200_compile_hybrid_data_fsdp(h100):
     devices = target_devices("h200", 16, 8)
     assert sorted({d.process_index for d in devices}) == [0, 1]
-    program, text, _ = compile_flags("--mesh data=2,fsdp=8 --batch-size 32", devices)
+    program, text, _ = compile_flags(H200_TWO_HOSTS, devices, key="h200_two_hosts")
     hosts = [[d.process_index for d in row.flat] for row in program.mesh.devices.reshape(2, 8)]
     assert hosts == [[0] * 8, [1] * 8]  # data spans the hosts; fsdp stays inside each
     assert {c.opcode for c in collective_report(text).collectives} >= {"all-gather", "reduce-scatter", "all-reduce"}
@@ -206,10 +244,8 @@ def test_missing_extra_is_one_line(monkeypatch):
         require_aot()
 
 
-def test_compile_command_json_and_bad_input(tmp_path):
-    result = run_spmdkit("compile", *f"{SMALL} --mesh fsdp=4,tensor=2 --json".split())
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
+def test_compile_command_json_and_bad_input(h100):
+    report = compile_run("json")
     assert report["target"] == "h100" and report["devices"] == 8 and report["fits"] is True
     assert report["attention_kernel"] == "cudnn" and report["per_device_bytes"]["total"] > 0
     for key in ("hbm_bytes", "collectives", "planner_bytes", "compile_seconds"):
@@ -217,57 +253,46 @@ def test_compile_command_json_and_bad_input(tmp_path):
     reduce = report["collectives"]["all-reduce"]
     assert reduce["asynchronous"] + reduce["nothing_to_overlap"] == reduce["instructions"] and reduce["asynchronous"]
     assert report["compiler"].startswith("jaxlib ") and "jax-cuda1" in report["compiler"]  # what compiled it
-    for args, needle in [
-        (("--target", "x100"), "h100, h200, a100, b200"),
-        (("--devices", "12"), "--devices-per-host 8"),
-        (("--devices", "8", "--mesh", "fsdp=16"), "16 devices"),
+    for name, needle in [
+        ("bad_target", "h100, h200, a100, b200"),
+        ("bad_devices", "--devices-per-host 8"),
+        ("bad_mesh", "16 devices"),
     ]:
-        bad = run_spmdkit("compile", *args)
+        bad = _RUNS[name]
         assert bad.returncode == 2 and len(error_lines(bad.stderr)) == 1 and needle in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr and "absl::InitializeLog" not in bad.stderr
 
 
-def test_a_layout_that_does_not_fit_is_a_result_not_a_traceback():
-    result = run_spmdkit(
-        "compile", "--model", "llama3-70b", "--mesh", "fsdp=8", "--seq-len", "512", "--batch-size", "8", "--json"
-    )
-    assert result.returncode == 1, result.stderr[-2000:]
-    report = json.loads(result.stdout)
+def test_a_layout_that_does_not_fit_is_a_result_not_a_traceback(h100):
+    report, result = compile_run("llama3_70b"), _RUNS["llama3_70b"]
     assert report["fits"] is False and report["per_device_bytes"]["total"] > report["usable_hbm_bytes"]
     assert report["remat_that_fits"] is None  # 70B's state alone is ~140 GB per device on 8 GPUs
     assert "does not fit" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_decode_step_compiles_for_h100_with_tensor_parallel_all_reduces():
-    result = run_spmdkit(
-        "compile", "--decode", "--model", "tiny", "--mesh", "tensor=4,data=2", "--seq-len", "64", "--batch-size", "8",
-        "--json",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
+def test_decode_step_compiles_for_h100_with_tensor_parallel_all_reduces(h100):
+    report = compile_run("decode")
     assert report["program"] == "decode" and report["fits"] and report["attention_kernel"] == "dot"
     assert report["collectives"]["all-reduce"]["asynchronous"] > 0  # TP's per-layer sums, async pairs
     assert 0.5 < report["planner_ratio"] < 1.5  # weights + KV cache, as the inference planner counts them
 
 
-def test_the_dropless_moe_step_reports_how_its_expert_gemms_compiled():
+def test_the_dropless_moe_step_reports_how_its_expert_gemms_compiled(h100):
     """`moe_gemm` of the tiny-moe dropless step on 8 x H100 with every expert local and no batch axis (tensor=8):
     `jax.lax.ragged_dot`, which this XLA lowers to a dense matmul of every routed row with every expert, E times the
     routed FLOPs, counted from the compiled dots. (With the batch split, dropless is the capacity dispatch with a
     sequence of slots per expert: E / k times, also dense; docs/jax-limits.md.)"""
-    config = parse_flags(f"{SMALL} --model tiny-moe --moe-dispatch dropless --mesh tensor=8".split(), TrainConfig())
-    report = compile_for_target(config)
-    gemm, model = report["moe_gemm"], config.model.build()
+    report = compile_run("moe_dropless")
+    gemm, model = report["moe_gemm"], parse_flags(MOE_DROPLESS.split(), TrainConfig()).model.build()
     expected = model.experts
     assert gemm["kind"] == "dense" and gemm["grouped"] == 0 and gemm["dense"] > 0, gemm
     assert gemm["ratio"] == pytest.approx(expected, rel=0.01), gemm
     assert f"MoE GEMMs    dense: {expected:.2f} x the routed FLOPs" in format_report(report)
 
 
-def test_llama3_8b_on_8_h100_fits_with_cudnn_and_the_planner_within_10_percent():
+def test_llama3_8b_on_8_h100_fits_with_cudnn_and_the_planner_within_10_percent(h100):
     """README's 8B compile (fsdp=8, seq 8192, remat full) on this jaxlib: it fits, cuDNN runs the attention, no
     flag is left out, and the planner's bytes are XLA's within 10%."""
-    flags = "--model llama3-8b --mesh fsdp=8 --seq-len 8192 --batch-size 8 --model.remat full"
-    report = compile_for_target(parse_flags(flags.split(), TrainConfig()))
+    report = compile_run("llama3_8b")
     assert report["fits"] and report["attention_kernel"] == "cudnn" and report["flags_left_out"] == []
     assert 0.9 < report["planner_ratio"] < 1.1, (report["planner_ratio"], report["planner_memory"])
