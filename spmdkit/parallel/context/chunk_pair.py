@@ -1,11 +1,12 @@
-"""One (query chunk, key chunk) pair of ring attention, per device: the chunk layouts and the key-tile loop.
+"""One (query chunk, key chunk) pair of ring attention, per device: the statistics' layout and the key-tile loop.
 
-Layouts (inside the shard_map, local shapes): queries as [2 (slot), B, kv_heads, group, c, D] so grouped-query heads
-never repeat K/V; keys and values as [2 (slot), B, kv_heads, c, D]; per-row statistics [2, B, kv_heads, group, c];
-segment ids [2 (slot), B, c]. `fwd_pair` folds one key chunk into the online-softmax state (o, m, l) of one query
-chunk; `bwd_pair` adds one pair's contributions to dq, dk, dv. Keys are scanned in tiles of `key_tile`, bounding
-the scratch per pair to [heads, c, key_tile]. The math of each tile is `spmdkit.kernels.attention_block` (`fold`,
-`block_grads`): the same functions the blockwise kernel runs, with the same `scale` and `softcap`.
+Layouts (inside the shard_map, local shapes): the blockwise kernel's blocks (`q_blocks`, `kv_blocks`, `row_blocks`
+of `spmdkit.kernels.blockwise_attention`), 2 of c positions (the slots): queries [2, B, kv_heads, group, c, D] so
+grouped-query heads never repeat K/V, keys and values [2, B, kv_heads, c, D], segment ids [2, B, c]; per-row
+statistics [2, B, kv_heads, group, c]. `fwd_pair` folds one key chunk into the online-softmax state (o, m, l) of
+one query chunk; `bwd_pair` adds one pair's contributions to dq, dk, dv. Keys are scanned in tiles of `key_tile`,
+bounding the scratch per pair to [heads, c, key_tile]. The math of each tile is `spmdkit.kernels.attention_block`
+(`fold`, `block_grads`): the same functions the blockwise kernel runs, with the same `scale` and `softcap`.
 
 Masks compare positions relative to the query chunk's first token (causal and window rules depend only on the
 distance between a key and a query): `offset` is the key chunk's first true position less the query chunk's, 0 on
@@ -20,35 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spmdkit.kernels.attention_block import F32, block_grads, fold, visible
+from spmdkit.kernels.attention_block import block_grads, fold, visible
 from spmdkit.kernels.attention_spec import AttentionSpec
-
-__all__ = ["F32", "bwd_pair", "fwd_pair", "merge_kv", "merge_q", "merge_rows", "split_kv", "split_q", "split_rows"]
-__all__ += ["PairOptions", "split_seg"]
-
-
-def split_q(x: jax.Array, kv_heads: int) -> jax.Array:
-    """[B, 2c, H, D] -> [2 (slot), B, kv_heads, group, c, D]."""
-    b, s2, h, d = x.shape
-    return x.reshape(b, 2, s2 // 2, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
-
-
-def merge_q(x: jax.Array) -> jax.Array:
-    """[2, B, kv_heads, group, c, D] -> [B, 2c, H, D]."""
-    _, b, hk, g, c, d = x.shape
-    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, 2 * c, hk * g, d)
-
-
-def split_kv(x: jax.Array) -> jax.Array:
-    """[B, 2c, kv_heads, D] -> [2 (slot), B, kv_heads, c, D]."""
-    b, s2, hk, d = x.shape
-    return x.reshape(b, 2, s2 // 2, hk, d).transpose(1, 0, 3, 2, 4)
-
-
-def merge_kv(x: jax.Array) -> jax.Array:
-    """[2, B, kv_heads, c, D] -> [B, 2c, kv_heads, D]."""
-    _, b, hk, c, d = x.shape
-    return x.transpose(1, 0, 3, 2, 4).reshape(b, 2 * c, hk, d)
+from spmdkit.kernels.blockwise_attention import row_blocks
 
 
 def split_rows(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -67,20 +42,6 @@ def key_tiles(x: jax.Array, tile: int) -> jax.Array:
     """[B, kv_heads, c, D] -> [c / tile, B, kv_heads, tile, D]."""
     b, hk, c, d = x.shape
     return x.reshape(b, hk, c // tile, tile, d).transpose(2, 0, 1, 3, 4)
-
-
-def seg_tiles(x: jax.Array | None, tile: int) -> jax.Array | None:
-    """Segment ids [B, c] -> [c / tile, B, tile] (None stays None)."""
-    if x is None:
-        return None
-    b, c = x.shape
-    return x.reshape(b, c // tile, tile).transpose(1, 0, 2)
-
-
-def split_seg(x: jax.Array) -> jax.Array:
-    """Segment ids [B, 2c] -> [2 (slot), B, c]."""
-    b, s2 = x.shape
-    return x.reshape(b, 2, s2 // 2).transpose(1, 0, 2)
 
 
 def merge_tiles(x: jax.Array) -> jax.Array:
@@ -115,7 +76,8 @@ def _tile_mask(c: int, index: jax.Array, pair: PairOptions, k_seg) -> jax.Array 
 def _tiles(k, v, pair: PairOptions) -> tuple:
     """The scanned inputs of a key chunk: tile indices, K, V and segment-id tiles (None without segments)."""
     tile = pair.spec.key_tile
-    return jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile), seg_tiles(pair.k_seg, tile)
+    tiles = jnp.arange(k.shape[2] // tile), key_tiles(k, tile), key_tiles(v, tile)
+    return (*tiles, None if pair.k_seg is None else row_blocks(pair.k_seg, tile))
 
 
 def fwd_pair(q, k, v, acc, pair: PairOptions):

@@ -5,33 +5,23 @@ seq is sharded over the context axis (N devices), batch over `batch_axes`, heads
 `heads_axis`. Each device holds 2 sequence chunks of c = seq / (2N) tokens (see `spmdkit.parallel.context.zigzag`
 for which original chunks, and for changing the layout of the inputs and positions).
 
-Forward (N steps). Keys and values travel around the ring: at step t device r holds the K/V chunks of device
-(r - t) mod N, and the K/V for step t+1 are sent (`ppermute`, one packed buffer) before step t's math so the
-transfer overlaps it. For every (query chunk, key chunk) pair, with scores s = q k^T / sqrt(head_dim), the
-online softmax keeps float32 running statistics per query row:
+Forward (N steps). Keys and values travel around the ring: at step t device r holds the K/V chunks of device (r - t)
+mod N, and the K/V for step t+1 are sent (`ppermute`, one packed buffer) before step t's math so the transfer
+overlaps it. Every (query chunk, key chunk) pair is folded into the float32 online-softmax state of its query rows
+(`spmdkit.kernels.attention_block` states the math). Under a causal mask a pair is computed in full (key chunk
+before query chunk), with a triangular mask (the same chunk, only at step 0) or skipped (key chunk after query
+chunk): `lax.switch` runs only the taken branch, so skipped pairs cost no FLOPs. A sliding window W (a query at true
+position i sees keys i - W < j <= i) adds two cases, from the chunks' true positions (the zigzag layout permutes
+chunks, never tokens within one): a key chunk wholly before the window of every query is skipped too, and one that
+crosses the window's edge is computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are
+never repeated. The scale and soft cap are the `AttentionSpec`'s (`spmdkit.kernels.attention_spec`).
 
-    m' = max(m, rowmax(s))        l' = l exp(m - m') + rowsum(exp(s - m'))
-    o' = o exp(m - m') + exp(s - m') v
-    out = o / l                   lse = m + log(l)
-
-Under a causal mask a pair is computed in full (key chunk before query chunk), with a triangular mask
-(the same chunk, only at step 0) or skipped (key chunk after query chunk): `lax.switch` runs only the taken
-branch, so skipped pairs cost no FLOPs. A sliding window W (a query at true position i sees keys i - W < j <= i)
-adds two cases, from the chunks' true positions (the zigzag layout permutes chunks, never tokens within one):
-a key chunk wholly before the window of every query is skipped too, and one that crosses the window's edge is
-computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are never repeated. The scale and
-soft cap are the `AttentionSpec`'s (`spmdkit.kernels.attention_spec`).
-
-Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device). With D = rowsum(dO * O) - dlse:
-
-    P = exp(s - lse)     dV += P^T dO     dP = dO V^T     dS = P * (dP - D)
-    dQ += dS K * scale   dK += dS^T Q * scale    (dS times 1 - tanh(s / c)^2 under a soft cap)
-
-dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
-last step one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel
-with K/V (one more small hop) and every pair masks keys of other documents. The per-tile math (`fold`,
-`block_grads`) is `spmdkit.kernels.attention_block`, shared with the blockwise kernel. `key_tile` scans the keys
-of a chunk pair in tiles, bounding the scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
+Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device; D = rowsum(dO * O) less the cotangent of
+lse). dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
+last step one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel with
+K/V (one more small hop) and every pair masks keys of other documents. The per-tile math (`fold`, `block_grads`) is
+`spmdkit.kernels.attention_block`, shared with the blockwise kernel. `key_tile` scans the keys of a chunk pair in
+tiles, bounding the scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
 """
 
 from __future__ import annotations
@@ -49,18 +39,8 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import F32, check_qkv, finish, initial_state, row_delta
 from spmdkit.kernels.attention_spec import AttentionSpec
-from spmdkit.parallel.context.chunk_pair import (
-    PairOptions,
-    bwd_pair,
-    fwd_pair,
-    merge_kv,
-    merge_q,
-    merge_rows,
-    split_kv,
-    split_q,
-    split_rows,
-    split_seg,
-)
+from spmdkit.kernels.blockwise_attention import from_kv_blocks, from_q_blocks, kv_blocks, q_blocks, row_blocks
+from spmdkit.parallel.context.chunk_pair import PairOptions, bwd_pair, fwd_pair, merge_rows, split_rows
 from spmdkit.parallel.context.zigzag import (
     FULL,
     causal_work_balance,
@@ -206,8 +186,9 @@ def _forward_local(ring: _Ring, q, k, v, seg):
     """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] (seg [B, 2c] or None) -> out [B, 2c, H, D], lse [B, H, 2c]
     float32. State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32. The
     segment ids of the keys travel the ring with them."""
-    qs = split_q(q, k.shape[2])
-    q_seg = None if seg is None else split_seg(seg)
+    c = q.shape[1] // 2
+    qs = q_blocks(q, c, k.shape[2])
+    q_seg = None if seg is None else row_blocks(seg, c)
     state = initial_state(qs)
 
     def pair(state, kv, i, j, offset, diagonal, windowed):
@@ -217,20 +198,20 @@ def _forward_local(ring: _Ring, q, k, v, seg):
         new = fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, options)
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
-    state = _ring_loop(pair, state, (jnp.stack([split_kv(k), split_kv(v)]), q_seg), ring)
+    state = _ring_loop(pair, state, (jnp.stack([kv_blocks(k, c), kv_blocks(v, c)]), q_seg), ring)
     out, lse = finish(state)
-    return merge_q(out.astype(q.dtype)), merge_rows(lse)
+    return from_q_blocks(out.astype(q.dtype), 2 * c), merge_rows(lse)
 
 
 def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
     """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
     State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
-    kv_heads = k.shape[2]
-    qs, dos = split_q(q, kv_heads), split_q(dout, kv_heads)
-    delta = row_delta(dos, split_q(out, kv_heads)) - split_rows(dlse, kv_heads)
+    kv_heads, c = k.shape[2], q.shape[1] // 2
+    qs, dos = q_blocks(q, c, kv_heads), q_blocks(dout, c, kv_heads)
+    delta = row_delta(dos, q_blocks(out, c, kv_heads)) - split_rows(dlse, kv_heads)
     rows = (qs, dos, split_rows(lse, kv_heads), delta)
-    q_seg = None if seg is None else split_seg(seg)
-    kv = jnp.stack([split_kv(k), split_kv(v)])
+    q_seg = None if seg is None else row_blocks(seg, c)
+    kv = jnp.stack([kv_blocks(k, c), kv_blocks(v, c)])
 
     def pair(state, kv, i, j, offset, diagonal, windowed):
         (kv, k_seg), (dq, dk, dv) = kv, state
@@ -246,7 +227,12 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
 
     dkv = jnp.zeros_like(kv, dtype=F32)
     dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), (kv, q_seg), ring, send_back)
-    return merge_q(dq).astype(q.dtype), merge_kv(dk).astype(k.dtype), merge_kv(dv).astype(v.dtype)
+    seq = 2 * c
+    return (
+        from_q_blocks(dq, seq).astype(q.dtype),
+        from_kv_blocks(dk, seq).astype(k.dtype),
+        from_kv_blocks(dv, seq).astype(v.dtype),
+    )
 
 
 def _shard_map(ring: _Ring, fn, in_specs, out_specs):
