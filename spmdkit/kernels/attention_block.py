@@ -101,12 +101,6 @@ def _masked(s: jax.Array, mask: jax.Array | None) -> jax.Array:
     return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
 
 
-def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float, softcap: float = 0.0) -> jax.Array:
-    """s = q k^T * scale (soft-capped when softcap > 0), float32 [..., kv_heads, group, bq, bk]; keys the mask
-    hides are -inf."""
-    return _masked(capped_scores(q, k, scale, softcap)[0], mask)
-
-
 def initial_state(q: jax.Array) -> State:
     """The online-softmax state of query rows q [..., bq, D] before any key: o = 0, m = INIT_MAX, l = 0."""
     o = jnp.zeros_like(q, dtype=F32)  # *_like: inside a shard_map the state varies over the axes q varies over
@@ -116,9 +110,10 @@ def initial_state(q: jax.Array) -> State:
 def fold(
     state: State, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float, softcap: float = 0.0
 ) -> State:
-    """Fold one key block (k, v [..., kv_heads, bk, D]) into the state of the query block q."""
+    """Fold one key block (k, v [..., kv_heads, bk, D]) into the state of the query block q; keys the mask hides
+    score -inf."""
     o, m, denom = state
-    s = scores(q, k, mask, scale, softcap)
+    s = _masked(capped_scores(q, k, scale, softcap)[0], mask)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
