@@ -26,13 +26,11 @@ number of slots is the peak number of values alive. Stage 0's chunk 0 reads the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import numpy as np
 
 from spmdkit.errors import SpmdkitError
 
-Kind = Literal["gpipe", "1f1b", "interleaved"]
 KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -82,8 +80,18 @@ class Schedule:
         return int(ticks[-1]) + 1
 
     def peak_stash(self) -> np.ndarray:
-        """`[stages]`: the most stage inputs each stage holds at once (stash slots in use)."""
-        return _peak_live(self.table, SLOT, RECV_X)
+        """`[stages]`: the most stage inputs each stage holds at once (stash slots in use): a value is live from its
+        arrival to its backward's read."""
+        T, P, _ = self.table.shape
+        peaks = np.zeros(P, np.int64)
+        for s in range(P):
+            counts = np.zeros(T, np.int64)
+            for t0 in np.nonzero(self.table[:, s, RECV_X] >= 0)[0]:
+                slot = self.table[t0, s, RECV_X]
+                reads = (self.table[t0:, s, OP] == BACKWARD) & (self.table[t0:, s, SLOT] == slot)
+                counts[t0 : t0 + int(np.argmax(reads)) + 1] += 1
+            peaks[s] = counts.max()
+        return peaks
 
     def format(self) -> str:
         """Text grid: one row per stage, one column per tick, cells `F3`/`B3` (`F3.1` = chunk 1), `.` idle."""
@@ -254,20 +262,6 @@ def _allocate(table: np.ndarray, done: dict, P: int, v: int, *, kind: str) -> in
                 table[read, s, GRAD_SLOT] = slot
         num_slots = max(num_slots, len(free_at))
     return num_slots
-
-
-def _peak_live(table: np.ndarray, read_field: int, recv_field: int) -> np.ndarray:
-    """Per stage, the most slots live at once: a value is live from its arrival to its backward's read."""
-    T, P, _ = table.shape
-    peaks = np.zeros(P, np.int64)
-    for s in range(P):
-        counts = np.zeros(T, np.int64)
-        for t0 in np.nonzero(table[:, s, recv_field] >= 0)[0]:
-            slot = table[t0, s, recv_field]
-            reads = (table[t0:, s, OP] == BACKWARD) & (table[t0:, s, read_field] == slot)
-            counts[t0 : t0 + int(np.argmax(reads)) + 1] += 1
-        peaks[s] = counts.max()
-    return peaks
 
 
 def _cell(row: np.ndarray, v: int) -> str:
