@@ -5,17 +5,13 @@ never repeated). The sequence is cut into query blocks of `block_q` and key bloc
 last block padded; padded keys are masked). Each query block folds the key blocks it needs into its float32
 online-softmax state with `spmdkit.kernels.attention_block.fold`, the same function ring attention runs per hop.
 
-Schedule (`spmdkit.kernels.block_plan`): the pairs run in steps, each a batch of pairs with static shapes, one
-step after another. Under a causal mask, pairs whose key block lies wholly after the query block are never built:
-they cost no FLOPs, and the compiled program's FLOPs (`cost_analysis`) show the saving (about half at long
-sequences). A sliding window (`window` W: a query at i sees keys i - W < j <= i) drops the key blocks wholly
-before every query's window too, and splits the pairs it hides in part (the diagonal's, the window edge's) into
-sub-block pairs down to 1/8 of a block, dropping those wholly hidden: FLOPs and scratch fall with W, to about
-(W + block / 8) / (seq / 2) of full causal (`block_plan`). The steps of sub-blocks (`Step.split`, after the steps
-of whole blocks, their split growing) run on the blocks and the online-softmax state (backward: the gradient
-accumulators) cut into sub-blocks of consecutive positions. Only steps that hold a partially visible pair (the
-diagonal, the window's edge, the padded last key block) compute a mask; with `segment_ids` every step does.
-`scale` multiplies q k^T; `softcap` c > 0 caps the scores to c tanh(s / c) before masking (Gemma 2).
+Schedule (`spmdkit.kernels.block_plan`: which pairs a causal mask or a sliding window drops, which it cuts into
+sub-block pairs): the pairs run in steps, each a batch of pairs with static shapes, one step after another; pairs
+never built cost no FLOPs (the compiled program's `cost_analysis` shows the saving, about half at long sequences
+under a causal mask). The steps of sub-blocks (`Step.split`) run on the blocks and the online-softmax state
+(backward: the gradient accumulators) cut into sub-blocks of consecutive positions. Only steps that hold a
+partially visible pair (the diagonal, the window's edge, the padded last key block) compute a mask; with
+`segment_ids` every step does. `scale`, `softcap`, `window`: the `AttentionSpec`'s.
 
 Backward (`jax.custom_vjp`): the residuals are q, k, v, out and the float32 log-sum-exp per query row; every pair
 is recomputed by `block_grads`. Scratch memory is a few arrays of one step's scores, [pairs, batch, heads,
