@@ -17,7 +17,7 @@ from spmdkit.inspect import collective_report, parameter_rows
 from spmdkit.models import Transformer, model_preset
 from spmdkit.parallel import to_zigzag
 from spmdkit.sharding import init_sharded, make_mesh, make_rules, state_shardings
-from spmdkit.train.step import batch_shardings
+from spmdkit.train.step.train_step import batch_shardings
 
 # float32: == one device to 1e-5. attention "auto": ring attention on context=4, the blockwise kernel on one device
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)

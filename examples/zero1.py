@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit.inspect import collective_report, parameter_rows
 from spmdkit.models import Transformer, model_preset
 from spmdkit.sharding import init_sharded, make_mesh, make_rules, state_shardings
-from spmdkit.train.step import batch_shardings
+from spmdkit.train.step.train_step import batch_shardings
 
 CONFIG = model_preset("tiny").replace(dtype="float32", layers=2)  # float32: sharded == one device to 1e-5
 

@@ -28,9 +28,9 @@ from spmdkit.models.presets import model_preset
 from spmdkit.models.transformer import cross_entropy, head_logits
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 MB = 2**20

@@ -39,8 +39,8 @@ def main() -> None:
     from spmdkit.sharding.partition import abstract_state
     from spmdkit.sharding.rules import make_rules
     from spmdkit.train.config import OptimizerConfig
-    from spmdkit.train.optimizer import make_optimizer
-    from spmdkit.train.state import train_state_shardings
+    from spmdkit.train.step.optimizer import make_optimizer
+    from spmdkit.train.step.state import train_state_shardings
 
     logging.set_verbosity(logging.ERROR)
     config = model_preset("125m").replace(layers=args.layers, dtype="float32")

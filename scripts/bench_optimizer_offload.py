@@ -22,7 +22,7 @@ def gpu(args: argparse.Namespace) -> None:
     from spmdkit.targets.flags import gpu_compiler_options
     from spmdkit.tools.gpu_compile import lower_train_step, memory_bytes, planner_estimate
     from spmdkit.train.config import TrainConfig
-    from spmdkit.train.program import build_program
+    from spmdkit.train.step.program import build_program
 
     devices = target_devices("h100", 8, 8)
     flags = f"--model {args.model} --mesh {args.mesh} --model.remat {args.remat} --seq-len {args.seq_len}"
@@ -51,7 +51,7 @@ def cpu(args: argparse.Namespace) -> None:
 
     from spmdkit.cli.train import parse_flags
     from spmdkit.train.config import TrainConfig
-    from spmdkit.train.program import build_program
+    from spmdkit.train.step.program import build_program
 
     for offload in (False, True, False, True):
         flags = f"--model {args.model} --mesh fsdp=4,tensor=2 --seq-len 128 --batch-size 16"

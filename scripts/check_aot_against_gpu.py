@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
 
     from spmdkit.targets import target_devices
     from spmdkit.tools.gpu_compile import attention_in_hlo, lower_train_step, memory_bytes
-    from spmdkit.train.program import build_program
+    from spmdkit.train.step.program import build_program
 
     local = jax.devices()[: args.devices]
     rows = {}

@@ -12,8 +12,8 @@ from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import abstract_state
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.state import train_state_shardings
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.state import train_state_shardings
 
 MODEL = TransformerConfig(dtype="float32")
 RULES = make_rules(3, False)

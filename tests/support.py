@@ -77,7 +77,7 @@ def autodiff_kept_bytes(config, batch: int = 3, seq: int = 256) -> tuple[float, 
     from flax import nnx
 
     from spmdkit.models import Transformer
-    from spmdkit.train.step import objective
+    from spmdkit.train.step.train_step import objective
 
     graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)

@@ -24,9 +24,9 @@ from spmdkit.models.attention_choice import choose_attention
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step
 
 RTOL = 1e-5
 
@@ -217,7 +217,7 @@ def test_an_explicit_kernel_that_cannot_run_is_one_clear_error(kind, settings, m
 def test_the_trainer_names_the_kernel_it_runs(tmp_path):
     from spmdkit.train.config import MeshSettings, RunSettings, TrainConfig
     from spmdkit.train.loop import Trainer
-    from spmdkit.train.report import describe_run
+    from spmdkit.train.reporting.report import describe_run
 
     run = RunSettings(steps=1, batch_size=8, seq_len=1024, run_dir=str(tmp_path), progress=False)
     trainer = Trainer(TrainConfig(mesh=MeshSettings(mesh="fsdp=8"), run=run), log=lambda _: None)
@@ -235,7 +235,7 @@ def test_train_command_refuses_cudnn_on_cpu(tmp_path):
 
 
 # Reads of the platform, the backend or the device kind: the model runs the kernel its config names, decided for the
-# run's devices outside it (`spmdkit.train.program.build_program`, the benchmark, the planner).
+# run's devices outside it (`spmdkit.train.step.program.build_program`, the benchmark, the planner).
 DEVICE_READS = {"devices", "local_devices", "default_backend", "get_backend", "platform", "platform_version"}
 DEVICE_READS |= {"device_kind", "compute_capability", "device_facts", "xla_bridge", "device_platform"}
 

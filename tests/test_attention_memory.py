@@ -83,9 +83,9 @@ def _train_step_temp(attention: str, seq: int) -> int:
     from spmdkit.sharding.mesh import make_mesh
     from spmdkit.sharding.partition import abstract_state, state_shardings
     from spmdkit.sharding.rules import make_rules
-    from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-    from spmdkit.train.state import TrainState, train_state_shardings
-    from spmdkit.train.step import batch_shardings, make_train_step
+    from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+    from spmdkit.train.step.state import TrainState, train_state_shardings
+    from spmdkit.train.step.train_step import batch_shardings, make_train_step
 
     config = _model(attention)
     mesh, rules = make_mesh("fsdp=1", jax.devices()[:1]), make_rules(3)

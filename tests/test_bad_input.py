@@ -37,8 +37,8 @@ from spmdkit.train.config import (
     apply_overrides,
     config_from_json,
 )  # fmt: skip
-from spmdkit.train.optimizer import make_optimizer
-from spmdkit.train.state import abstract_train_state
+from spmdkit.train.step.optimizer import make_optimizer
+from spmdkit.train.step.state import abstract_train_state
 
 TRAIN = "train --steps 2 --seq-len 32 --batch-size 8 --dtype float32 --eval-every 0 --no-progress --mesh fsdp=8"
 RUN = [*TRAIN.split(), "--run-dir", "{D}/run"]  # the run of {D}/run/checkpoints (step 4)

@@ -28,9 +28,9 @@ from spmdkit.checkpoint.manager import Checkpointer, CheckpointWarning
 from spmdkit.cli.train import parse
 from spmdkit.errors import SpmdkitError
 from spmdkit.train.config import TrainConfig, apply_overrides, checkpoint_directory
+from spmdkit.train.health.preemption import StopRequest
 from spmdkit.train.loop import Trainer
-from spmdkit.train.metrics import read_metrics
-from spmdkit.train.preemption import StopRequest
+from spmdkit.train.reporting.metrics import read_metrics
 
 STEPS, EVERY = 12, 2
 TIMEOUT = 240

@@ -256,8 +256,8 @@ from spmdkit.sharding.mesh import make_mesh  # noqa: E402
 from spmdkit.sharding.partition import abstract_state  # noqa: E402
 from spmdkit.sharding.rules import make_rules  # noqa: E402
 from spmdkit.train.config import OptimizerConfig  # noqa: E402
-from spmdkit.train.optimizer import make_optimizer  # noqa: E402
-from spmdkit.train.state import train_state_shardings  # noqa: E402
+from spmdkit.train.step.optimizer import make_optimizer  # noqa: E402
+from spmdkit.train.step.state import train_state_shardings  # noqa: E402
 
 tx = make_optimizer(OptimizerConfig(), 10)
 

@@ -15,7 +15,7 @@ import pytest
 from support import error_lines, run_spmdkit
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.train.metrics import MetricsWarning, MetricsWriter, append_line, read_metrics, trim_metrics
+from spmdkit.train.reporting.metrics import MetricsWarning, MetricsWriter, append_line, read_metrics, trim_metrics
 
 # ----------------------------------------------------------------------------------------------- metrics.jsonl
 

@@ -15,7 +15,7 @@ from support import compile_in_parallel, error_lines, run_spmdkit
 
 from spmdkit.checkpoint.manager import Checkpointer
 from spmdkit.models.fp8 import HISTORY, Fp8Meta, Fp8Scales, project
-from spmdkit.train.metrics import read_metrics
+from spmdkit.train.reporting.metrics import read_metrics
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -175,7 +175,7 @@ def test_every_dense_matmul_of_the_blocks_compiles_to_an_fp8_gemm_on_h100(mesh="
     from spmdkit.targets.flags import gpu_compiler_options
     from spmdkit.tools.gpu_compile import attention_in_hlo, lower_train_step
     from spmdkit.train.config import TrainConfig
-    from spmdkit.train.program import build_program
+    from spmdkit.train.step.program import build_program
 
     devices = target_devices("h100", 8, 8)
     flags = {fp8: f"{SMALL_8B} --mesh {mesh}" + (" --model.fp8 True" if fp8 else "") for fp8 in (True, False)}

@@ -9,8 +9,8 @@ import os
 import pytest
 from support import BIN, run_spmdkit
 
-from spmdkit.train.goodput import LOST, Goodput
-from spmdkit.train.phases import PhaseClock
+from spmdkit.train.health.goodput import LOST, Goodput
+from spmdkit.train.health.phases import PhaseClock
 
 TRAIN = ("train", "--model", "tiny", "--cpu-devices", "8", "--mesh", "fsdp=8", "--steps", "24", "--seq-len", "64")
 TRAIN += ("--batch-size", "16", "--eval-every", "0", "--no-progress", "--log-every", "1", "--checkpoint-every", "10")

@@ -33,7 +33,7 @@ from spmdkit.tools.gpu_compile import (
 )
 from spmdkit.tools.strategies import STRATEGIES as TABLE
 from spmdkit.train.config import TrainConfig
-from spmdkit.train.program import build_program
+from spmdkit.train.step.program import build_program
 
 SMALL = "--model tiny --seq-len 128 --batch-size 16"
 # README's strategy table, from the one table of layouts (`spmdkit.tools.strategies`): name -> (the flags of

@@ -46,7 +46,7 @@ from spmdkit.targets.flags import (
 )
 from spmdkit.tools.gpu_compile import compile_for_target, format_report, lower_train_step
 from spmdkit.train.config import TrainConfig
-from spmdkit.train.program import build_program
+from spmdkit.train.step.program import build_program
 
 SMALL = "--model tiny --seq-len 128 --batch-size 16"
 

@@ -204,7 +204,7 @@ def test_the_first_fine_tuning_step_loss_is_transformers_loss(name, saved, tmp_p
 
     from spmdkit.data.config import DataConfig
     from spmdkit.data.stream import make_data
-    from spmdkit.train.metrics import read_metrics
+    from spmdkit.train.reporting.metrics import read_metrics
 
     directory, _ = saved[name]
     args = ["train", "--init-from", str(directory), "--mesh", _mesh(name), "--dtype", "float32", "--steps", "1",

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from spmdkit.data.config import DataConfig
 from spmdkit.data.stream import make_data
 from spmdkit.interop import find_tokenizer_dir
-from spmdkit.train.metrics import read_metrics
+from spmdkit.train.reporting.metrics import read_metrics
 
 SEQ, BATCH, STEPS = 32, 8, 3
 CONFIG = LlamaConfig(

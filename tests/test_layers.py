@@ -29,7 +29,7 @@ def test_top_level_modules_and_module_sizes():
 # Functions over 60 lines today, each with its length: the list may only shrink (a function that grows past its
 # figure, or a new long one, fails). Split one and take it off.
 LONG_FUNCTIONS = {
-    "spmdkit/train/pipeline_step.py::pipeline_loss_and_grads": 67,
+    "spmdkit/train/step/pipeline.py::pipeline_loss_and_grads": 67,
     "spmdkit/parallel/pipeline/program.py::_manual_body": 63,
 }
 

@@ -14,9 +14,9 @@ from flax import nnx
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.pipeline_step import pipeline_schedule
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step
+from spmdkit.train.step.pipeline import pipeline_schedule
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step
 
 CONFIG = TransformerConfig(
     dtype="float32", layers=4, heads=8, kv_heads=4, qkv_bias=True, o_bias=True, mlp_bias=True, tie_embeddings=True,

@@ -22,9 +22,9 @@ from spmdkit.parallel.experts import ExpertWeights, capacity, dense_moe, expert_
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import loss_and_grads, make_train_step
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import loss_and_grads, make_train_step
 
 # Two MoE layers (one scan), 8 experts; a capacity factor of 8 = experts means no expert can overflow.
 CONFIG = TransformerConfig(
@@ -231,7 +231,7 @@ def test_training_job_reports_router_metrics(tmp_path):
     carries the aux losses, the drop fraction and the per-expert load histogram."""
     from spmdkit.train.config import MeshSettings, ModelSettings, RunSettings, TrainConfig
     from spmdkit.train.loop import train
-    from spmdkit.train.metrics import read_metrics
+    from spmdkit.train.reporting.metrics import read_metrics
 
     run = RunSettings(
         steps=3, batch_size=8, seq_len=16, log_every=1, eval_every=0, run_dir=str(tmp_path), progress=False

@@ -20,7 +20,7 @@ from spmdkit.plan.estimate import estimate
 from spmdkit.sharding.strategy import Strategy
 from spmdkit.train.config import MeshSettings, ModelSettings, OptimizerConfig, RunSettings, TrainConfig
 from spmdkit.train.loop import Trainer
-from spmdkit.train.program import build_program
+from spmdkit.train.step.program import build_program
 
 STEPS = 4
 

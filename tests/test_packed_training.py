@@ -22,10 +22,10 @@ from spmdkit.parallel.context.zigzag import from_zigzag, zigzag_batch
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.pipeline_step import pipeline_loss_and_grads, pipeline_schedule
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import loss_and_grads
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.pipeline import pipeline_loss_and_grads, pipeline_schedule
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import loss_and_grads
 
 S = 16  # seq_len: documents of 1, S - 1, S + 3 and 3 S tokens straddle rows (and ring chunks of S / 8)
 LENGTHS = [1, S - 1, S + 3, 3 * S, 5, 2, 7, S, 9, 4, 2 * S + 1, 3, 11]

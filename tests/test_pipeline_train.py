@@ -12,11 +12,11 @@ from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import TransformerConfig
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.train.metrics import read_metrics
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.pipeline_step import pipeline_schedule
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step
+from spmdkit.train.reporting.metrics import read_metrics
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.pipeline import pipeline_schedule
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step
 
 CONFIG = TransformerConfig(dtype="float32", layers=4, heads=8, kv_heads=8)
 STEPS = 3

@@ -185,9 +185,9 @@ def compiled_step(name):
     from spmdkit.sharding.mesh import make_mesh
     from spmdkit.sharding.partition import abstract_state, state_shardings
     from spmdkit.sharding.rules import make_rules
-    from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-    from spmdkit.train.state import TrainState, train_state_shardings
-    from spmdkit.train.step import batch_shardings, make_train_step
+    from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+    from spmdkit.train.step.state import TrainState, train_state_shardings
+    from spmdkit.train.step.train_step import batch_shardings, make_train_step
 
     strategy = STRATEGIES[name]
     mesh, rules = make_mesh(strategy.mesh), make_rules(strategy.zero, strategy.sequence_parallel)

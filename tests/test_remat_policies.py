@@ -31,9 +31,9 @@ from spmdkit.targets import target_devices
 from spmdkit.targets.flags import gpu_compiler_options
 from spmdkit.tools.gpu_compile import lower_train_step, memory_bytes, planner_estimate
 from spmdkit.train.config import TrainConfig
-from spmdkit.train.program import build_program
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step, objective
+from spmdkit.train.step.program import build_program
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step, objective
 
 CUSTOM = "save:q_proj,context,mlp_hidden+offload:out_proj,mlp_up"
 GPU_FLAGS = "--model tiny --model.layers 16 --seq-len 512 --batch-size 16 --mesh fsdp=8"

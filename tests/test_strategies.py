@@ -22,9 +22,9 @@ from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.partition import init_sharded
 from spmdkit.sharding.rules import make_rules
 from spmdkit.tools.strategies import STRATEGIES
-from spmdkit.train.optimizer import OptimizerConfig, make_optimizer
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import make_train_step
+from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import make_train_step
 
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 STEPS = 3

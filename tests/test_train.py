@@ -16,8 +16,8 @@ from spmdkit.cli.train import parse
 from spmdkit.errors import SpmdkitError
 from spmdkit.train.config import MeshSettings, ModelSettings, RunSettings, TrainConfig, apply_overrides
 from spmdkit.train.loop import Trainer, train
-from spmdkit.train.metrics import peak_flops, read_metrics, throughput
-from spmdkit.train.optimizer import OptimizerConfig
+from spmdkit.train.reporting.metrics import peak_flops, read_metrics, throughput
+from spmdkit.train.step.optimizer import OptimizerConfig
 
 
 def _config(tmp_path, name, **run):

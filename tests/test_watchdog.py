@@ -1,7 +1,7 @@
 """Hangs and stragglers in real multi-process jobs (2 processes x 2 CPU devices, gloo): a process frozen with
 SIGSTOP inside a step or inside a restore ends the job within the timeout and the log names it and the phase; a
 process slowed by an injected delay is named as the straggler, and without the delay none is. Faults come from
-`SPMDKIT_FAULTS` (spmdkit/train/faults.py), the test-only hook."""
+`SPMDKIT_FAULTS` (spmdkit/train/health/faults.py), the test-only hook."""
 
 import json
 import re
@@ -13,9 +13,9 @@ import pytest
 from support import BIN, job_env
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.train.faults import Fault, Faults, parse_fault
-from spmdkit.train.phases import PhaseClock
-from spmdkit.train.watchdog import HUNG, describe_laggards
+from spmdkit.train.health.faults import Fault, Faults, parse_fault
+from spmdkit.train.health.phases import PhaseClock
+from spmdkit.train.health.watchdog import HUNG, describe_laggards
 
 TIMEOUT = 8  # --health.step-timeout and --health.phase-timeout of the hang tests
 TRAIN = "train --model tiny --mesh fsdp=4 --seq-len 32 --batch-size 8 --eval-every 0 --no-progress --log-every 2"

@@ -11,7 +11,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import KERNELS
 from spmdkit.models.presets import model_preset
 from spmdkit.tools.bench import STRATEGIES, run
-from spmdkit.train.preflight import check_writable
+from spmdkit.train.step.preflight import check_writable
 
 HELP = SUMMARIES["bench"]
 

@@ -11,7 +11,7 @@ sum to its text's UTF-8 bytes (its first token, BOS or not, is never a target); 
 no bytes, which is the cost of knowing where a document ends. The embedded `stdlib` source (windows of bytes, no
 mask) uses the `bytes` table: 1 per byte token, 0 for BOS/EOS.
 
-The trainer's step (`spmdkit.train.step`) computes both next to the loss (with microbatches, it sums
+The trainer's step (`spmdkit.train.step.train_step`) computes both next to the loss (with microbatches, it sums
 `loss x tokens` and `text_bytes` over them before dividing). Whole-dataset figures are in
 `dataset.json` (`tokens`, `bytes`) and per document in the index (`document_bytes.npy`).
 """

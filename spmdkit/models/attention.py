@@ -19,7 +19,7 @@ scores and softmax statistics in float32, and give the same numbers.
   `zigzag_batch`, and RoPE positions travel with their tokens; the token-mean loss does not depend on token order).
 
 `KERNEL_TABLE` maps each kind (dot, blockwise, cudnn, ring) to its kernel. `attend(q, k, v, kind, segment_ids,
-spec)` runs the kernel the model config names: `spmdkit.train.program.build_program` has resolved it for the
+spec)` runs the kernel the model config names: `spmdkit.train.step.program.build_program` has resolved it for the
 run's devices (`spmdkit.models.attention_choice.choose_attention`). Nothing here reads the platform: a model
 traced with "auto" outside a program runs the choice the mesh in force alone makes (ring under a context axis,
 else blockwise), the same program on every platform.

@@ -10,8 +10,8 @@ max |value| of its last `HISTORY` steps (its amax history); a step quantizes wit
 the largest value seen lately just fits, and pushes its own amax into the history. The first step, with an empty
 history, runs at s = 1. The forward amaxes are known in the forward pass, the gradient's only in the backward
 pass, so Flax's custom VJPs hand each step's *new* scale and history back as the "gradient" of the old ones: the
-train step overwrites every `Fp8Meta` variable with its gradient (`spmdkit.train.step`), the optimizer never sees
-them, and they are saved and restored with the train state like the parameters.
+train step overwrites every `Fp8Meta` variable with its gradient (`spmdkit.train.step.train_step`), the
+optimizer never sees them, and they are saved and restored with the train state like the parameters.
 
 XLA:GPU on Hopper compiles a dot of two f8 operands into an FP8 GEMM (cuBLASLt `__cublas$lt$matmul$f8`, or a
 Triton GEMM fusion on f8 operands): `spmdkit compile` counts them (`fp8_gemms`). On CPU the same program runs

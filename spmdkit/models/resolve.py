@@ -61,7 +61,7 @@ def build_model(settings: Mapping[str, Any], read_source: ReadSource) -> Transfo
     The base is `init_from`'s model (`name` must then be the default `tiny` or that same path), else the preset
     or path `name` names; every override that is set replaces the base's field. Settings with every override set
     are complete: no source is read. `attention` stays as given: a training program resolves "auto" for its
-    devices (`spmdkit.train.program.build_program`, by `spmdkit.models.attention_choice.choose_attention`).
+    devices (`spmdkit.train.step.program.build_program`, by `spmdkit.models.attention_choice.choose_attention`).
     """
     overrides = {k: settings[k] for k in OVERRIDES if settings.get(k) is not None}
     base = TransformerConfig() if len(overrides) == len(OVERRIDES) else _base(settings, overrides, read_source)

@@ -68,8 +68,8 @@ def pipeline_schedule(kind: str, stages: int, microbatches: int, virtual_stages:
 
 def manual_region(s: Layout) -> bool:
     """Does the model run in a partly manual shard_map: pipeline stages, or a dense model's gradient accumulation
-    over replica axes (data, and fsdp below ZeRO-3; `spmdkit.train.step.loss_and_grads`)? The trainer's attention
-    choice reads it too (`spmdkit.train.program.build_program`)."""
+    over replica axes (data, and fsdp below ZeRO-3; `spmdkit.train.step.train_step.loss_and_grads`)? The trainer's
+    attention choice reads it too (`spmdkit.train.step.program.build_program`)."""
     replicas = s["data"] > 1 or (s["fsdp"] > 1 and s.zero < 3)
     return s["pipeline"] > 1 or (s.microbatches > 1 and replicas and not s.model.moe_layers)
 

@@ -7,7 +7,7 @@
   the *default* backend, which is the CPU when compiling for a GPU target without one; inside this context they
   read `device`'s compute capability instead, so a compile for an H100 target allows what an H100 runs.
 
-The model never reads a device: `spmdkit.train.program.build_program`, the benchmark and the GPU compile read these
+The model never reads a device: `spmdkit.train.step.program.build_program`, the benchmark and the GPU compile read these
 facts of their mesh's devices and pass them to `spmdkit.models.attention_choice.choose_attention`.
 """
 

@@ -47,11 +47,11 @@ from spmdkit.targets.flags import GPU_XLA_FLAGS, add_xla_flags
 from spmdkit.tools.strategies import STRATEGIES as TABLE
 from spmdkit.tools.strategies import Strategy
 from spmdkit.train.config import OptimizerConfig
-from spmdkit.train.metrics import peak_flops, throughput
-from spmdkit.train.optimizer import make_optimizer
-from spmdkit.train.pipeline_step import pipeline_schedule
-from spmdkit.train.state import create_train_state
-from spmdkit.train.step import batch_shardings, make_train_step
+from spmdkit.train.reporting.metrics import peak_flops, throughput
+from spmdkit.train.step.optimizer import make_optimizer
+from spmdkit.train.step.pipeline import pipeline_schedule
+from spmdkit.train.step.state import create_train_state
+from spmdkit.train.step.train_step import batch_shardings, make_train_step
 
 # The strategies `spmdkit bench` runs (from the one table, `spmdkit.tools.strategies`): "one_device" runs on the
 # first device alone, "pp" is 1F1B over --microbatches, under "ep" every MLP is an 8-expert top-2 MoE.

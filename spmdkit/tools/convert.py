@@ -29,8 +29,8 @@ from spmdkit.rundir.ownership import check_output, enclosing_run, run_inputs
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
 from spmdkit.train.config import TrainConfig, apply_overrides, config_from_json
-from spmdkit.train.optimizer import make_optimizer
-from spmdkit.train.state import abstract_train_state
+from spmdkit.train.step.optimizer import make_optimizer
+from spmdkit.train.step.state import abstract_train_state
 
 
 def fresh_output(out: str | Path) -> Path:

@@ -35,7 +35,7 @@ from spmdkit.targets.flags import compile_with_options, gpu_compiler_options, ru
 from spmdkit.targets.topology import host_count
 from spmdkit.tools.host_memory import annotate_host_arrays, host_positions
 from spmdkit.train.config import TrainConfig
-from spmdkit.train.program import TrainProgram, build_program
+from spmdkit.train.step.program import TrainProgram, build_program
 
 CACHE_SCORES = "btkgd,bskd->bkgts"  # generation's attention over the KV cache (`spmdkit.inference.attention`)
 BLOCK_SCORES = "...hgqd,...hkd->...hgqk"  # the score einsum of `spmdkit.kernels.attention_block`
@@ -159,7 +159,7 @@ def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, d
     from spmdkit.inference.engine import Generator
     from spmdkit.inference.loading import abstract_model, generation_config, inference_mesh, inference_rules
     from spmdkit.plan.inference import decode_memory
-    from spmdkit.train.program import resolve_config
+    from spmdkit.train.step.program import resolve_config
 
     resolved, run = resolve_config(config), config.run
     model = generation_config(resolved.model.build())

@@ -3,7 +3,7 @@
 JAX drops the memory kind of a sharding whose devices report no memories, and the compile-only devices of a GPU
 topology (`spmdkit.targets.target_devices`) report none: the offloaded step's state would be lowered as device
 arrays. The step's own transfers survive (the optimizer's `jax.device_put` to `jax.memory.Space.Device` and back to
-`Space.Host`, `spmdkit.train.optimizer.host_offloaded`); `annotate_host_arrays` adds what is missing, the
+`Space.Host`, `spmdkit.train.step.optimizer.host_offloaded`); `annotate_host_arrays` adds what is missing, the
 `mhlo.memory_kind = "pinned_host"` JAX writes on a real GPU for each offloaded argument and result, so that
 XLA:GPU compiles the program a GPU run gets: those buffers in host memory (its host_* sizes), copied in and out.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax._src.lib.mlir import ir
 
-from spmdkit.train.state import HOST, offloaded
+from spmdkit.train.step.state import HOST, offloaded
 
 
 def _with_memory_kind(attrs: ir.Attribute) -> ir.DictAttr:

@@ -125,7 +125,7 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
 def _build(self: Any) -> TransformerConfig:
     """The `TransformerConfig` these settings describe: `init_from`'s model, or the preset or model path `name`
     names, with every override given (see `spmdkit.models.resolve.build_model`). `attention` is the setting as
-    given: `spmdkit.train.program.build_program` resolves "auto" for the devices and stores the kernel in it."""
+    given: `spmdkit.train.step.program.build_program` resolves "auto" for the devices and stores the kernel in it."""
     return build_model(dataclasses.asdict(self), source_model)
 
 

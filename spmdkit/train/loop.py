@@ -37,20 +37,20 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.rundir.ownership import check_run_directory, lock_run_directories
 from spmdkit.train.config import TrainConfig, checkpoint_directory
-from spmdkit.train.faults import Faults, attempt
-from spmdkit.train.goodput import Goodput
-from spmdkit.train.hooks import Hooks, MetricsHook, closing
-from spmdkit.train.metrics import MetricsWriter, read_metrics, replace_text, trim_metrics
-from spmdkit.train.phases import PhaseClock
-from spmdkit.train.preemption import StopRequest
-from spmdkit.train.preflight import check_resume, check_writable
-from spmdkit.train.profiling import StepProfiler
-from spmdkit.train.program import build_program
-from spmdkit.train.report import Progress, describe_run, summary
-from spmdkit.train.state import TrainState
-from spmdkit.train.step import Batch, batch_shardings, check_bad_steps, make_eval_step
-from spmdkit.train.stragglers import StragglerWatch
-from spmdkit.train.watchdog import Watchdog
+from spmdkit.train.health.faults import Faults, attempt
+from spmdkit.train.health.goodput import Goodput
+from spmdkit.train.health.phases import PhaseClock
+from spmdkit.train.health.preemption import StopRequest
+from spmdkit.train.health.profiling import StepProfiler
+from spmdkit.train.health.stragglers import StragglerWatch
+from spmdkit.train.health.watchdog import Watchdog
+from spmdkit.train.reporting.hooks import Hooks, MetricsHook, closing
+from spmdkit.train.reporting.metrics import MetricsWriter, read_metrics, replace_text, trim_metrics
+from spmdkit.train.reporting.report import Progress, describe_run, summary
+from spmdkit.train.step.preflight import check_resume, check_writable
+from spmdkit.train.step.program import build_program
+from spmdkit.train.step.state import TrainState
+from spmdkit.train.step.train_step import Batch, batch_shardings, check_bad_steps, make_eval_step
 
 
 @dataclasses.dataclass

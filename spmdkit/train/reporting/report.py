@@ -14,7 +14,7 @@ import numpy as np
 from spmdkit.inspect.params import human_bytes, parameter_rows
 from spmdkit.models.config import loss_chunks
 from spmdkit.sharding.mesh import describe_parallelism, format_sizes
-from spmdkit.train.metrics import plot_loss_curve, read_metrics
+from spmdkit.train.reporting.metrics import plot_loss_curve, read_metrics
 
 if TYPE_CHECKING:
     from spmdkit.train.loop import Trainer
@@ -127,7 +127,7 @@ def summary(run_dir: Path, skipped_steps: int) -> str:
 
 def goodput_line(record: dict) -> str:
     """'goodput: 62.0% of 1.2 h (lost: start-up 310 s incl. compile 95 s, redone 120 s, ...)' from a record's
-    job totals (`spmdkit.train.goodput`)."""
+    job totals (`spmdkit.train.health.goodput`)."""
     lost = {
         "start-up": record["lost_startup_s"], "redone steps": record["lost_redone_s"],
         "checkpoints": record["lost_checkpoint_s"], "data": record["lost_data_s"], "eval": record["lost_eval_s"],

@@ -29,7 +29,7 @@ from spmdkit.models.fp8 import Fp8Meta
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
-from spmdkit.train.state import TrainState
+from spmdkit.train.step.state import TrainState
 
 # inputs, targets, positions: int32 [batch, seq]; optional segment_ids (int32, documents packed in a row, 0 padding)
 # and loss_mask (0/1 weights of the tokens the loss counts), both [batch, seq]
@@ -209,7 +209,7 @@ def make_train_step(
     update was skipped), bad_steps (consecutive skipped steps so far); with `token_bytes` (int32 [vocab], UTF-8
     bytes per token id) `bits_per_byte`; MoE models add their router metrics (see `objective`). `fail_steps`
     (0-based optimizer steps) get NaN gradients: the test hook for the skip path. With a `pipeline` schedule the
-    loss and gradients come from the pipeline program (`spmdkit.train.pipeline_step`) instead of autodiff of the
+    loss and gradients come from the pipeline program (`spmdkit.train.step.pipeline`) instead of autodiff of the
     whole model.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
@@ -220,7 +220,7 @@ def make_train_step(
             if pipeline is None:
                 model_metrics, grads = loss_and_grads(model, batch, grad_accum, mesh, rules)
             else:
-                from spmdkit.train.pipeline_step import pipeline_loss_and_grads
+                from spmdkit.train.step.pipeline import pipeline_loss_and_grads
 
                 loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
                 model_metrics = {"loss": loss}

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from spmdkit.train.faults import Faults
+from spmdkit.train.health.faults import Faults
 
 RUN_PHASES = ("data", "step", "wait", "log")  # the phases of the steps, whose deadline is the step timeout
 

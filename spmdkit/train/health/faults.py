@@ -3,7 +3,7 @@ variable, never a config key: a fault must not travel into a checkpoint's config
 
 It is a `;`-separated list of `PROCESS:PHASE[=STEP]:ACTION[=SECONDS][@ATTEMPT]`:
 - PROCESS: a process index, or `*` for every process;
-- PHASE: a phase of `spmdkit.train.phases` (`restore`, `compile`, `data`, `step`, `checkpoint`, ...), and with
+- PHASE: a phase of `spmdkit.train.health.phases` (`restore`, `compile`, `data`, `step`, `checkpoint`, ...), and with
   `=STEP` only that step's;
 - ACTION: `kill` (SIGKILL itself), `stop` (SIGSTOP itself: frozen, as a hung process is), `exit` (exit status 1), or
   `delay=SECONDS` (sleep, every time the phase is entered: a slow process);

@@ -30,10 +30,10 @@ from spmdkit.sharding.rules import Rules, make_rules
 from spmdkit.sharding.strategy import mesh_text
 from spmdkit.targets.device_facts import compute_capability, device_platform
 from spmdkit.train.config import TrainConfig, with_data_vocab
-from spmdkit.train.optimizer import make_optimizer, schedule
-from spmdkit.train.pipeline_step import pipeline_schedule
-from spmdkit.train.state import TrainState, abstract_train_state, create_train_state, gradient_shardings
-from spmdkit.train.step import StepFn, batch_shardings, make_train_step
+from spmdkit.train.step.optimizer import make_optimizer, schedule
+from spmdkit.train.step.pipeline import pipeline_schedule
+from spmdkit.train.step.state import TrainState, abstract_train_state, create_train_state, gradient_shardings
+from spmdkit.train.step.train_step import StepFn, batch_shardings, make_train_step
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ class TrainProgram:
         return {k: jax.ShapeDtypeStruct((run.batch_size, run.seq_len), "int32", sharding=shardings[k]) for k in keys}
 
     def train_step(self, state: TrainState, keys: Sequence[str], token_bytes: Any = None) -> StepFn:
-        """The jitted train step of this program (see `spmdkit.train.step.make_train_step`)."""
+        """The jitted train step of this program (see `spmdkit.train.step.train_step.make_train_step`)."""
         run = self.config.run
         return make_train_step(
             state, self.mesh, self.rules, run.grad_accum, self.lr_schedule, tuple(run.fail_steps), self.pipeline,

@@ -3,7 +3,7 @@
 `StepProfiler` writes a `jax.profiler` trace of steps A to B (1-based, inclusive) into RUN_DIR/profile/
 (`plugins/profile/<time>/<host>.xplane.pb`: TensorBoard's profile plugin / xprof read it, and Perfetto through
 xprof's trace viewer), every process its own host file. Each step is a `StepTraceAnnotation("train",
-step_num=N)` with the phases inside and around it named (`spmdkit.train.phases`: `data`, `step`, `wait`, `log`,
+step_num=N)` with the phases inside and around it named (`spmdkit.train.health.phases`: `data`, `step`, `wait`, `log`,
 `eval`, `checkpoint`). The trace starts before step A's data
 and stops after step B's outputs are ready, so it holds those steps' device work and nothing of the others; the
 annotations cost nothing measurable while no trace runs.

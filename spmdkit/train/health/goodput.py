@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from spmdkit.train.phases import PhaseClock
+from spmdkit.train.health.phases import PhaseClock
 
 LOST = ("startup", "compile", "redone", "checkpoint", "data", "eval")
 

@@ -17,7 +17,7 @@ to the stage boundary `[microbatch, seq, embed + 2]` (integers below 2^24 are ex
 them, every stage splits them off, runs its blocks and puts them back, so each stage reads them at the tick it runs
 that microbatch without the program knowing (2/embed more boundary bytes; their gradients are dropped). The loss
 mask travels with the targets to the last stage, and each microbatch's summed loss is divided by the batch's
-scored-token count over the number of pieces (`spmdkit.train.step`), so the loss is the batch's token mean.
+scored-token count over the number of pieces (`spmdkit.train.step.train_step`), so the loss is the batch's token mean.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from spmdkit.parallel.pipeline.program import (
 from spmdkit.parallel.pipeline.schedule import Schedule, check_layers, check_pipelinable, make_schedule
 from spmdkit.sharding.logical import suspend_rules
 from spmdkit.sharding.rules import Rules
-from spmdkit.train.step import scored_tokens
+from spmdkit.train.step.train_step import scored_tokens
 
 # Activations cross stage boundaries in float32. XLA's CPU compiler aborts ("Invalid binary instruction opcode
 # copy") on the bfloat16 form of the pipeline loop in jax 0.10.2; float32 costs 2x the (small) ppermute bytes.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from spmdkit.distributed import kv
 from spmdkit.distributed.restarts import PROGRESS_FILE, write_progress
-from spmdkit.train.phases import PhaseClock, Span
+from spmdkit.train.health.phases import PhaseClock, Span
 
 HUNG = 75  # EX_TEMPFAIL
 PREFIX = "spmdkit/health/"

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.distributed.gather import gather_over_processes
-from spmdkit.train.phases import PhaseClock
+from spmdkit.train.health.phases import PhaseClock
 
 
 def gather_own_times(own: float) -> np.ndarray:

@@ -5,7 +5,7 @@ All of it is optax: `warmup_cosine_decay_schedule`, `clip_by_global_norm`, `adam
 and counts consecutive bad steps (the loop stops the run after `max_bad_steps` of them).
 
 With `offload` the optimizer's arrays (the AdamW moments, sharded as `rules.optimizer` says) live in pinned host
-memory between steps (`spmdkit.train.state`); `host_offloaded` moves them to the device for the update and back.
+memory between steps (`spmdkit.train.step.state`); `host_offloaded` moves them to the device for the update and back.
 """
 
 from __future__ import annotations

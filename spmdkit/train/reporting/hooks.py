@@ -18,11 +18,11 @@ import numpy as np
 
 from spmdkit.models.config import TransformerConfig
 from spmdkit.train.config import RunSettings
-from spmdkit.train.goodput import Goodput
-from spmdkit.train.metrics import MetricsWriter, peak_flops, throughput
-from spmdkit.train.phases import PhaseClock
-from spmdkit.train.report import Progress
-from spmdkit.train.stragglers import StragglerWatch
+from spmdkit.train.health.goodput import Goodput
+from spmdkit.train.health.phases import PhaseClock
+from spmdkit.train.health.stragglers import StragglerWatch
+from spmdkit.train.reporting.metrics import MetricsWriter, peak_flops, throughput
+from spmdkit.train.reporting.report import Progress
 
 if TYPE_CHECKING:
     from spmdkit.train.loop import TrainResult

@@ -3,7 +3,7 @@
 Parameters follow `rules.params`; the optimizer's moments follow `rules.optimizer` (ZeRO-1/2 shard them over
 `fsdp` while parameters stay replicated); scalars (step counts) are replicated. With `--optimizer.offload` the
 moments live in pinned host memory (the JAX memory kind `pinned_host`) between steps: the optimizer brings them to
-the device for its update and back (`spmdkit.train.optimizer.host_offloaded`), the train step's out_shardings keep
+the device for its update and back (`spmdkit.train.step.optimizer.host_offloaded`), the train step's out_shardings keep
 them there.
 """
 
