@@ -22,9 +22,8 @@ import math
 import re
 from typing import Any
 
-from spmdkit.inspect.hlo import _executions, _split_computations
+from spmdkit.inspect.hlo import _parse
 
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+|\(.*?\))\s+([a-z][\w\-]*)\((.*?)\)(.*)$")
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
@@ -47,11 +46,10 @@ def _backend_config(rest: str) -> dict[str, Any]:
         return {}
 
 
-def _gemm_flops(result: str, lhs: str, config: dict[str, Any]) -> int:
-    numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+def _matmul_flops(result: str, lhs: str, contracting: list) -> int:
+    """2 x (result elements) x (the product of the lhs dimensions at the `contracting` indices)."""
     lhs_dims = _dims(lhs)
-    contracting = [lhs_dims[int(i)] for i in numbers.get("lhs_contracting_dimensions", []) if int(i) < len(lhs_dims)]
-    return 2 * math.prod(_dims(result)) * math.prod(contracting)
+    return 2 * math.prod(_dims(result)) * math.prod(lhs_dims[int(i)] for i in contracting if int(i) < len(lhs_dims))
 
 
 def _attention_flops(target: str, operand_types: list[str], config: dict[str, Any]) -> int:
@@ -70,27 +68,22 @@ def hlo_flops(compiled_or_text: Any, where: re.Pattern[str] | None = None) -> di
     """Per-device FLOPs per call of a compiled program: `{"matmul", "attention", "total"}` (see the module
     docstring for what each counts); with `where`, only of the instructions whose attributes (their metadata's
     `op_name` among them) it matches."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    computations, entry = _split_computations(text)
-    runs = _executions(computations, entry) if entry else {}
-    parsed = {c: [m.groups() for line in lines if (m := _LINE.match(line))] for c, lines in computations.items()}
-    types = {name: rtype for instrs in parsed.values() for name, rtype, *_ in instrs}
+    module, runs = _parse(compiled_or_text)
     matmul = attention = 0
-    for comp, instrs in parsed.items():
+    for comp, instrs in module.by_comp.items():
         times = runs.get(comp, 0)
-        for _, rtype, opcode, operands, rest in instrs:
-            if where is not None and not where.search(rest):
+        for ins in instrs:
+            if where is not None and not where.search(ins.attrs):
                 continue
-            names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
-            operand_types = [types.get(n, "") for n in names]
-            if opcode == "dot" and (m := _CONTRACTING.search(rest)) and operand_types:
-                lhs = _dims(operand_types[0])
-                contracting = [lhs[int(i)] for i in m.group(1).split(",") if i and int(i) < len(lhs)]
-                matmul += times * 2 * math.prod(_dims(rtype)) * math.prod(contracting)
-            elif opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"', rest)):
-                name, config = target.group(1), _backend_config(rest)
+            operand_types = [module.types.get(n, "") for n in ins.operands]
+            if ins.opcode == "dot" and (m := _CONTRACTING.search(ins.attrs)) and operand_types:
+                matmul += times * _matmul_flops(ins.type, operand_types[0], [i for i in m.group(1).split(",") if i])
+            elif ins.opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"', ins.attrs)):
+                name, config = target.group(1), _backend_config(ins.attrs)
                 if name in _GEMM_TARGETS and operand_types:
-                    matmul += times * _gemm_flops(rtype, operand_types[0], config)
+                    numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+                    contracting = numbers.get("lhs_contracting_dimensions", [])
+                    matmul += times * _matmul_flops(ins.type, operand_types[0], contracting)
                 elif name.startswith("__cudnn$fmha"):
                     attention += times * _attention_flops(name, operand_types, config)
     return {"matmul": matmul, "attention": attention, "total": matmul + attention}

@@ -44,6 +44,7 @@ _DTYPE_BYTES = {
 _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*?)\)(,.*)?$")
 _COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -101,16 +102,8 @@ class CollectiveReport:
         return sum(c.operand_bytes * c.executions for c in self.collectives if opcode in (None, c.opcode))
 
     def by_opcode(self) -> dict[str, dict[str, int]]:
-        totals: dict[str, dict[str, int]] = collections.defaultdict(
-            lambda: {
-                "instructions": 0,
-                "asynchronous": 0,
-                "nothing_to_overlap": 0,
-                "executions": 0,
-                "operand_bytes": 0,
-                "result_bytes": 0,
-            }  # fmt: skip
-        )
+        keys = ("instructions", "asynchronous", "nothing_to_overlap", "executions", "operand_bytes", "result_bytes")
+        totals: dict[str, dict[str, int]] = collections.defaultdict(lambda: dict.fromkeys(keys, 0))
         for c in self.collectives:
             t = totals[c.opcode]
             t["instructions"] += 1
@@ -163,6 +156,7 @@ class _Module:
         self.by_comp: dict[str, list[_Instr]] = {}
         self.users: dict[str, list[_Instr]] = collections.defaultdict(list)
         self.params: dict[tuple[str, int], str] = {}  # (computation, parameter index) -> instruction name
+        self.types: dict[str, str] = {}  # instruction name -> its HLO type
         for comp, lines in computations.items():
             instrs = []
             for line in lines:
@@ -173,6 +167,7 @@ class _Module:
                     name, rtype, opcode, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()], attrs or ""
                 )
                 instrs.append(ins)
+                self.types[name] = rtype
                 for o in ins.operands:
                     self.users[o].append(ins)
                 if opcode == "parameter" and ins.operands and ins.operands[0].isdigit():
@@ -192,7 +187,7 @@ class _Module:
                 # CPU all-reduces bf16 in float32 and converts back in a fusion of its own: follow it
                 if not self.only_sliced(user.name, elements, group, depth + 1):
                     return False
-            elif user.opcode == "fusion" and (m := re.search(r"calls=%?([\w.\-]+)", user.attrs)):
+            elif user.opcode == "fusion" and (m := _CALLS.search(user.attrs)):
                 for index, operand in enumerate(user.operands):
                     if operand == name and not self.only_sliced(
                         self.params.get((m.group(1), index), ""), elements, group, depth + 1
@@ -207,7 +202,7 @@ class _Module:
 
     def _is_cast(self, fusion: _Instr) -> bool:
         """A fusion that only converts / copies / bitcasts its one input (an elementwise dtype change)."""
-        m = re.search(r"calls=%?([\w.\-]+)", fusion.attrs)
+        m = _CALLS.search(fusion.attrs)
         body = self.by_comp.get(m.group(1), []) if m else []
         return bool(body) and all(i.opcode in ("parameter", "convert", "bitcast", "copy") for i in body)
 
@@ -243,6 +238,24 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
+def _callees(line: str) -> list[tuple[str, str]]:
+    """(how, computation) of each computation an instruction calls: a loop's body and condition, a fusion's or a
+    reduction's computation, a conditional's branches ("branch")."""
+    found = _CALLED.findall(line)
+    return found + [("branch", c.strip().lstrip("%")) for group in _BRANCHES.findall(line) for c in group.split(",")]
+
+
+def _text(compiled_or_text: Any) -> str:
+    return compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+
+
+def _parse(compiled_or_text: Any) -> tuple[_Module, dict[str, int]]:
+    """The instructions of a `jax.stages.Compiled` (or its `.as_text()`), and how many times each computation runs
+    per call (`_executions`)."""
+    computations, entry = _split_computations(_text(compiled_or_text))
+    return _Module(computations), _executions(computations, entry) if entry else {}
+
+
 def _executions(computations: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per call, following while trip counts from the entry."""
     runs: dict[str, int] = collections.defaultdict(int)
@@ -253,11 +266,8 @@ def _executions(computations: dict[str, list[str]], entry: str) -> dict[str, int
         runs[name] += times
         for line in computations[name]:
             trip = int(m.group(1)) if (m := _TRIP.search(line)) else 1
-            for kind, callee in _CALLED.findall(line):
+            for kind, callee in _callees(line):
                 visit(callee, times * (trip if kind == "body" else 1), depth + 1)
-            for group in _BRANCHES.findall(line):
-                for callee in group.split(","):
-                    visit(callee.strip().lstrip("%"), times, depth + 1)
 
     visit(entry, 1)
     return runs
@@ -268,11 +278,7 @@ _MADE_SYNC = re.compile(r'"is_sync":\s*true')
 
 def collective_report(compiled_or_text: Any) -> CollectiveReport:
     """Parse a `jax.stages.Compiled` (or its `.as_text()`) into a `CollectiveReport`."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    computations, entry = _split_computations(text)
-    module = _Module(computations)
-    types = {ins.name: ins.type for instrs in module.by_comp.values() for ins in instrs}
-    runs = _executions(computations, entry) if entry else {}
+    module, runs = _parse(compiled_or_text)
     found = []
     for comp, instrs in module.by_comp.items():
         for ins in instrs:
@@ -285,7 +291,7 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
                 asynchronous=ins.opcode.endswith("-start") and not made_sync, nothing_to_overlap=made_sync,
             )  # fmt: skip
             if base == "all-reduce":
-                operand_types = [types.get(o, "") for o in ins.operands]
+                operand_types = [module.types.get(o, "") for o in ins.operands]
                 for scattered, rtype, otype in zip(
                     module.scattered_parts(ins, group), _tuple_parts(ins.type), operand_types, strict=False
                 ):
@@ -302,7 +308,7 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
             found.append(
                 Collective(
                     opcode=base,
-                    operand_bytes=sum(type_bytes(types.get(o, "")) for o in ins.operands),
+                    operand_bytes=sum(type_bytes(module.types.get(o, "")) for o in ins.operands),
                     result_bytes=type_bytes(ins.type),
                     **common,
                 )

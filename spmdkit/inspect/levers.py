@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from spmdkit.inspect.flops import hlo_flops
-from spmdkit.inspect.hlo import _BRANCHES, _CALLED, _MADE_SYNC, _executions, _split_computations
+from spmdkit.inspect.hlo import _CALLS, _MADE_SYNC, _callees, _Instr, _Module, _parse, _text
 
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e3m4", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz")
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
@@ -29,36 +29,20 @@ RING_SCOPE = "collective_matmul"  # the named scope of `spmdkit.parallel.collect
 # A collective-permute the SPMD partitioner made from a matmul (a `ppermute` of spmdkit's carries its own name):
 # multi-streamed windowed einsum unrolls a short loop whole, and its hops leave the loop's body.
 _FROM_MATMUL = re.compile(r'op_name="[^"]*dot_general[^"/]*"')
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*?)\)(,.*)?$")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-
-
-def _instructions(computations: dict[str, list[str]]) -> dict[str, list[tuple[str, str, str, list[str], str]]]:
-    """{computation: [(name, type, opcode, operand names, attributes)]} of the parsed HLO lines."""
-    parsed: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
-    for comp, lines in computations.items():
-        rows = []
-        for line in lines:
-            if m := _LINE.match(line):
-                name, rtype, opcode, operands, attrs = m.groups()
-                names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
-                rows.append((name, rtype, opcode, names, attrs or ""))
-        parsed[comp] = rows
-    return parsed
 
 
 def _is_fp8(hlo_type: str) -> bool:
     return hlo_type.split("[")[0].strip("(") in FP8_DTYPES
 
 
-def _has_fp8_dot(comp: str, parsed: dict, types: dict[str, str], depth: int = 0) -> bool:
+def _has_fp8_dot(comp: str, module: _Module, depth: int = 0) -> bool:
     """Does computation `comp` (or a fusion nested in it) hold a `dot` with an FP8 operand?"""
-    for _, _, opcode, operands, attrs in parsed.get(comp, []):
-        if opcode == "dot" and any(_is_fp8(types.get(o, "")) for o in operands):
+    for ins in module.by_comp.get(comp, []):
+        if ins.opcode == "dot" and any(_is_fp8(module.types.get(o, "")) for o in ins.operands):
             return True
-        if opcode == "fusion" and depth < 4 and (m := _CALLS.search(attrs)):
-            if _has_fp8_dot(m.group(1), parsed, types, depth + 1):
+        if ins.opcode == "fusion" and depth < 4 and (m := _CALLS.search(ins.attrs)):
+            if _has_fp8_dot(m.group(1), module, depth + 1):
                 return True
     return False
 
@@ -66,17 +50,14 @@ def _has_fp8_dot(comp: str, parsed: dict, types: dict[str, str], depth: int = 0)
 def fp8_gemms(compiled_or_text: Any) -> dict[str, int]:
     """{instructions, executions (loops multiplied), cublas (custom calls), fusions (GEMM fusions)} of the FP8
     GEMMs in a compiled GPU program (a `jax.stages.Compiled` or its `.as_text()`)."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    computations, entry = _split_computations(text)
-    parsed, runs = _instructions(computations), _executions(computations, entry) if entry else {}
-    types = {row[0]: row[1] for rows in parsed.values() for row in rows}
+    module, runs = _parse(compiled_or_text)
     found = {"instructions": 0, "executions": 0, "cublas": 0, "fusions": 0}
-    for comp, rows in parsed.items():
-        for _, _, opcode, _, attrs in rows:
-            if opcode == "custom-call" and f'custom_call_target="{CUBLAS_FP8}"' in attrs:
+    for comp, instrs in module.by_comp.items():
+        for ins in instrs:
+            if ins.opcode == "custom-call" and f'custom_call_target="{CUBLAS_FP8}"' in ins.attrs:
                 kind = "cublas"
-            elif opcode == "fusion" and "kind=kCustom" in attrs and (m := _CALLS.search(attrs)):
-                if not _has_fp8_dot(m.group(1), parsed, types):
+            elif ins.opcode == "fusion" and "kind=kCustom" in ins.attrs and (m := _CALLS.search(ins.attrs)):
+                if not _has_fp8_dot(m.group(1), module):
                     continue
                 kind = "fusions"
             else:
@@ -87,23 +68,20 @@ def fp8_gemms(compiled_or_text: Any) -> dict[str, int]:
     return found
 
 
-def _windowed_body(row: tuple[str, str, str, list[str], str]) -> str | None:
+def _windowed_body(ins: _Instr) -> str | None:
     """The body of a `while` instruction that is one of XLA's windowed-einsum loops, else None."""
-    _, _, opcode, _, attrs = row
-    body = m.group(1) if opcode == "while" and (m := _BODY.search(attrs)) else None
+    body = m.group(1) if ins.opcode == "while" and (m := _BODY.search(ins.attrs)) else None
     return body if body is not None and WINDOWED_BODY in body else None  # also "unrolled_windowed_dot_general..."
 
 
-def _windowed_bodies(parsed: dict) -> set[str]:
-    """The computations XLA's windowed-einsum loops run, with the computations they call."""
-    bodies = {body for rows in parsed.values() for row in rows if (body := _windowed_body(row)) is not None}
+def _windowed_bodies(module: _Module) -> set[str]:
+    """The computations XLA's windowed-einsum loops run, with the computations they call (XLA 0.11 on sends each
+    hop inside a conditional: the last iteration's branch does nothing)."""
+    bodies = {body for instrs in module.by_comp.values() for ins in instrs if (body := _windowed_body(ins))}
     frontier = list(bodies)
     while frontier:
-        for _, _, _, _, attrs in parsed.get(frontier.pop(), []):
-            # XLA 0.11 on sends each hop inside a conditional (the last iteration's branch does nothing)
-            callees = [c for _, c in _CALLED.findall(attrs)]
-            callees += [c.strip().lstrip("%") for group in _BRANCHES.findall(attrs) for c in group.split(",")]
-            for callee in callees:
+        for ins in module.by_comp.get(frontier.pop(), []):
+            for _, callee in _callees(ins.attrs):
                 if callee not in bodies:
                     bodies.add(callee)
                     frontier.append(callee)
@@ -114,21 +92,18 @@ def windowed_einsums(compiled_or_text: Any) -> dict[str, int]:
     """The decomposed collective matmuls in a compiled GPU program: {loops: XLA's windowed-einsum loops,
     collective_permutes: the hops of every collective matmul (instructions in those loops, and spmdkit's ring's,
     found by its scope, looped or unrolled), executions: those hops per call (loop trip counts multiplied)}."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    computations, entry = _split_computations(text)
-    parsed, runs = _instructions(computations), _executions(computations, entry) if entry else {}
-    bodies = _windowed_bodies(parsed)
+    module, runs = _parse(compiled_or_text)
+    bodies = _windowed_bodies(module)
     found = {"loops": 0, "collective_permutes": 0, "asynchronous": 0, "executions": 0}
-    for comp, rows in parsed.items():
-        for row in rows:
-            _, _, opcode, _, attrs = row
-            if _windowed_body(row) is not None:
+    for comp, instrs in module.by_comp.items():
+        for ins in instrs:
+            if _windowed_body(ins) is not None:
                 found["loops"] += 1
-            elif opcode in ("collective-permute", "collective-permute-start") and (
-                comp in bodies or f"/{RING_SCOPE}/" in attrs or _FROM_MATMUL.search(attrs)
+            elif ins.opcode in ("collective-permute", "collective-permute-start") and (
+                comp in bodies or f"/{RING_SCOPE}/" in ins.attrs or _FROM_MATMUL.search(ins.attrs)
             ):
                 found["collective_permutes"] += 1
-                found["asynchronous"] += opcode.endswith("-start") and not _MADE_SYNC.search(attrs)
+                found["asynchronous"] += ins.opcode.endswith("-start") and not _MADE_SYNC.search(ins.attrs)
                 found["executions"] += runs.get(comp, 1) or 1
     return found
 
@@ -138,7 +113,7 @@ def expert_gemms(compiled_or_text: Any, op_names: tuple[str, ...]) -> dict[str, 
     `ragged_dot` and the experts' einsums): {flops: per device per call, loops multiplied (as `hlo_flops`),
     grouped: instructions that run them as a grouped GEMM (a `ragged-dot` XLA kept, or a grouped-GEMM custom
     call), dense: `dot`s that run them (a grouped matmul XLA lowered to a dense one, or padded buffers)}."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    text = _text(compiled_or_text)
     names = re.compile(r'op_name="[^"]*(?:' + "|".join(re.escape(n) for n in op_names) + ")")
     found = {"flops": hlo_flops(text, where=names)["matmul"], "grouped": 0, "dense": 0}
     for line in text.splitlines():
