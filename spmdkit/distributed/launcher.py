@@ -16,7 +16,6 @@ from its newest checkpoint; a job that keeps failing at one step gets at most N 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import shutil
 import signal
@@ -94,22 +93,18 @@ def process_environments(
     if platform == "cpu":
         xla_flags = FORCED_COUNT.sub("", base.get("XLA_FLAGS", "")).strip()
         base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, **{CPU_DEVICES: str(devices_per_process or 1)})
-        return [dict(base, **{PROCESS_ID: str(i), HOST: hosts[i]}) for i in range(processes)]
-    gpus = visible_gpus(env)
-    per = devices_per_process or len(gpus) // processes
-    if per < 1 or per * processes > len(gpus) or (devices_per_process is None and len(gpus) % processes):
-        raise SpmdkitError(
-            f"mismatched device counts: {processes} processes x {devices_per_process or 'equal shares of'} GPU(s) "
-            f"do not fit the {len(gpus)} GPU(s) here: use --processes {len(gpus) or 1} (one per GPU), --processes 1, "
-            "or --platform cpu"
-        )
-    return [
-        dict(
-            base,
-            **{PROCESS_ID: str(i), HOST: hosts[i], "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])},
-        )
-        for i in range(processes)
-    ]
+        devices: list[dict[str, str]] = [{}] * processes
+    else:
+        gpus = visible_gpus(env)
+        per = devices_per_process or len(gpus) // processes
+        if per < 1 or per * processes > len(gpus) or (devices_per_process is None and len(gpus) % processes):
+            raise SpmdkitError(
+                f"mismatched device counts: {processes} processes x {devices_per_process or 'equal shares of'} "
+                f"GPU(s) do not fit the {len(gpus)} GPU(s) here: use --processes {len(gpus) or 1} (one per GPU), "
+                "--processes 1, or --platform cpu"
+            )
+        devices = [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])} for i in range(processes)]
+    return [dict(base, **{PROCESS_ID: str(i), HOST: hosts[i]}, **devices[i]) for i in range(processes)]
 
 
 def check_command(command: Sequence[str]) -> None:
@@ -245,13 +240,20 @@ def launch_local(
         raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
     platform = resolve_platform(platform, os.environ)
     check_command(command)
-    job = LocalJob(command, processes, devices_per_process, platform, per_host, grace, port, max_restarts)
-    job.environments(free_port(port), 0)  # bad input is refused before anything starts
+
+    def environments(port: int, attempt: int = 0, progress: str = "") -> list[dict[str, str]]:
+        """Each process's environment in attempt `attempt` (0 first), the coordinator at `port`."""
+        extra = {ATTEMPT: str(attempt), **({PROGRESS_FILE: progress} if progress else {})}
+        layout = process_environments(processes, devices_per_process, port, platform, os.environ, per_host)
+        return [dict(env, **extra) for env in layout]
+
+    environments(free_port(port))  # bad input is refused before anything starts
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     progress_dir = tempfile.mkdtemp(prefix="spmdkit-launch-")
     try:
-        code, text = job.run(os.path.join(progress_dir, "progress.json"))
+        progress = os.path.join(progress_dir, "progress.json")
+        code, text = run_attempts(command, environments, platform, grace, port, max_restarts, progress)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -261,46 +263,35 @@ def launch_local(
     return code
 
 
-@dataclasses.dataclass
-class LocalJob:
-    """A local job as `launch_local` was asked for it (`port`: the one given, None: a free one per attempt)."""
-
-    command: Sequence[str]
-    processes: int
-    devices_per_process: int | None
-    platform: str
-    per_host: int | None
-    grace: float
-    port: int | None
-    max_restarts: int
-
-    def environments(self, port: int, attempt: int, progress: str = "") -> list[dict[str, str]]:
-        """Each process's environment in attempt `attempt` (0 first), the coordinator at `port`."""
-        extra = {ATTEMPT: str(attempt), **({PROGRESS_FILE: progress} if progress else {})}
-        layout = (self.processes, self.devices_per_process, port, self.platform, os.environ, self.per_host)
-        return [dict(env, **extra) for env in process_environments(*layout)]
-
-    def run(self, progress: str) -> tuple[int, str]:
-        """Run attempts until one succeeds, is interrupted, or fails and `SameStep` says no more restarts: (exit
-        status, the last line to print). Each attempt gets a fresh free port (the same one when one was given:
-        its previous holder is gone), and its processes `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE`."""
-        rule, attempt, port = SameStep(self.max_restarts), 0, free_port(self.port)
-        try:
-            while True:
-                what = f"{self.processes} process(es) at 127.0.0.1:{port} ({self.platform})"
-                environments = self.environments(port, attempt, progress)
-                code, failure, text = run_attempt(
-                    self.command, environments, self.grace, f"attempt {attempt + 1}: {what}" if attempt else what
-                )
-                if not failure:  # success, or Ctrl-C / SIGTERM: never restarted
-                    return code, f"spmdkit launch: {text}" if text else ""
-                if not self.max_restarts:
-                    return code, f"spmdkit launch: failed: {text}"
-                step = read_step(progress)
-                if not rule.failed(step):
-                    return code, rule.give_up_line(failure, step)
-                attempt += 1
-                print(rule.restart_line(failure, step, attempt), file=sys.stderr, flush=True)
-                port = self.port or free_port()
-        except KeyboardInterrupt:  # between attempts: the processes are stopped already
-            return 130, "spmdkit launch: interrupted between attempts"
+def run_attempts(
+    command: Sequence[str],
+    environments: Callable[[int, int, str], list[dict[str, str]]],
+    platform: str,
+    grace: float,
+    port: int | None,
+    max_restarts: int,
+    progress: str,
+) -> tuple[int, str]:
+    """Run attempts until one succeeds, is interrupted, or fails and `SameStep` says no more restarts: (exit
+    status, the last line to print). Each attempt gets a fresh free port (the same one when `port` was given: its
+    previous holder is gone), and its processes `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE` (`progress`)."""
+    rule, attempt, port_now = SameStep(max_restarts), 0, free_port(port)
+    try:
+        while True:
+            envs = environments(port_now, attempt, progress)
+            what = f"{len(envs)} process(es) at {envs[0][COORDINATOR]} ({platform})"
+            code, failure, text = run_attempt(
+                command, envs, grace, f"attempt {attempt + 1}: {what}" if attempt else what
+            )
+            if not failure:  # success, or Ctrl-C / SIGTERM: never restarted
+                return code, f"spmdkit launch: {text}" if text else ""
+            if not max_restarts:
+                return code, f"spmdkit launch: failed: {text}"
+            step = read_step(progress)
+            if not rule.failed(step):
+                return code, rule.give_up_line(failure, step)
+            attempt += 1
+            print(rule.restart_line(failure, step, attempt), file=sys.stderr, flush=True)
+            port_now = port or free_port()
+    except KeyboardInterrupt:  # between attempts: the processes are stopped already
+        return 130, "spmdkit launch: interrupted between attempts"
