@@ -186,6 +186,4 @@ def join(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
     return found
 
 
-def initialize_distributed(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
-    """`join` under its former name."""
-    return join(environ)
+initialize_distributed = join  # `join` under its former name

@@ -73,11 +73,6 @@ def cuda_plugin() -> str | None:
     return None
 
 
-def cuda_plugin_installed() -> bool:
-    """Is JAX's CUDA 12 or 13 PJRT plugin installed (checked without importing JAX)?"""
-    return cuda_plugin() is not None
-
-
 def start_jax() -> None:
     """Choose the CPU when no GPU is present (unless `JAX_PLATFORMS` says otherwise), then import JAX and register
     its plugins quietly where the CUDA plugin is installed without a driver. The backend itself is not started, so
@@ -85,7 +80,7 @@ def start_jax() -> None:
     if gpu_present():
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "jax" in sys.modules or not cuda_plugin_installed():
+    if "jax" in sys.modules or cuda_plugin() is None:
         return
     with quiet_stderr():
         import jax  # noqa: F401

@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 
 from spmdkit.errors import SpmdkitError
 
-COORDINATOR = (
-    "SPMDKIT_COORDINATOR"  # host:port of process 0, read by every process (spmdkit.distributed.initialize too)
-)
+# host:port of process 0, read by every process (spmdkit.distributed.initialize too)
+COORDINATOR = "SPMDKIT_COORDINATOR"
 CPUS_PER_GPU = 8  # --cpus-per-task's default: this many per GPU a task drives (64 for an 8-GPU node)
 
 NCCL_OPTIONS = """\

@@ -100,17 +100,12 @@ def compile_with_options(lowered: Any, options: dict[str, Any]) -> tuple[Any, li
             dropped.append(name)
 
 
-# Started in the child: XLA parses XLA_FLAGS when its first backend starts.
-_PROBE = "import jax; jax.devices('cpu')"
-
-
 def _start_xla(flags: list[str]) -> str | None:
     """Start this jaxlib's XLA in a child process on the CPU (a GPU is not touched) with `flags` as `XLA_FLAGS`:
     None when it starts, else what it printed."""
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    probe = "import jax; jax.devices('cpu')"  # XLA parses XLA_FLAGS when its first backend starts
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     return None if done.returncode == 0 else done.stderr
 
 

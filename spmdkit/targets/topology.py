@@ -15,7 +15,7 @@ import functools
 import re
 from importlib import resources
 
-from spmdkit.distributed.platform import cuda_plugin_installed
+from spmdkit.distributed.platform import cuda_plugin
 from spmdkit.errors import SpmdkitError
 
 TARGETS = ("h100", "h200", "a100", "b200")
@@ -47,7 +47,7 @@ def gpu_target(name: str) -> GpuTarget:
 
 def aot_installed() -> bool:
     """Is a CUDA PJRT plugin that compiles for GPU targets installed (the `gpu-aot` extra: CUDA 13; or CUDA 12)?"""
-    return cuda_plugin_installed()
+    return cuda_plugin() is not None
 
 
 def require_aot() -> None:
