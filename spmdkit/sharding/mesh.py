@@ -1,9 +1,7 @@
 """Named device meshes: `make_mesh` lays the six axes of a `MeshConfig` over the devices.
 
-Axis order, outermost to innermost: data, pipeline, fsdp, context, expert, tensor. The innermost axis gets
-adjacent devices (the same NVLink domain); the outermost spans nodes. Every axis is `AxisType.Auto`: the
-compiler propagates shardings from the annotations (`jax.make_mesh` would default to Explicit). Multi-node meshes
-are hybrid (in-node ICI x across-node DCN factors, see `spmdkit.sharding.mesh_config.split_ici_dcn`).
+Axis order, the `AxisType.Auto` axes and the hybrid (in-node ICI x across-node DCN) split of a multi-node mesh:
+`spmdkit.sharding.mesh_config`.
 
 The granules of a hybrid mesh are hosts (nodes), not processes: `--dcn data=2` means two nodes whether each runs
 one process (of all its GPUs) or one process per GPU. A process's host is `SPMDKIT_HOST` (what `spmdkit launch`
@@ -28,14 +26,7 @@ from spmdkit.sharding.mesh_config import AXES, MeshConfig, format_sizes, split_i
 __all__ = ["AXES", "MeshConfig", "describe_parallelism", "format_sizes", "make_mesh"]
 
 # How each axis reads in words, for `describe_parallelism`.
-_AXIS_WORDS = {
-    "data": "DP",
-    "pipeline": "PP",
-    "fsdp": "FSDP",
-    "context": "CP",
-    "expert": "EP",
-    "tensor": "TP",
-}
+_AXIS_WORDS = {"data": "DP", "pipeline": "PP", "fsdp": "FSDP", "context": "CP", "expert": "EP", "tensor": "TP"}
 JOIN = "spmdkit.distributed.join()"  # what a launched process calls first (spmdkit.distributed.initialize)
 # The process counts a launcher gives each process: spmdkit launch, srun, Open MPI (spmdkit.distributed reads them).
 _LAUNCHED = ("SPMDKIT_NUM_PROCESSES", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
@@ -77,19 +68,11 @@ def process_hosts() -> list[str]:
     return hosts
 
 
-def _launched_processes(environ: Mapping[str, str]) -> tuple[str, int]:
-    """(variable, count) of the launcher that started this process as one of several, else ('', 1)."""
-    for name in _LAUNCHED:
-        value = environ.get(name, "")
-        if value.isdigit() and int(value) > 1:
-            return name, int(value)
-    return "", 1
-
-
 def _not_joined(error: SpmdkitError | None) -> SpmdkitError | None:
     """The error for a launched process that did not join its job: always under `spmdkit launch`; under srun or
     Open MPI (whose variables a single process can inherit) only when the mesh does not fit."""
-    name, count = _launched_processes(os.environ)
+    launched = [(name, int(v)) for name in _LAUNCHED if (v := os.environ.get(name, "")).isdigit() and int(v) > 1]
+    name, count = launched[0] if launched else ("", 1)
     if count == 1 or jax.process_count() > 1 or (error is None and name != "SPMDKIT_NUM_PROCESSES"):
         return error
     return SpmdkitError(
