@@ -36,12 +36,9 @@ def _dims(hlo_type: str) -> list[int]:
 
 
 def _backend_config(rest: str) -> dict[str, Any]:
-    start = rest.find("backend_config=")
-    if start < 0:
-        return {}
-    text = rest[start + len("backend_config=") :]
+    _, found, text = rest.partition("backend_config=")
     try:
-        return json.JSONDecoder().raw_decode(text)[0]
+        return json.JSONDecoder().raw_decode(text)[0] if found else {}
     except ValueError:
         return {}
 

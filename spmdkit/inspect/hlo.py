@@ -116,12 +116,12 @@ class CollectiveReport:
 
     def table(self) -> str:
         """A text table: opcode, instructions, executions per step, bytes per step per device."""
-        rows = [f"{'collective':<20}{'instrs':>8}{'runs/step':>11}{'bytes/step/device':>20}"]
-        for op, t in self.by_opcode().items():
-            rows.append(f"{op:<20}{t['instructions']:>8}{t['executions']:>11}{t['operand_bytes']:>20,}")
-        if len(rows) == 1:
-            rows.append("(no collectives)")
-        return "\n".join(rows)
+        header = f"{'collective':<20}{'instrs':>8}{'runs/step':>11}{'bytes/step/device':>20}"
+        rows = [
+            f"{op:<20}{t['instructions']:>8}{t['executions']:>11}{t['operand_bytes']:>20,}"
+            for op, t in self.by_opcode().items()
+        ]
+        return "\n".join([header, *(rows or ["(no collectives)"])])
 
 
 def _tuple_parts(hlo_type: str) -> list[str]:
@@ -163,9 +163,8 @@ class _Module:
                 if not (m := _INSTR.match(line)):
                     continue
                 name, rtype, opcode, operands, attrs = m.groups()
-                ins = _Instr(
-                    name, rtype, opcode, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()], attrs or ""
-                )
+                names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+                ins = _Instr(name, rtype, opcode, names, attrs or "")
                 instrs.append(ins)
                 self.types[name] = rtype
                 for o in ins.operands:
@@ -290,27 +289,19 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
                 name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1,
                 asynchronous=ins.opcode.endswith("-start") and not made_sync, nothing_to_overlap=made_sync,
             )  # fmt: skip
-            if base == "all-reduce":
-                operand_types = [module.types.get(o, "") for o in ins.operands]
-                for scattered, rtype, otype in zip(
-                    module.scattered_parts(ins, group), _tuple_parts(ins.type), operand_types, strict=False
-                ):
-                    found.append(
-                        Collective(
-                            opcode="reduce-scatter" if scattered else "all-reduce",
-                            operand_bytes=type_bytes(otype),
-                            result_bytes=type_bytes(rtype) // (group if scattered else 1),
-                            form="all-reduce+dynamic-slice" if scattered else "",
-                            **common,
-                        )
+            operand_types = [module.types.get(o, "") for o in ins.operands]
+            if base == "all-reduce":  # one per tuple element: each may be a reduce-scatter in all-reduce form
+                parts = zip(module.scattered_parts(ins, group), _tuple_parts(ins.type), operand_types, strict=False)
+            else:  # one: every operand's bytes, the whole result's
+                parts = [(False, ins.type, " ".join(operand_types))]
+            for scattered, rtype, otype in parts:
+                found.append(
+                    Collective(
+                        opcode="reduce-scatter" if scattered else base,
+                        operand_bytes=type_bytes(otype),
+                        result_bytes=type_bytes(rtype) // (group if scattered else 1),
+                        form="all-reduce+dynamic-slice" if scattered else "",
+                        **common,
                     )
-                continue
-            found.append(
-                Collective(
-                    opcode=base,
-                    operand_bytes=sum(type_bytes(module.types.get(o, "")) for o in ins.operands),
-                    result_bytes=type_bytes(ins.type),
-                    **common,
                 )
-            )
     return CollectiveReport(found)

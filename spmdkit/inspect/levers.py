@@ -32,14 +32,11 @@ _FROM_MATMUL = re.compile(r'op_name="[^"]*dot_general[^"/]*"')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
 
-def _is_fp8(hlo_type: str) -> bool:
-    return hlo_type.split("[")[0].strip("(") in FP8_DTYPES
-
-
 def _has_fp8_dot(comp: str, module: _Module, depth: int = 0) -> bool:
     """Does computation `comp` (or a fusion nested in it) hold a `dot` with an FP8 operand?"""
     for ins in module.by_comp.get(comp, []):
-        if ins.opcode == "dot" and any(_is_fp8(module.types.get(o, "")) for o in ins.operands):
+        dtypes = {module.types.get(o, "").split("[")[0].strip("(") for o in ins.operands}
+        if ins.opcode == "dot" and not dtypes.isdisjoint(FP8_DTYPES):
             return True
         if ins.opcode == "fusion" and depth < 4 and (m := _CALLS.search(ins.attrs)):
             if _has_fp8_dot(m.group(1), module, depth + 1):
