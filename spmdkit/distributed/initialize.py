@@ -87,14 +87,6 @@ def _local_device_ids(env: Mapping[str, str], local_rank: int, tasks_on_node: in
     return None if cpu or one_gpu or tasks_on_node <= 1 else (local_rank,)
 
 
-def _slurm_coordinator(env: Mapping[str, str]) -> str:
-    """The first host of the step's (else the job's) node list, port SPMDKIT_COORDINATOR_PORT or from the job id."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    port = _int_var(env, "SPMDKIT_COORDINATOR_PORT", 20000 + _int_var(env, "SLURM_JOB_ID", 0) % 20000)
-    hosts = expand_nodelist(nodelist)
-    return f"{hosts[0]}:{port}" if hosts else ""
-
-
 def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
     """The multi-process set-up the environment describes, or None (a single process)."""
     env = os.environ if environ is None else environ
@@ -106,7 +98,11 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedE
         source, rank, local_rank = "slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_LOCALID", 0)
         count = _int_var(env, "SLURM_STEP_NUM_TASKS", _int_var(env, "SLURM_NTASKS", 1))
         per_node = count // max(_int_var(env, "SLURM_STEP_NUM_NODES", _int_var(env, "SLURM_NNODES", 1)), 1)
-        coordinator = coordinator or _slurm_coordinator(env)
+        if not coordinator:  # the step's (else the job's) first node, port SPMDKIT_COORDINATOR_PORT or the job id's
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            port = _int_var(env, "SPMDKIT_COORDINATOR_PORT", 20000 + _int_var(env, "SLURM_JOB_ID", 0) % 20000)
+            hosts = expand_nodelist(nodelist or "")
+            coordinator = f"{hosts[0]}:{port}" if hosts else ""
     elif "OMPI_COMM_WORLD_SIZE" in env:
         source, count, rank = "openmpi", _int_var(env, "OMPI_COMM_WORLD_SIZE"), _int_var(env, "OMPI_COMM_WORLD_RANK")
         local_rank = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
@@ -121,19 +117,6 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> DistributedE
             f"{COORDINATOR}=HOST:PORT (process 0's host, a free port) to every process"
         )
     return DistributedEnv(coordinator, count, rank, source, _local_device_ids(env, local_rank, per_node))
-
-
-def _cpu_device_count(env: Mapping[str, str]) -> int | None:
-    """SPMDKIT_CPU_DEVICES, checked against a count already forced through XLA_FLAGS (`--cpu-devices`)."""
-    if CPU_DEVICES not in env:
-        return None
-    count, forced = _int_var(env, CPU_DEVICES), FORCED_COUNT.search(env.get("XLA_FLAGS", ""))
-    if count < 1 or (forced and int(forced.group(1)) != count):
-        raise SpmdkitError(
-            f"mismatched device counts: {CPU_DEVICES}={count} (launch --devices-per-process) but --cpu-devices / "
-            f"XLA_FLAGS asks for {forced.group(1) if forced else count}: give the count once, to the launcher"
-        )
-    return count
 
 
 def wait_for_coordinator(address: str, timeout: float) -> None:
@@ -159,7 +142,15 @@ def join(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
     script, before JAX computes anything. Returns this process's place in the job; None: one process, nothing done.
     A launched process that skips it sees only its own devices, and `make_mesh` says to call it."""
     env = os.environ if environ is None else environ
-    cpu_devices, found = _cpu_device_count(env), detect_environment(env)
+    # SPMDKIT_CPU_DEVICES, checked against a count already forced through XLA_FLAGS (`--cpu-devices`)
+    cpu_devices = _int_var(env, CPU_DEVICES) if CPU_DEVICES in env else None
+    forced = FORCED_COUNT.search(env.get("XLA_FLAGS", ""))
+    if cpu_devices is not None and (cpu_devices < 1 or (forced and int(forced.group(1)) != cpu_devices)):
+        raise SpmdkitError(
+            f"mismatched device counts: {CPU_DEVICES}={cpu_devices} (launch --devices-per-process) but --cpu-devices "
+            f"/ XLA_FLAGS asks for {forced.group(1) if forced else cpu_devices}: give the count once, to the launcher"
+        )
+    found = detect_environment(env)
     import jax
 
     try:

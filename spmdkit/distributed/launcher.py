@@ -197,18 +197,10 @@ def run_attempt(command: Sequence[str], environments: Sequence[Mapping[str, str]
     pumps: list[threading.Thread] = []
     lock = threading.Lock()
     try:
-        preexec = die_with_parent()
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        owned = dict(start_new_session=True, preexec_fn=die_with_parent())
         for env in environments:  # every child before any thread starts: `preexec_fn` runs in a forked copy
-            children.append(
-                subprocess.Popen(
-                    list(command),
-                    env=dict(env),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                )  # fmt: skip
-            )
+            children.append(subprocess.Popen(list(command), env=dict(env), **pipes, **owned))
         for i, child in enumerate(children):
             for source, sink in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
                 pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
