@@ -7,13 +7,6 @@ The target configs (`configs/*.txtpb`, `stream_executor.GpuTargetConfigProto`) s
 plugin comes with the `gpu-aot` extra.
 """
 
-from spmdkit.targets.topology import (
-    TARGETS,
-    GpuTarget,
-    aot_installed,
-    gpu_target,
-    require_aot,
-    target_devices,
-)
+from spmdkit.targets.topology import TARGETS, GpuTarget, aot_installed, gpu_target, require_aot, target_devices
 
 __all__ = ["TARGETS", "GpuTarget", "aot_installed", "gpu_target", "require_aot", "target_devices"]

@@ -151,10 +151,6 @@ def add_xla_flags(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> tuple[str, ...]:
 
         from spmdkit.errors import SpmdkitWarning
 
-        warnings.warn(
-            f"this jaxlib's XLA does not parse {len(dropped)} of spmdkit's XLA:GPU flags, left out: "
-            f"{', '.join(dropped)}",
-            SpmdkitWarning,
-            stacklevel=2,
-        )
+        message = f"this jaxlib's XLA does not parse {len(dropped)} of spmdkit's XLA:GPU flags, left out: "
+        warnings.warn(message + ", ".join(dropped), SpmdkitWarning, stacklevel=2)
     return kept
