@@ -20,21 +20,13 @@ from __future__ import annotations
 
 from spmdkit._lazy import lazy_exports
 
-# public name -> the module that defines it
-_EXPORTS = {
-    "AXES": "spmdkit.sharding.mesh_config",
-    "MeshConfig": "spmdkit.sharding.mesh_config",
-    "describe_parallelism": "spmdkit.sharding.mesh",
-    "make_mesh": "spmdkit.sharding.mesh",
-    "PRESETS": "spmdkit.sharding.rules",
-    "Rules": "spmdkit.sharding.rules",
-    "make_rules": "spmdkit.sharding.rules",
-    "preset": "spmdkit.sharding.rules",
-    "constrain": "spmdkit.sharding.logical",
-    "logical_to_spec": "spmdkit.sharding.logical",
-    "use_rules": "spmdkit.sharding.logical",
-    "abstract_state": "spmdkit.sharding.partition",
-    "init_sharded": "spmdkit.sharding.partition",
-    "state_shardings": "spmdkit.sharding.partition",
+# the public names of each module
+_MODULES = {
+    "mesh_config": ("AXES", "MeshConfig"),
+    "mesh": ("describe_parallelism", "make_mesh"),
+    "rules": ("PRESETS", "Rules", "make_rules", "preset"),
+    "logical": ("constrain", "logical_to_spec", "use_rules"),
+    "partition": ("abstract_state", "init_sharded", "state_shardings"),
 }
+_EXPORTS = {name: f"spmdkit.sharding.{module}" for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

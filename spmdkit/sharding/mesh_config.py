@@ -41,11 +41,9 @@ class MeshConfig:
     @classmethod
     def parse(cls, text: str, dcn: str | None = None) -> MeshConfig:
         """`"data=2,fsdp=-1,tensor=2"` -> MeshConfig. Axes not named are 1; an empty string is `fsdp=-1`."""
-        sizes = _parse_sizes(text, what="--mesh")
-        if not sizes:
-            sizes = {"fsdp": -1}
-        full = {axis: sizes.get(axis, 1) for axis in AXES}
-        return cls(**full, dcn=tuple(_parse_sizes(dcn or "", what="--dcn").items()))
+        sizes = _parse_sizes(text, what="--mesh") or {"fsdp": -1}
+        factors = tuple(_parse_sizes(dcn or "", what="--dcn").items())
+        return cls(**{axis: sizes.get(axis, 1) for axis in AXES}, dcn=factors)
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
