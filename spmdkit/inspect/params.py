@@ -59,15 +59,10 @@ def parameter_table(state: Any, shardings: Any) -> str:
     """Text table of `parameter_rows`, with a total line (parameters and per-device bytes)."""
     rows = parameter_rows(state, shardings)
     header = ("parameter", "shape", "logical axes", "mesh spec", "per device")
+    shapes = ["x".join(map(str, r.shape)) or "scalar" for r in rows]
     body = [
-        (
-            r.path,
-            "x".join(map(str, r.shape)) or "scalar",
-            ",".join(str(n) for n in r.logical),
-            r.spec,
-            human_bytes(r.bytes_per_device),
-        )
-        for r in rows
+        (r.path, shape, ",".join(map(str, r.logical)), r.spec, human_bytes(r.bytes_per_device))
+        for r, shape in zip(rows, shapes, strict=True)
     ]
     count = sum(math.prod(r.shape) for r in rows)
     body.append(("total", f"{count:,} values", "", "", human_bytes(sum(r.bytes_per_device for r in rows))))

@@ -87,8 +87,7 @@ def _mesh_axes(name: object, axes: object, where: str) -> tuple[str, ...]:
     found = () if axes is None else (axes,) if isinstance(axes, str) else axes
     if not isinstance(found, (tuple, list)) or not all(isinstance(a, str) for a in found):
         raise SpmdkitError(f"{where}: logical axis {name!r} -> {axes!r}: give a mesh axis, a tuple of them, or None")
-    unknown = [a for a in found if a not in AXES]
-    if unknown:
+    if unknown := [a for a in found if a not in AXES]:
         raise SpmdkitError(
             f"{where}: logical axis {name!r} -> unknown mesh axis {unknown[0]!r}; mesh axes: {', '.join(AXES)}"
         )
