@@ -182,8 +182,7 @@ class _Module:
             if user.opcode == "dynamic-slice" and user.operands[0] == name:
                 if _elements(user.type) * group != elements:
                     return False
-            elif user.opcode == "fusion" and self._is_cast(user) and _elements(user.type) == elements:
-                # CPU all-reduces bf16 in float32 and converts back in a fusion of its own: follow it
+            elif self._is_cast(user) and _elements(user.type) == elements:  # a dtype change or a copy: follow it
                 if not self.only_sliced(user.name, elements, group, depth + 1):
                     return False
             elif user.opcode == "fusion" and (m := _CALLS.search(user.attrs)):
@@ -192,16 +191,16 @@ class _Module:
                         self.params.get((m.group(1), index), ""), elements, group, depth + 1
                     ):
                         return False
-            elif user.opcode in ("bitcast", "copy", "convert") and _elements(user.type) == elements:
-                if not self.only_sliced(user.name, elements, group, depth + 1):
-                    return False
             else:
                 return False
         return True
 
-    def _is_cast(self, fusion: _Instr) -> bool:
-        """A fusion that only converts / copies / bitcasts its one input (an elementwise dtype change)."""
-        m = _CALLS.search(fusion.attrs)
+    def _is_cast(self, ins: _Instr) -> bool:
+        """A convert, copy or bitcast, or a fusion of only those (an elementwise dtype change: CPU all-reduces bf16
+        in float32 and converts back in a fusion of its own)."""
+        if ins.opcode in ("bitcast", "copy", "convert"):
+            return True
+        m = _CALLS.search(ins.attrs) if ins.opcode == "fusion" else None
         body = self.by_comp.get(m.group(1), []) if m else []
         return bool(body) and all(i.opcode in ("parameter", "convert", "bitcast", "copy") for i in body)
 
