@@ -25,7 +25,7 @@ import pytest
 from flax.linen import fp8_ops
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import compile_in_parallel, run_spmdkit
+from support import compile_in_parallel, in_parallel, run_spmdkit
 
 from spmdkit.cli.train import add_run_flags, parse_flags
 from spmdkit.inspect import levers
@@ -119,20 +119,26 @@ def test_overlap_tp_puts_its_flags_in_xla_flags_on_a_gpu_host_only(monkeypatch, 
     assert set(flags[1:]) == ({*OVERLAP_TP_FLAGS} - {"--xla_gpu_use_memcpy_local_p2p=true"} if gpu else set())
 
 
+_OVERLAPPED: list = []
+
+
 @pytest.fixture(scope="module")
 def tp_report() -> dict:
-    """`spmdkit compile --json` of the small fsdp=4,tensor=2 step, without `--overlap-tp`."""
-    result = run_spmdkit("compile", *f"{SMALL} --mesh fsdp=4,tensor=2 --json".split())
+    """`spmdkit compile --json` of the small fsdp=4,tensor=2 step, without `--overlap-tp`; beside it (two at a time,
+    `in_parallel`) the same step with `--overlap-tp`'s flags compiled here, into `_OVERLAPPED`, the windowed-einsum
+    threshold lowered to 0 MiB so that every TP matmul qualifies."""
+    config = parse_flags(f"{SMALL} --mesh fsdp=4,tensor=2 --overlap-tp".split(), TrainConfig())
+    lowered = lower_train_step(build_program(config, target_devices("h100")))
+    forced = {**gpu_compiler_options(run_flags(config.mesh.overlap_tp)), "xla_gpu_threshold_for_windowed_einsum_mib": 0}
+    compile_json = functools.partial(run_spmdkit, "compile", *f"{SMALL} --mesh fsdp=4,tensor=2 --json".split())
+    result, overlapped = in_parallel([compile_json, functools.partial(compile_with_options, lowered, forced)])
+    _OVERLAPPED.append(overlapped)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
 
 def test_overlap_tp_flags_reach_the_compile_and_xla_emits_windowed_loops_deviceless(tp_report):
-    config = parse_flags(f"{SMALL} --mesh fsdp=4,tensor=2 --overlap-tp".split(), TrainConfig())
-    lowered = lower_train_step(build_program(config, target_devices("h100")))
-    # --overlap-tp's flags, the threshold lowered to 0 MiB so that every TP matmul qualifies
-    forced = {**gpu_compiler_options(run_flags(config.mesh.overlap_tp)), "xla_gpu_threshold_for_windowed_einsum_mib": 0}
-    overlapped, dropped = compile_with_options(lowered, forced)
+    overlapped, dropped = _OVERLAPPED[0]  # --overlap-tp's flags, every TP matmul windowed (the fixture compiled it)
     assert dropped == [] and len(OVERLAP_TP_FLAGS) == 3  # every windowed-einsum flag exists in this XLA
     found = windowed_einsums(overlapped)
     # each loop's hops (one per iteration, over tensor=2) are found inside its conditional, and counted
