@@ -47,9 +47,7 @@ def fresh_output(out: str | Path) -> Path:
 
 def check_creatable(out: Path) -> None:
     """SpmdkitError unless the directory `out` can be made: its nearest existing ancestor is a writable directory."""
-    existing = out.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = next(p for p in out.parents if p.exists())
     if not existing.is_dir():
         raise SpmdkitError(f"{out} lies under {existing}, which is a file: pass a new directory")
     if not os.access(existing, os.W_OK | os.X_OK):
