@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,9 +75,8 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     prompts = [*args.prompt, *(_read_prompt(name) for name in args.prompt_file)]
     if not prompts:
         raise SpmdkitError("no prompt given: pass --prompt TEXT or --prompt-file F")
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise SpmdkitError(f"prompt {i + 1} is empty: give it some text")
+    if "" in prompts:
+        raise SpmdkitError(f"prompt {prompts.index('') + 1} is empty: give it some text")
     return prompts
 
 
@@ -131,12 +129,10 @@ def main(argv: Sequence[str]) -> int:
     sampling = Sampling(_new_tokens(args, model, prompts), args.temperature, args.top_k, args.top_p, args.seed)
     stream = not args.json and len(prompts) == 1
     if stream:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
+        print(prompts[0], end="", flush=True)
 
     def show(row: int, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print(text, end="", flush=True)
 
     completions = model.generate(prompts, sampling, on_text=show if stream else None)
     for prompt, completion in zip(prompts, completions, strict=True):
