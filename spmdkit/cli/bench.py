@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 from spmdkit.cli import SUMMARIES
@@ -16,8 +15,9 @@ from spmdkit.train.step.preflight import check_writable
 HELP = SUMMARIES["bench"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The benchmark's flags (shared by `spmdkit bench` and `scripts/benchmark.py`)."""
+def parser() -> ArgumentParser:
+    """`spmdkit bench` (also run by `scripts/benchmark.py`; its handler is `main`)."""
+    parser = ArgumentParser(prog="spmdkit bench", description=sentence(HELP))
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (minutes on a laptop CPU)")
     parser.add_argument("--peer", action="store_true", help="the fixed peer configuration (fsdp=8, fsdp=4,tensor=2)")
     parser.add_argument("--out", default="results", metavar="DIR", help="results directory (default: results/)")
@@ -38,12 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def parser(prog: str = "spmdkit bench") -> ArgumentParser:
-    return add_arguments(ArgumentParser(prog=prog, description=sentence(HELP)))
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """One-line errors for values the benchmark cannot run with, before anything compiles or is written."""
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(list(argv))
+    # one-line errors for values the benchmark cannot run with, before anything compiles or is written
     for flag, value, least in (
         ("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch-size", args.batch_size, 1),
         ("--seq-len", args.seq_len, 1), ("--microbatches", args.microbatches, 1),
@@ -52,9 +49,4 @@ def check_args(args: argparse.Namespace) -> None:
             raise SpmdkitError(f"{flag} {value} must be at least {least}")
     check_writable(args.out, "--out")
     model_preset(args.model).replace(dtype=args.dtype)  # an unknown preset or dtype: its own one-line error
-
-
-def main(argv: Sequence[str]) -> int:
-    args = parser().parse_args(list(argv))
-    check_args(args)
     return run(args)
