@@ -59,19 +59,17 @@ def parser() -> ArgumentParser:
     return parser
 
 
-def _slurm(args: argparse.Namespace, command: Sequence[str]) -> int:
-    if args.processes is not None or args.processes_per_host is not None or args.nodes is None:
-        raise SpmdkitError("--slurm takes --nodes K, --gpus-per-node G and --process-per gpu|node, not --processes")
-    names = ("cpus_per_task", "env_setup", "job_name", "partition", "time", "account", "max_restarts")
-    script = sbatch_script(command, args.nodes, args.gpus_per_node, per=args.process_per, **flag_values(args, *names))
-    return submit_slurm(script, args.script, args.dry_run)
-
-
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
     command = args.launch_command[1:] if args.launch_command[:1] == ["--"] else args.launch_command
     if args.slurm:
-        return _slurm(args, command)
+        if args.processes is not None or args.processes_per_host is not None or args.nodes is None:
+            raise SpmdkitError("--slurm takes --nodes K, --gpus-per-node G and --process-per gpu|node, not --processes")
+        names = ("cpus_per_task", "env_setup", "job_name", "partition", "time", "account", "max_restarts")
+        script = sbatch_script(
+            command, args.nodes, args.gpus_per_node, per=args.process_per, **flag_values(args, *names)
+        )
+        return submit_slurm(script, args.script, args.dry_run)
     slurm_only = {"--nodes": args.nodes, "--dry-run": args.dry_run or None, "--cpus-per-task": args.cpus_per_task}
     slurm_only.update({"--env-setup": args.env_setup, "--process-per": "x" if args.process_per != "gpu" else None})
     if given := [flag for flag, value in slurm_only.items() if value is not None]:
