@@ -66,10 +66,10 @@ def sentence(text: str) -> str:
 
 class CommandGroup:
     """A command group (`spmdkit ckpt`): one subparser per subcommand, whose `handler` runs it (after
-    `--cpu-devices`, for the subcommands that take it)."""
+    `--cpu-devices`, for the subcommands that take it, and `quiet_absl` where `quiet`: those that load checkpoints)."""
 
-    def __init__(self, prog: str, summary: str, subcommands: Subcommands):
-        self.prog, self.summary, self.subcommands = prog, summary, subcommands
+    def __init__(self, prog: str, summary: str, subcommands: Subcommands, quiet: bool = False):
+        self.prog, self.summary, self.subcommands, self.quiet = prog, summary, subcommands, quiet
 
     def parser(self) -> ArgumentParser:
         """`PROG` with its subcommands."""
@@ -94,4 +94,6 @@ class CommandGroup:
     def main(self, argv: Sequence[str]) -> int:
         args = self.parse(argv)
         use_cpu_devices(getattr(args, "cpu_devices", None))
+        if self.quiet:
+            quiet_absl()
         return args.handler(args)

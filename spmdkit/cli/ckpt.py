@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from spmdkit.cli import SUMMARIES
-from spmdkit.cli.args import CommandGroup, Subcommands, add_cpu_devices, quiet_absl
+from spmdkit.cli.args import CommandGroup, Subcommands, add_cpu_devices
 
 HELP = SUMMARIES["ckpt"]
 
@@ -53,7 +53,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     from spmdkit.tools.ckpt_inspect import format_inspection, inspect_checkpoint
 
-    quiet_absl()
     info = inspect_checkpoint(args.directory, args.step)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0
@@ -62,7 +61,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from spmdkit.tools.ckpt_inspect import format_verification, verify_checkpoint
 
-    quiet_absl()
     report = verify_checkpoint(args.directory)
     print(format_verification(args.directory, report))
     return 0 if all(r["ok"] for r in report) else 1
@@ -71,7 +69,6 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_reshard(args: argparse.Namespace) -> int:
     from spmdkit.tools.convert import reshard_checkpoint
 
-    quiet_absl()
     step = reshard_checkpoint(args.directory, args.out, args.mesh, args.step)
     print(f"resharded step {step} of {args.directory} onto mesh {args.mesh} in {args.out}")
     return 0
@@ -80,7 +77,6 @@ def run_reshard(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from spmdkit.tools.hf_checkpoint import export_hf
 
-    quiet_absl()
     out, step = export_hf(args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force)
     print(f"wrote step {step} of {args.directory} as a Hugging Face model in {out}")
     return 0
@@ -89,7 +85,6 @@ def run_export(args: argparse.Namespace) -> int:
 def run_import_hf(args: argparse.Namespace) -> int:
     from spmdkit.tools.hf_checkpoint import import_hf
 
-    quiet_absl()
     model = import_hf(args.path, args.out, args.dtype, args.mesh)
     print(
         f"wrote checkpoint step 0 ({model.num_params():,} parameters, {model.param_dtype}) in {args.out}; "
@@ -107,5 +102,5 @@ SUBCOMMANDS: Subcommands = {
 }
 
 
-GROUP = CommandGroup("spmdkit ckpt", HELP, SUBCOMMANDS)
+GROUP = CommandGroup("spmdkit ckpt", HELP, SUBCOMMANDS, quiet=True)
 parser, subcommand_parser, parse, main = GROUP.parser, GROUP.subcommand_parser, GROUP.parse, GROUP.main
