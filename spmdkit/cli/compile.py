@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
-from spmdkit.targets.topology import TARGETS, require_aot
+from spmdkit.targets.topology import TARGETS, gpu_target, host_count, require_aot
 from spmdkit.train.config import TrainConfig, config_from_toml
 
 PROG = "spmdkit compile"
@@ -57,8 +57,6 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, object]:
 
 def main(argv: Sequence[str]) -> int:
     config, args = parse(argv)
-    from spmdkit.targets.topology import gpu_target, host_count
-
     gpu_target(args.target)  # the bad-input checks first, before JAX starts
     host_count(args.devices, args.devices_per_host)
     require_aot()
