@@ -85,3 +85,17 @@ def test_a_transformer_builds_and_runs_on_one_device_without_a_mesh():
     loss, _ = model.loss(x, tokens)
     assert x.shape == (2, 8, config.embed) and abs(float(loss) - float(jnp.log(config.vocab_size))) < 1.5
     assert model.embedding.out_sharding == ("vocab", "embed")
+
+
+def test_the_train_steps_old_names_import_from_the_package_which_stays_light():
+    """`spmdkit.train.step` was a module: its names import from the package for one release, lazily, so that the
+    package's JAX-free module (`preflight`, which `spmdkit bench` loads at start-up) still imports no JAX."""
+    import subprocess
+    import sys
+
+    from spmdkit.train.step import batch_shardings, loss_and_grads
+    from spmdkit.train.step import train_step as module
+
+    assert batch_shardings is module.batch_shardings and loss_and_grads is module.loss_and_grads
+    probe = "import sys, spmdkit.train.step.preflight; print('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"

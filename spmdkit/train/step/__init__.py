@@ -2,8 +2,20 @@
 `optimizer`, and the checks before a run writes anything (`preflight`).
 
 `spmdkit.train.step` was the train step's module until the train package split by concern; its names stay
-importable from here for one release (use `spmdkit.train.step.train_step`)."""
+importable from here for one release (use `spmdkit.train.step.train_step`), lazily: importing a module of this
+package (the JAX-free `preflight`) does not import JAX."""
 
-from spmdkit.train.step.train_step import Batch, StepFn, batch_shardings, make_eval_step, make_train_step
+from spmdkit._lazy import lazy_exports
 
-__all__ = ["Batch", "StepFn", "batch_shardings", "make_eval_step", "make_train_step"]
+_MOVED = (
+    "Batch",
+    "StepFn",
+    "batch_shardings",
+    "check_bad_steps",
+    "loss_and_grads",
+    "make_eval_step",
+    "make_train_step",
+    "objective",
+    "scored_tokens",
+)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, dict.fromkeys(_MOVED, "spmdkit.train.step.train_step"))
