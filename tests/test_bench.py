@@ -72,8 +72,10 @@ def test_attention_flag_picks_the_kernel_and_skips_meshes_that_cannot_run_it(row
     assert bench.kernel_for(SETUP, {"context": 4, "fsdp": 2}) == "ring"
     logs = []
     assert bench.benchmark(["cp"], dataclasses.replace(SETUP, attention="dot"), log=logs.append) == []
-    assert logs == ["skip cp: --attention dot cannot split the sequence over context=4: use ring (or auto), or drop "
-                    "context from the mesh"]  # fmt: skip
+    assert logs == [
+        "skip cp: --attention dot cannot split the sequence over context=4: the ring runs its own kernel; use "
+        "--attention auto, or --context-parallel ulysses (the kernel per device), or drop context"
+    ]
 
 
 def test_strategies_fit_only_their_device_count():

@@ -18,9 +18,14 @@ scores and softmax statistics in float32, and give the same numbers.
   rules, seq sharded over it in the zigzag layout (the data path permutes every per-token array of a batch once,
   `zigzag_batch`, and RoPE positions travel with their tokens; the token-mean loss does not depend on token order).
 
-`KERNEL_TABLE` maps each kind (dot, blockwise, cudnn, ring) to its kernel. `attend(q, k, v, kind, segment_ids,
-spec)` runs the kernel the model config names: `spmdkit.train.step.program.build_program` has resolved it for the
-run's devices (`spmdkit.models.attention_choice.choose_attention`). Nothing here reads the platform: a model
+- `ulysses_<kernel>`: Ulysses context parallelism (`spmdkit.parallel.context.ulysses`): all-to-alls over the
+  `context` axis turn the sequence split (natural order) into a head split, and `<kernel>` (dot, blockwise, or
+  cuDNN's fused kernel) attends the whole sequence per device.
+
+`KERNEL_TABLE` maps each kind (dot, blockwise, cudnn, ring, ulysses_*) to its kernel. `attend(q, k, v, kind,
+segment_ids, spec)` runs the kernel the model config names: `spmdkit.train.step.program.build_program` has
+resolved it for the run's devices (`spmdkit.models.attention_choice.choose_attention`). Nothing here reads the
+platform: a model
 traced with "auto" outside a program runs the choice the mesh in force alone makes (ring under a context axis,
 else blockwise), the same program on every platform.
 """
@@ -42,6 +47,8 @@ from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.blockwise_attention import blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.parallel.context.ring_attention import RingLayout, ring_attention
+from spmdkit.parallel.context.ulysses import UlyssesLayout, ulysses_attention
+from spmdkit.parallel.nested_region import nested_region
 from spmdkit.sharding.logical import active_rules
 
 __all__ = [
@@ -143,7 +150,8 @@ def cudnn_attention(
     first. The region spans all free axes, size-1 ones included: cuDNN's custom partitioner fails inside a
     `shard_map` that leaves some mesh axes automatic (`get_num_ways_dim_sharded` AssertionError in XLA:GPU's SPMD
     partitioner). Inside a partly manual region (pipeline stages, accumulation over replica axes) that region nests
-    in it (`_nested_cudnn`). `implementation="xla"` runs the same wrapper with JAX's XLA attention (CPU tests).
+    in it (`spmdkit.parallel.nested_region`). `implementation="xla"` runs the same wrapper with JAX's XLA attention
+    (CPU tests).
     `spec` as the module doc; cuDNN has no logit soft cap, so a spec's `softcap` > 0 raises SpmdkitError.
     """
     spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
@@ -174,59 +182,27 @@ def cudnn_attention(
         return kernel(q, k, v, segments[0] if segments else None)
 
     if manual:  # a partly manual region (pipeline stages, accumulation over replica axes): nested regions
-        return _nested_cudnn(local, specs, tokens, set(free), *args)
+        return nested_region(local, specs, tokens, set(free), *args)
     # check_vma=False: no collective runs inside, and the cuDNN custom call does not declare how it varies.
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=set(free), check_vma=False)(
         *args
     )
 
 
-def _varying(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes `x` varies over (its type's, JAX >= 0.11)."""
-    return jax.typeof(x).manual_axis_type.varying
+def _ulysses(local: Any) -> Any:
+    """The kernel that runs `local` per device under Ulysses over `context` (`spmdkit.parallel.context.ulysses`),
+    batch and head axes taken from the active rules; seq sharded over `context` in natural order."""
 
+    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None) -> jax.Array:
+        rules, mesh = active_rules()
+        batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
+        if k.shape[2] % math.prod(mesh.shape[a] for a in heads):  # kv heads < tensor: repeated to the query heads
+            group = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        layout = UlyssesLayout("context", batch, heads)
+        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local)
 
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """`x` typed as varying over the manual axes `like` varies over (a type cast: nothing moves)."""
-    missing = tuple(sorted(_varying(like) - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _nested_cudnn(local: Any, specs: tuple, out_spec: PartitionSpec, free: set[str], *args: jax.Array) -> jax.Array:
-    """`local(*args)` inside a partly manual region, manual over the `free` axes too: a `shard_map` nested over
-    the context's abstract mesh for the forward, and another for the backward, which takes the kernel's vjp per
-    device (JAX's transpose of a nested check_vma=False region drops the cotangents' varying axes and fails its
-    own check, `docs/jax-limits.md`); the backward recomputes the forward kernel for its statistics. Output and
-    cotangents are typed as varying over the manual axes the inputs vary over."""
-    nested = functools.partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names=free)
-    floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-
-    def local_backward(*inputs: jax.Array) -> tuple[jax.Array, ...]:
-        *primals, ct = inputs
-
-        def call(*diff: jax.Array) -> jax.Array:
-            full = list(primals)
-            for i, a in zip(floats, diff, strict=True):
-                full[i] = a
-            return local(*full)
-
-        return jax.vjp(call, *(primals[i] for i in floats))[1](ct)
-
-    @jax.custom_vjp
-    def typed(*inputs: jax.Array) -> jax.Array:
-        out = nested(local, in_specs=specs, out_specs=out_spec, check_vma=False)(*inputs)
-        return _varying_like(out, inputs[floats[0]])
-
-    def forward(*inputs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        return typed(*inputs), inputs
-
-    def backward(inputs: tuple[jax.Array, ...], ct: jax.Array) -> tuple[jax.Array | None, ...]:
-        region = nested(local_backward, in_specs=(*specs, out_spec), out_specs=tuple(specs[i] for i in floats))
-        grads = dict(zip(floats, region(*inputs, ct), strict=True))
-        return tuple(_varying_like(grads[i], a) if i in grads else None for i, a in enumerate(inputs))
-
-    typed.defvjp(forward, backward)
-    return typed(*args)
+    return kernel
 
 
 KERNEL_TABLE = {
@@ -234,6 +210,9 @@ KERNEL_TABLE = {
     "blockwise": blockwise_attention,
     "cudnn": cudnn_attention,
     "ring": context_attention,
+    "ulysses_dot": _ulysses(dot_attention),
+    "ulysses_blockwise": _ulysses(blockwise_attention),
+    "ulysses_cudnn": _ulysses(lambda q, k, v, seg, spec: _fused_local(q, k, v, seg, spec=spec, implementation="cudnn")),
 }
 
 

@@ -22,7 +22,7 @@ from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.remat import RematPolicy, parse_remat
 
 Remat = str  # a preset of `spmdkit.models.remat.PRESETS` or save:/offload: names (`parse_remat` checks it)
-Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring"]
+Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring", "ulysses_dot", "ulysses_blockwise", "ulysses_cudnn"]
 Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
@@ -59,8 +59,9 @@ class TransformerConfig:
     attention: Annotated[
         Attention,
         arg(
-            "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, else blockwise), dot (the "
-            "reference), blockwise (O(seq) memory), cudnn, ring (context parallelism)"
+            "attention kernel: auto (with context > 1 the --context-parallel algorithm, else cudnn on an NVIDIA GPU, "
+            "else blockwise), dot (the reference), blockwise (O(seq) memory), cudnn, ring (context parallelism); "
+            "ulysses_<kernel>: Ulysses context parallelism around that kernel"
         ),
     ] = "auto"
     attention_block: Annotated[int, arg("positions per query and key block of the blockwise attention kernel")] = 512

@@ -10,7 +10,8 @@ slots per sequence (n x capacity, `spmdkit.plan.layout`), the parameter inventor
 Memory per device at the step's peak (`spmdkit.plan.memory`: the formulas, checked against XLA:GPU's buffer
 assignment); each parameter tensor divided by the mesh axes its logical names map to, as
 `spmdkit.sharding.rules.make_rules` maps them: heads/kv_heads/mlp/vocab -> tensor, layers -> pipeline,
-embed -> fsdp for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gradients at ZeRO >= 2.
+embed -> (fsdp, context) for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gradients at ZeRO >= 2
+(the state axes: "over fsdp" below means over fsdp x context).
   Persistent: parameters p N/shards, AdamW moments 2 p N/shards, the residuals (tokens in flight x bytes kept
   per token and layer under the remat policy, `activation_bytes`), without remat the layers' compute-dtype casts.
   Transient, the largest phase: the forward (attention scratch, gathered layers), the loss (gradients, the LM
@@ -67,8 +68,8 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
-from spmdkit.plan.layout import Layout, Sharded, check_layout
-from spmdkit.plan.memory import attention_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
+from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
+from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
 from spmdkit.plan.remat_cost import REMAT_ORDER as REMAT_ORDER  # re-exported: the search's order
 from spmdkit.plan.remat_cost import forward_sums, host_kept_bytes, named_recompute_flops
 from spmdkit.sharding.strategy import Strategy, mesh_text
@@ -142,8 +143,9 @@ class Collective:
     overlapped: bool  # gradient/parameter traffic hides behind compute; activation traffic does not
 
 
-def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
-    """The step's collectives (formulas in the module docstring); `reassociate`: XLA's GPU/TPU passes run."""
+def collectives(s: Layout, reassociate: bool = True, kernel: str = "ring") -> list[Collective]:
+    """The step's collectives (formulas in the module docstring); `reassociate`: XLA's GPU/TPU passes run;
+    `kernel`: the attention kernel (`layout_kernel`), which says how a context axis exchanges K/V."""
     m, a, E, T, P, M = s.model, s.a, s.model.embed, s["tensor"], s["pipeline"], s.microbatches
     act, out = s.tokens * E * a, []
 
@@ -169,8 +171,14 @@ def collectives(s: Layout, reassociate: bool = True) -> list[Collective]:
             add("all-reduce", ("tensor",), (forward + ends + reassociate * backward) * act, overlapped=False)
         # + the CPU backward, and the vocab-parallel cross-entropy's max, sum and target logit ([t] float32 each)
         add("all-reduce", ("tensor",), (not reassociate) * backward * act + 3 * s.tokens * 4, overlapped=False)
-    if s["context"] > 1:  # ring attention: K/V forward (again under full remat) and backward, f32 dK/dV home
-        C, kv_heads = s["context"], m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
+    C, kv_heads = s["context"], m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
+    if C > 1 and kernel.startswith("ulysses"):  # q, k, v and out, forward (again under full remat) and backward
+        kv_heads = m.kv_heads // T if m.kv_heads % T == 0 else m.heads // T  # else repeated to the query heads
+        kv_heads *= C // math.gcd(kv_heads, C)  # each device's kv heads repeated until C devices split them
+        passes = 3 if m.remat_policy.full else 2
+        per_layer = s.tokens * m.head_dim * a * (2 * m.heads / T + 2 * kv_heads)
+        add("all-to-all", ("context",), passes * s.stage_layers * per_layer, overlapped=False)
+    elif C > 1:  # ring attention: K/V forward (again under full remat) and backward, f32 dK/dV home
         hops = (C - 1) * a * (3 if m.remat_policy.full else 2) + C * 4
         add("collective-permute", ("context",), s.stage_layers * s.tokens * 2 * m.head_dim * kv_heads * hops)
     if P > 1:
@@ -191,19 +199,21 @@ def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> N
     # by one psum over them all (the transpose of the shard_map's pcast), sliced to the fsdp shard after.
     routed = p.routed and s.expert_shard_map
     expert = () if routed else ("expert",)
-    if routed and "fsdp" in p.grads and s["data"] * s["context"] > 1:
+    split = state_axes(p.grads)  # fsdp, context: the gradient's shard
+    if routed and split and s["data"] * s["context"] > 1:
         add("all-reduce", ("data", "fsdp", "context"), full)
-    elif "fsdp" in p.grads:
-        add("reduce-scatter", ("fsdp",), full)
-        add("all-reduce", ("data", *expert, "context"), full / s["fsdp"])
+    elif split:
+        add("reduce-scatter", split, full)
+        rest = ("data", *expert, *(() if "context" in split else ("context",)))
+        add("all-reduce", rest, full / math.prod(s[x] for x in split))
     else:  # replicated gradients; norm scales under SP (and q/k norms: over heads) also sum on `tensor`
         norm_sp = ("tensor",) if p.name.endswith("norm") and (s.sequence_parallel or "attention." in p.name) else ()
         add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
     if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
         add("all-reduce", ("pipeline",), s.local(p, "grads"))
-    if "fsdp" in p.optimizer and s.zero < 3:
-        add("all-gather", ("fsdp",), s.local(p, "optimizer"))  # the updated parameters, once per step
-    elif "fsdp" in p.params:
+    if state_axes(p.optimizer) and s.zero < 3:
+        add("all-gather", state_axes(p.optimizer), s.local(p, "optimizer"))  # the updated parameters, once per step
+    elif state_axes(p.params):
         # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
         # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
         # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
@@ -211,7 +221,7 @@ def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> N
         if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
             gathers, nbytes = 2, (a / 4 + 1) / 2
         gathers = 1 if p.routed and s.expert_shard_map and not m.remat_policy.recomputes else gathers
-        add("all-gather", ("fsdp",), M * gathers * nbytes * s.local(p, "params"))
+        add("all-gather", state_axes(p.params), M * gathers * nbytes * s.local(p, "params"))
 
 
 def estimate(
@@ -251,7 +261,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     by_opcode: dict[str, float] = {}
     traffic: dict[str, dict[str, float | str]] = {}
     hidden = blocking = 0.0
-    for c in collectives(s, reassociate=dev.backend != "cpu"):
+    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability)
+    for c in collectives(s, reassociate=dev.backend != "cpu", kernel=kernel):
         by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.operand_bytes
         n, link = math.prod(sizes[x] for x in c.axes), "nvlink" if set(c.axes) <= local else "infiniband"
         wire = wire_bytes(c.opcode, n, c.operand_bytes)
@@ -270,7 +281,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    kernel = attention_kernel(m, sizes["context"], planner_platform(dev), dev.compute_capability)
+    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability).removeprefix("ulysses_")
     if kernel != "dot":
         extra += attention_forward / 2
     if kernel == "cudnn" and manual_region(s):  # its backward there recomputes the forward kernel (attention.py)

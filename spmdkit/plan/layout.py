@@ -113,8 +113,8 @@ def parameters(m: TransformerConfig) -> list[Param]:
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
-    `divisor[kind]`: (the product of those axes, the same without fsdp). `routed`: an expert weight (it has the
-    `experts` dim and runs inside the expert shard_map)."""
+    `divisor[kind]`: (the product of those axes, the same without the state axes fsdp and context). `routed`: an
+    expert weight (it has the `experts` dim and runs inside the expert shard_map)."""
 
     name: str
     nbytes: int
@@ -132,6 +132,14 @@ class Sharded:
     def stack(self) -> str | None:
         """The stack ("blocks" or "moe_blocks") of a block parameter, None for embedding, final norm and head."""
         return self.name.split(".")[0] if self.stacked else None
+
+
+STATE_AXES = ("fsdp", "context")  # what ZeRO shards the state over (`embed`'s rule)
+
+
+def state_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The state axes among a parameter's `axes` (its value's, optimizer's or gradient's): what gathers it."""
+    return tuple(x for x in STATE_AXES if x in axes)
 
 
 @functools.cache
@@ -161,7 +169,8 @@ def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) 
                     )
                 axes[kind] += dim_axes
         divisor = {
-            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x != "fsdp")) for k, v in axes.items()
+            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x not in STATE_AXES))
+            for k, v in axes.items()
         }
         kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
         out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names))
@@ -199,7 +208,8 @@ class Layout(Strategy):
         return self.sizes[axis]
 
     def local(self, p: Sharded, kind: str, gathered: bool = False) -> float:
-        """Bytes of `p` (value, optimizer moment or gradient) on a device; `gathered`: as if not split over fsdp."""
+        """Bytes of `p` (value, optimizer moment or gradient) on a device; `gathered`: as if not split over the
+        state axes (fsdp, context)."""
         return p.nbytes / p.divisor[kind][gathered]
 
     @functools.cached_property

@@ -74,13 +74,29 @@ def manual_region(s: Layout) -> bool:
     return s["pipeline"] > 1 or (s.microbatches > 1 and replicas and not s.model.moe_layers)
 
 
-def attention_kernel(m: TransformerConfig, C: int, platform: str | None, capability: int = 0) -> str:
+def attention_kernel(
+    m: TransformerConfig, C: int, platform: str | None, capability: int = 0, context_parallel: str = "auto", T: int = 1
+) -> str:
     """The attention kernel the run would use (`spmdkit.models.attention_choice.choose_attention`). `capability`:
-    the GPU's major compute capability (0: unknown, the limits every GPU runs)."""
+    the GPU's major compute capability (0: unknown, the limits every GPU runs); `context_parallel`: the algorithm
+    over a context axis C > 1; T: the tensor axis (Ulysses splits the heads over T x C)."""
     return choose_attention(
         m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim,
-        softcap=m.attention_softcap, compute_capability=capability,
+        softcap=m.attention_softcap, compute_capability=capability, context_parallel=context_parallel,
+        head_split=0 if m.heads % (T * C) else m.heads // (T * C),
     )  # fmt: skip
+
+
+def layout_kernel(s: Layout, platform: str | None, capability: int = 0) -> str:
+    """`attention_kernel` of a layout."""
+    return attention_kernel(s.model, s["context"], platform, capability, s.context_parallel, s["tensor"])
+
+
+def local_kernel(kernel: str) -> str:
+    """The kernel each device runs on its tokens: Ulysses' per-device kernel runs the whole sequence for
+    heads / (T x C) heads and C times the sequences, so per token it keeps and computes what that kernel does
+    without context parallelism (its formulas below apply unchanged)."""
+    return kernel.removeprefix("ulysses_")
 
 
 def kernel_scores(m: TransformerConfig, kernel: str, T: int, C: int, seq: int) -> float:
@@ -103,13 +119,14 @@ def _block_plan(m: TransformerConfig, seq: int, window: int) -> BlockPlan:
 
 
 def activation_bytes(
-    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None, capability: int = 0
-) -> tuple[float, float]:
+    m: TransformerConfig, T: int, sp: bool, C: int, seq: int, platform: str | None = None, capability: int = 0,
+    context_parallel: str = "auto",
+) -> tuple[float, float]:  # fmt: skip
     """(bytes kept per token per layer under `m.remat`, bytes per token of one layer's recompute); module doc."""
     a, E, H, d, F = DTYPE_BYTES[m.dtype], m.embed, m.heads / T, m.head_dim, m.mlp / T
     K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
     s = 1 / T if sp else 1
-    kernel = attention_kernel(m, C, platform, capability)
+    kernel = local_kernel(attention_kernel(m, C, platform, capability, context_parallel, T))
     statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
     none = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + MLP_KEPT * a * F
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
@@ -179,11 +196,11 @@ def _kept(s: Layout, platform: str | None, capability: int) -> tuple[float, floa
     """(kept bytes per token and layer, one layer's recompute per token, the attention kernel), MoE included."""
     m, T = s.model, s["tensor"]
     sp, C = s.sequence_parallel, s["context"]
-    kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, capability)
+    kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, capability, s.context_parallel)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
         moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
         kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
-    return kept, recompute, attention_kernel(m, C, platform, capability)
+    return kept, recompute, local_kernel(layout_kernel(s, platform, capability))
 
 
 def _residuals(s: Layout, kept: float) -> float:
@@ -203,7 +220,7 @@ def _residuals(s: Layout, kept: float) -> float:
 def _relayouts(s: Layout) -> float:
     """Under ZeRO-3 over fsdp XLA:GPU keeps a relaid-out (layers inward) float32 copy of the stacked shards of one
     MLP input projection and of the query projection, the operands of its per-layer all-gathers."""
-    if s.zero < 3 or s["fsdp"] == 1:
+    if s.zero < 3 or s["fsdp"] * s["context"] == 1:
         return 0.0
     return sum(s.local(p, "params") for p in s.params if p.name in ("blocks.mlp.gate", "blocks.attention.q"))
 
@@ -252,7 +269,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     (module docstring); `platform` decides what attention "auto" runs (None: an O(seq) kernel)."""
     m, a, E, T = s.model, s.a, s.model.embed, s["tensor"]
     kept, recompute, kernel = _kept(s, platform, capability)
-    mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] > 1
+    mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] * s["context"] > 1
     stacked = sum(s.local(p, "params") for p in s.params if p.stacked)
     persistent = {
         "parameters": sum(s.local(p, "params") for p in s.params),
@@ -268,7 +285,9 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     if m.remat_policy.kind == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice
         forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
     grads, loss = _gradients(s), _loss_phase(s)
-    split = s["fsdp"] > 1 and s.zero >= 2 and not manual_region(s)  # a layer's gradient before its reduce-scatter
+    split = (
+        s["fsdp"] * s["context"] > 1 and s.zero >= 2 and not manual_region(s)
+    )  # a layer's gradient before its reduce-scatter
     phases = [
         {"comm_buffers": layers + tp, "activations": scratch + forward},  # forward: no gradients yet
         {**loss, "gradients": grads + loss["gradients"]},

@@ -9,11 +9,11 @@ and `heads, kv_heads, mlp, vocab` as for the weights.
 
 | strategy | what the rules say |
 |---|---|
-| DP, HSDP, FSDP | `batch -> (data, fsdp, expert)`; ZeRO-3 also `embed -> fsdp` for parameters |
-| ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> fsdp` |
+| DP, HSDP, FSDP | `batch -> (data, fsdp, expert)`; ZeRO-3 also `embed -> (fsdp, context)` for parameters |
+| ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> (fsdp, context)` |
 | TP | `heads, kv_heads, mlp, vocab -> tensor` |
 | SP | as TP, plus `act_seq -> tensor` |
-| CP | `seq, act_seq -> context` |
+| CP | `seq, act_seq -> context`; the state is sharded over `context` with `fsdp` (ZeRO over both) |
 | EP | `experts -> expert` (expert weights); tokens are split over `expert` like any batch axis |
 | PP | `layers -> pipeline` |
 
@@ -146,7 +146,9 @@ def make_rules(
         "layers": ("pipeline",),
         "norm": (),
     }
-    sharded_embed = {**common, "embed": ("fsdp",), **own}
+    # The state is sharded over context too: its devices hold different tokens (they reduce gradients like fsdp's),
+    # so a context-heavy mesh holds what an FSDP mesh of the same size holds (MaxText's ZeRO over both).
+    sharded_embed = {**common, "embed": ("fsdp", "context"), **own}
     replicated_embed = {**common, "embed": (), **own}
     return Rules(
         params=sharded_embed if zero_stage == 3 else replicated_embed,

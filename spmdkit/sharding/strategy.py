@@ -19,7 +19,8 @@ class Strategy:
     """The mesh (axis sizes, "data=2,fsdp=-1": -1 takes the remaining devices), the ZeRO stage over fsdp, sequence
     parallelism over tensor, the microbatches of a step (gradient accumulation, or a pipeline's microbatches when
     pipeline > 1; None: 1, or the planner's and the trainer's default for a pipeline), the pipeline schedule and its
-    virtual stages, and the optimizer state kept in host memory between steps."""
+    virtual stages, the optimizer state kept in host memory between steps, and the algorithm over a context axis
+    ("auto", "ring", "ulysses": `spmdkit.models.attention_choice`)."""
 
     mesh: str = "fsdp=-1"
     zero: int = 3
@@ -28,6 +29,7 @@ class Strategy:
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     offload: bool = False
+    context_parallel: str = "auto"
 
     def flags(self) -> str:
         """The `spmdkit train` flags of this strategy: the mesh, the ZeRO stage, and what differs from the defaults
@@ -38,6 +40,7 @@ class Strategy:
             out.append(f"{'--microbatches' if pipelined else '--grad-accum'} {self.microbatches}")
         out += [f"--pipeline-schedule {self.schedule}"] * (self.schedule != "1f1b")
         out += [f"--virtual-stages {self.virtual_stages}"] * (self.virtual_stages != 1)
+        out += [f"--context-parallel {self.context_parallel}"] * (self.context_parallel != "auto")
         return " ".join(out + ["--optimizer.offload"] * self.offload)
 
 

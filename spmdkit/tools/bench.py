@@ -110,7 +110,8 @@ class Setup:
 
 
 def _batches(setup: Setup, context: int, count: int) -> list[dict]:
-    """`count` synthetic batches (uniform tokens, `spmdkit.data.sources.SyntheticSource`), zigzagged for CP."""
+    """`count` synthetic batches (uniform tokens, `spmdkit.data.sources.SyntheticSource`), zigzagged over `context`
+    for ring attention (1: natural order)."""
     out = []
     for k in range(count):
         src = SyntheticSource(setup.batch_size, setup.seq_len, setup.model.vocab_size, seed=0, stream=k)
@@ -134,7 +135,7 @@ def build(name: str, setup: Setup) -> dict[str, Any]:
     state = create_train_state(model, tx, mesh, rules)
     step = make_train_step(state, mesh, rules, pipeline=schedule)
     shardings = batch_shardings(mesh, rules)
-    host = _batches(setup, context, min(2, setup.steps + setup.warmup))
+    host = _batches(setup, context if model.attention == "ring" else 1, min(2, setup.steps + setup.warmup))
     batches = [{k: jax.device_put(v, shardings[k]) for k, v in b.items()} for b in host]
     return {"mesh": mesh, "rules": rules, "state": state, "step": step, "batches": batches, "model": model}
 

@@ -47,12 +47,16 @@ def attention_in_hlo(text: str, context: int = 1) -> str:
     """The attention kernel the compiled program holds, read from its instructions and their source names:
     `cudnn` (cuDNN's fused-attention custom calls), `ring` (the block kernel's score einsum and K/V hopping by
     collective-permute), `blockwise` (the block kernel's score einsum, `spmdkit.kernels.attention_block`) or `dot`
-    (the reference's full score einsum); `none` when none is there."""
+    (the reference's full score einsum), prefixed `ulysses_` where all-to-alls of Ulysses' scope exchange the
+    sequence for heads; `none` when none is there."""
+    ulysses = (
+        "ulysses_" if context > 1 and any("all-to-all" in x and "/ulysses/" in x for x in text.splitlines()) else ""
+    )
     if "__cudnn$fmha" in text:
-        return "cudnn"
+        return ulysses + "cudnn"
     if BLOCK_SCORES in text:
-        return "ring" if context > 1 and "collective-permute" in text else "blockwise"
-    return "dot" if DOT_SCORES in text or CACHE_SCORES in text else "none"
+        return "ring" if context > 1 and not ulysses and "collective-permute" in text else ulysses + "blockwise"
+    return ulysses + "dot" if DOT_SCORES in text or CACHE_SCORES in text else "none"
 
 
 def attention_windows(text: str) -> dict[int, int]:

@@ -109,8 +109,9 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
          "fresh (ignored once the run has checkpoints: they resume it)", "--init-from"),
         ("dtype", Dtype, "bfloat16", "compute dtype (parameters stay float32)", "--dtype"),
         ("remat", Remat, "none", REMAT_HELP, "--remat"),
-        ("attention", Attention, "auto", "attention kernel: auto (ring when context > 1, else cudnn on an NVIDIA GPU, "
-         "else blockwise), dot, blockwise, cudnn or ring", "--attention"),
+        ("attention", Attention, "auto", "attention kernel: auto (with context > 1 the --context-parallel algorithm, "
+         "else cudnn on an NVIDIA GPU, else blockwise), dot, blockwise, cudnn or ring (under Ulysses: the kernel per "
+         "device)", "--attention"),
     ]  # fmt: skip
     flags = {"dispatch": ("--moe-dispatch",), "capacity_factor": ("--capacity-factor",)}
     hints, docs = typing.get_type_hints(TransformerConfig), field_docs(TransformerConfig)
@@ -176,6 +177,15 @@ class MeshSettings:
             "--overlap-tp",
         ),
     ] = False
+    context_parallel: Annotated[
+        Literal["auto", "ring", "ulysses"],
+        arg(
+            "the algorithm over a context axis > 1: ring (K/V travel a zigzag ring), ulysses (all-to-alls to a head "
+            "split, any kernel per device), auto (ulysses around cuDNN on an NVIDIA GPU where the heads split, else "
+            "ring)",
+            "--context-parallel",
+        ),
+    ] = "auto"
     pipeline_schedule: Annotated[Schedule, arg("pipeline schedule", "--pipeline-schedule")] = "1f1b"
     microbatches: Annotated[
         int | None,

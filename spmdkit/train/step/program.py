@@ -113,7 +113,8 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
     settings, run = config.mesh, config.run
     return Layout(
         mesh_text(mesh.shape), settings.zero, settings.sequence_parallel, microbatches(config, mesh),
-        settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, model=model,
+        settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, settings.context_parallel,
+        model=model,
         batch_size=run.batch_size, seq_len=run.seq_len,
     )  # fmt: skip
 
@@ -148,9 +149,11 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     planned = layout(config, mesh, model)
     check_layout(planned)
     device = mesh.devices.flat[0]
+    split = mesh.shape["tensor"] * mesh.shape["context"]
     kernel = choose_attention(
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
         head_dim=model.head_dim, compute_capability=compute_capability(device), softcap=model.attention_softcap,
+        context_parallel=config.mesh.context_parallel, head_split=0 if model.heads % split else model.heads // split,
     )  # fmt: skip
     settings, run = config.mesh, config.run
     pipeline = None

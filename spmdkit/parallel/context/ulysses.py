@@ -1,0 +1,150 @@
+"""Ulysses context parallelism: all-to-alls trade the sequence split for a head split, any local kernel attends.
+
+Shapes (global): q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], out like q; seq is
+sharded over the context axis (C devices) in natural order, batch over `batch_axes`, heads over `heads_axes` (T
+devices). Per device (DeepSpeed-Ulysses, arXiv:2309.14509):
+
+    q, k, v  [b, s/C, h/T, d]  --all-to-all over context (split heads, gather seq)-->  [b, s, h/(T C), d]
+    out      [b, s, h/(T C), d] = local(q, k, v)       (any kernel on the whole sequence: cuDNN on a GPU)
+    out      [b, s, h/(T C), d]  --all-to-all back (split seq, gather heads)-->        [b, s/C, h/T, d]
+
+Each device sends (C-1)/C of q, k, v and out per layer forward, a constant as C grows (the ring sends (C-1)/C of
+K/V per layer too, but its bytes are the whole sequence's K/V); the backward is JAX's transpose of the same
+all-to-alls. The local kernel sees the sequence whole and in order, so causal masks, windows, soft caps and packed
+documents (the segment ids are all-gathered over context) are its own; no load balancing is needed (every device
+attends all positions of its heads).
+
+GQA: after the exchange every device needs the kv heads of its query heads. With kv_heads/T not divisible by C,
+each device repeats its kv heads r = C / gcd(kv_heads/T, C) times before the exchange (r divides the group
+heads/kv_heads because heads/T is divisible by C), the repeat's transpose summing their gradients. Requires heads
+divisible by T x C (else the ring: `--context-parallel ring`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.kernels.attention_block import check_qkv
+from spmdkit.kernels.attention_spec import AttentionSpec
+from spmdkit.kernels.blockwise_attention import blockwise_attention
+from spmdkit.parallel.nested_region import nested_region
+
+# kernel(q, k, v, segment_ids, spec) on one device's arrays: q [b, s, h, d], k and v [b, s, kv, d] (the whole
+# sequence), segment ids [b, s] or None.
+LocalKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, AttentionSpec], jax.Array]
+
+__all__ = ["UlyssesLayout", "kv_repeat", "ulysses_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesLayout:
+    """Which mesh axes Ulysses splits: the sequence over `axis_name` (natural order), batch over `batch_axes`, heads
+    and kv heads over `heads_axes` (major to minor). Axes absent from the mesh, of size 1 or already manual are
+    dropped."""
+
+    axis_name: str = "context"
+    batch_axes: tuple[str, ...] = ("data", "fsdp")
+    heads_axes: tuple[str, ...] = ("tensor",)
+
+
+def kv_repeat(kv_heads: int, heads: int, degree: int) -> int:
+    """How many times each device repeats its `kv_heads` so that `degree` devices split them: C / gcd(kv, C),
+    1 when they split already. `heads`: the device's query heads (divisible by `degree`)."""
+    repeat = degree // math.gcd(kv_heads, degree)
+    if heads % degree or (heads // kv_heads) % repeat:  # heads % degree == 0 implies the second; kept as a guard
+        raise SpmdkitError(f"Ulysses: {heads} heads per device do not split over context={degree}")
+    return repeat
+
+
+def _local_program(
+    q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None, *, axis: str, repeat: int,
+    local: LocalKernel, spec: AttentionSpec,
+) -> jax.Array:  # fmt: skip
+    """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back."""
+    if repeat > 1:
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    to_heads = functools.partial(lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    if seg is not None:
+        seg = lax.all_gather(seg, axis, axis=1, tiled=True)
+    out = local(q, k, v, seg, spec)
+    return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _split(mesh: Mesh, axes: tuple[str, ...], manual: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in manual)
+
+
+def _check(q: jax.Array, k: jax.Array, mesh: Mesh, batch: tuple[str, ...], heads: tuple[str, ...], axis: str) -> None:
+    """One SpmdkitError line unless seq splits over the context axis, batch over its axes, heads over heads x
+    context and kv heads over the heads axes."""
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    C, T = mesh.shape[axis], size(heads)
+    if q.shape[1] % C:
+        raise SpmdkitError(f"Ulysses: seq={q.shape[1]} is not divisible by context={C}: change --seq-len")
+    if q.shape[0] % size(batch):
+        raise SpmdkitError(f"Ulysses: batch={q.shape[0]} does not split over mesh axes {batch}: change the batch")
+    if q.shape[2] % (T * C):
+        raise SpmdkitError(
+            f"Ulysses: heads={q.shape[2]} are not divisible by tensor x context = {T * C}: use --context-parallel "
+            "ring, or a smaller context axis"
+        )
+    if k.shape[2] % T:
+        raise SpmdkitError(f"Ulysses: kv_heads={k.shape[2]} do not split over {heads} ({T}): repeat them first")
+
+
+def ulysses_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    *,
+    mesh: Mesh,
+    layout: UlyssesLayout = UlyssesLayout(),
+    local: LocalKernel = blockwise_attention,
+) -> jax.Array:
+    """Attention with the sequence sharded over `layout.axis_name`, by two all-to-alls around `local`.
+
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] (GQA: heads a multiple of kv_heads);
+    segment_ids int32 [batch, seq] or None (0 padding, 1, 2, ...: packed documents); `spec` as every kernel's
+    (`AttentionSpec`; None: causal). Sharding: seq over the context axis in natural order (not zigzag), batch over
+    `layout.batch_axes`, heads and kv heads over `layout.heads_axes`. Returns [batch, seq, heads, head_dim] in q's
+    dtype and layout. `local` runs per device on the whole sequence and heads / (T x C) heads (default: the
+    blockwise kernel). The region is manual over every mesh axis not already manual, so a fused kernel (cuDNN)
+    inside it is per device; inside a partly manual region it nests there (`spmdkit.parallel.nested_region`).
+    Gradients: JAX's transpose of the all-to-alls around `local`'s own.
+    """
+    check_qkv(q, k, v, "Ulysses attention", segment_ids)
+    spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    axis = layout.axis_name
+    if axis not in mesh.shape or axis in manual:
+        raise SpmdkitError(f"Ulysses: context axis {axis!r} is not a free axis of the mesh {dict(mesh.shape)}")
+    batch, heads = _split(mesh, layout.batch_axes, manual), _split(mesh, layout.heads_axes, manual)
+    batch, heads = tuple(a for a in batch if a != axis), tuple(a for a in heads if a != axis)
+    _check(q, k, mesh, batch, heads, axis)
+    C, T = mesh.shape[axis], math.prod(mesh.shape[a] for a in heads)
+    repeat = kv_repeat(k.shape[2] // T, q.shape[2] // T, C)
+    tokens = P(batch or None, axis, heads or None, None)
+    program = functools.partial(_local_program, axis=axis, repeat=repeat, local=local, spec=spec)
+    args, specs = (q, k, v), (tokens, tokens, tokens)
+    if segment_ids is not None:
+        args, specs = (*args, segment_ids), (*specs, P(batch or None, axis))
+    free = {a for a in mesh.axis_names if a not in manual}
+    with jax.named_scope("ulysses"):  # names its all-to-alls in the compiled program (`spmdkit compile` reads it)
+        if manual:  # inside a partly manual region (accumulation over replica axes): a nested region
+            return nested_region(program, specs, tokens, free, *args)
+        # check_vma=False: a fused kernel's custom call (cuDNN) does not declare how it varies over the manual axes
+        region = jax.shard_map(program, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=free, check_vma=False)
+        return region(*args)
