@@ -4,8 +4,9 @@ Each device holds 2 of the 8 sequence chunks in the zigzag layout (chunks i and 
 keys and values travel the ring by collective-permute while every device attends its queries to them. RoPE
 positions travel with their tokens, and the token-mean loss does not care about order. What it proves, on 8
 simulated CPU devices (mesh context=4,fsdp=2): the compiled forward+backward moves K/V (and their gradients)
-only by collective-permute, never gathers the sequence (every all-gather is FSDP's, within groups of 2), and
-the loss equals the one-device program's on the unpermuted batch. Run: python examples/context_ring_attention.py
+only by collective-permute, never gathers the sequence (every all-gather is ZeRO-3's parameter gather over
+fsdp x context: the state is sharded over both, groups of 8), and the loss equals the one-device program's on
+the unpermuted batch. Run: python examples/context_ring_attention.py
 """
 
 import common  # noqa: F401  (first: it gives JAX 8 simulated CPU devices)
@@ -46,9 +47,9 @@ def main() -> dict:
     print(
         f"collective-permutes per step: {report.count('collective-permute', executed=True)} "
         f"({report.bytes('collective-permute'):,} bytes per device); all-gather group sizes: "
-        f"{facts['all_gather_group_sizes']} (fsdp=2 only: the sequence is never gathered)"
+        f"{facts['all_gather_group_sizes']} (parameters over fsdp x context: the sequence is never gathered)"
     )
-    print(f"per device: {facts['param_bytes_per_device']:,} parameter bytes (1/2: fsdp=2); memory_analysis() "
+    print(f"per device: {facts['param_bytes_per_device']:,} parameter bytes (1/8: fsdp x context); memory_analysis() "
           f"arguments {facts['argument_bytes_per_device']:,} (+ 1/2 of the rows x 1/4 of the tokens)")  # fmt: skip
     print(f"loss on context=4,fsdp=2: {facts['loss']:.6f}   on one device: {facts['one_device_loss']:.6f}")
     return facts

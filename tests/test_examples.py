@@ -104,10 +104,19 @@ def test_tp_sp(capsys):
 def test_context_ring_attention(capsys):
     facts, out = run_example("context_ring_attention", capsys)
     assert facts["collectives"]["collective-permute"]["executions"] > 0
-    assert facts["all_gather_group_sizes"] == [2]  # fsdp's parameter gathers only: K/V never gathered
+    assert facts["all_gather_group_sizes"] == [8]  # parameter gathers over fsdp x context only: K/V never gathered
     assert facts["argument_bytes_per_device"] == facts["param_bytes_per_device"] + 3 * 4 * 8 * 4  # + [4, 8] int32 x 3
     assert same(facts["loss"], facts["one_device_loss"])
     assert "collective-permute" in out and f"{facts['loss']:.6f}" in out
+
+
+def test_context_ulysses(capsys):
+    facts, out = run_example("context_ulysses", capsys)
+    exchanges = facts["collectives"]["all-to-all"]
+    assert exchanges["executions"] == 8 * 2 and "collective-permute" not in facts["collectives"]  # 2 layers
+    assert facts["all_to_all_operand_bytes"] == sorted({facts["q_bytes"], facts["kv_bytes"]})
+    assert same(facts["loss"], facts["one_device_loss"])
+    assert "all-to-all" in out and f"{facts['loss']:.6f}" in out
 
 
 def test_pipeline_1f1b(capsys):

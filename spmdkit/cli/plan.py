@@ -17,7 +17,7 @@ from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_FLAGS, DEVICE_TYPES, Device, make_device, parse_mesh
-from spmdkit.plan.estimate import REMAT_ORDER, estimate
+from spmdkit.plan.estimate import REMAT_ORDER, Estimate, estimate
 from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
 from spmdkit.plan.report import explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
@@ -168,10 +168,20 @@ def main(argv: Sequence[str]) -> int:
         print(f"{title}, batch {batch} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)}"
               " meshes fit")  # fmt: skip
         print(format_table(shown))
-        print(f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}\n{format_details(best)}")
+        cp = "" if best.mesh["context"] == 1 else f" --context-parallel {_algorithm_flag(best)}"
+        print(
+            f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}{cp}\n{format_details(best)}"
+        )
         if why:
             print(f"\n{why}")
     if args.plot:  # after the report: a plot that cannot be written does not lose it
         sys.stdout.flush()
         plot(shown, args.plot)
     return 0
+
+
+def _algorithm_flag(e: Estimate) -> str:
+    """The `--context-parallel` value (with `--ulysses`) of a layout with a context axis."""
+    if e.attention.startswith("ulysses"):
+        return "ulysses"
+    return f"2d --ulysses {e.ulysses}" if e.ulysses > 1 else "ring"

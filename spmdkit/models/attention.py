@@ -107,14 +107,17 @@ def context_attention(
 ) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
-    seq is sharded over `context` in the zigzag layout (segment ids too); the window counts true token positions;
+    seq is sharded over `context` in the rules' ring layout (zigzag, or contiguous for a model windowed everywhere;
+    segment ids too); the window counts true token positions;
     keys are scanned in tiles of `ring_key_tile(chunk)`. Requires `use_rules` to be active with a context axis > 1.
+    The rules' `ulysses` factor U > 1 makes it 2D: a ring of context / U positions, Ulysses inside each.
     """
     rules, mesh = active_rules()
     heads = _free_axes(rules.params["heads"], mesh)
-    tile = ring_key_tile(q.shape[1] // (2 * mesh.shape["context"]))
+    tile = ring_key_tile(q.shape[1] // (2 * mesh.shape["context"] // rules.ulysses))
     spec = dataclasses.replace(spec or AttentionSpec(), key_tile=tile)
-    layout = RingLayout("context", "zigzag", _free_axes(rules.params["batch"], mesh), heads[0] if heads else None)
+    batch = _free_axes(rules.params["batch"], mesh)
+    layout = RingLayout("context", rules.ring_layout, batch, heads[0] if heads else None, rules.ulysses)
     return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
 
 

@@ -19,12 +19,20 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from spmdkit.errors import SpmdkitError
 
 KERNELS = ("dot", "blockwise", "cudnn", "ring")
 LOCAL_KERNELS = ("dot", "blockwise", "cudnn")  # what runs per device under Ulysses
 ULYSSES = tuple(f"ulysses_{k}" for k in LOCAL_KERNELS)  # a resolved choice: Ulysses around that kernel
-CONTEXT_PARALLEL = ("auto", "ring", "ulysses")
+CONTEXT_PARALLEL = ("auto", "ring", "ulysses", "2d")  # 2d: the ring of Ulysses groups (its kernel is "ring")
+ContextParallel = Literal["auto", "ring", "ulysses", "2d"]
+CONTEXT_PARALLEL_HELP = (
+    "the algorithm over a context axis > 1: ring (K/V travel a zigzag ring), ulysses (all-to-alls to a head split, "
+    "any kernel per device), 2d (a ring of Ulysses groups of --ulysses devices), auto (ulysses around cuDNN on an "
+    "NVIDIA GPU where the heads split, else ring)"
+)
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention before Hopper
 CUDNN_MAX_HEAD_DIM_HOPPER = 256  # sm_90 and later
@@ -88,7 +96,7 @@ def _context_kernel(
     if algorithm == "auto":
         local = _local_kernel(kind if kind != "ring" else "auto", platform, dtype, head_dim, capability, softcap)
         algorithm = "ulysses" if kind != "ring" and local == "cudnn" and head_split and platform == "cuda" else "ring"
-    if algorithm == "ring":
+    if algorithm in ("ring", "2d"):
         if kind not in ("auto", "ring"):
             raise SpmdkitError(
                 f"--attention {kind} cannot split the sequence over context={context}: the ring runs its own kernel; "

@@ -33,8 +33,12 @@ Collective operand bytes per device per step, by opcode (what `collective_report
   up; 3 when kv heads are replicated). + [t, E] each for the vocab-parallel embedding and LM head, + 3 [t] float32
   for the cross-entropy. SP: each forward all-reduce -> reduce-scatter [t, E] + all-gather [t/T, E], + 2
   all-gathers per layer backward (the backward sums stay all-reduces on CPU, reduce-scatters on GPU/TPU).
-  CP ring: (C-1) K/V hops forward, (C-1) K/V + C f32 dK/dV hops backward per layer. PP: 2 ppermutes of [t/M, E]
-  per tick, 2(vM+P-1) ticks (GPipe: 2(M+P-1) sends), + all-reduce over pipeline of embedding and head gradients.
+  CP ring: (C-1) K/V hops forward, (C-1) K/V + C f32 dK/dV hops backward per layer. Ulysses: 4 all-to-alls
+  (q, k, v, out; kv heads repeated until C divides them) per layer forward, again under full remat, and backward.
+  2D (a ring of R = C/U positions over Ulysses groups of U): the ring's hops over R, + its exchanges
+  (`_context_collectives`). The state is sharded over fsdp x context: "over fsdp" above means both. PP: 2
+  ppermutes of [t/M, E] per tick, 2(vM+P-1) ticks (GPipe: 2(M+P-1) sends), + all-reduce over pipeline of
+  embedding and head gradients.
   EP (X > 1): per MoE layer 2 all-to-alls over expert forward and 2 backward (+2 when remat recomputes the
   forward) of the dispatch buffer [B/(D Fs X), n, Q/n, E] in the compute dtype. Gradients of non-expert weights
   reduce over every batch axis (data, fsdp, expert) and context. Expert weights (in `expert_ffn`'s shard_map,
@@ -67,6 +71,7 @@ from collections.abc import Callable, Mapping
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.presets import PRESETS, model_preset
+from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
 from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
 from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
@@ -105,6 +110,8 @@ class Estimate:
     host_bytes: float = 0.0  # per device: the activations the remat policy offloads to pinned host memory
     # and, with `--optimizer.offload`, the optimizer state (then 0 in `memory`), moved in and out every step:
     offload_s: float = 0.0  # seconds per step of that move, 2 x its bytes over the host link (in `step_s`)
+    attention: str = ""  # the kernel (`layout_kernel`): ring, ulysses_cudnn, ...
+    ulysses: int = 1  # 2D context parallelism's Ulysses factor (with attention "ring")
 
     @property
     def total_memory(self) -> float:
@@ -171,16 +178,8 @@ def collectives(s: Layout, reassociate: bool = True, kernel: str = "ring") -> li
             add("all-reduce", ("tensor",), (forward + ends + reassociate * backward) * act, overlapped=False)
         # + the CPU backward, and the vocab-parallel cross-entropy's max, sum and target logit ([t] float32 each)
         add("all-reduce", ("tensor",), (not reassociate) * backward * act + 3 * s.tokens * 4, overlapped=False)
-    C, kv_heads = s["context"], m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
-    if C > 1 and kernel.startswith("ulysses"):  # q, k, v and out, forward (again under full remat) and backward
-        kv_heads = m.kv_heads // T if m.kv_heads % T == 0 else m.heads // T  # else repeated to the query heads
-        kv_heads *= C // math.gcd(kv_heads, C)  # each device's kv heads repeated until C devices split them
-        passes = 3 if m.remat_policy.full else 2
-        per_layer = s.tokens * m.head_dim * a * (2 * m.heads / T + 2 * kv_heads)
-        add("all-to-all", ("context",), passes * s.stage_layers * per_layer, overlapped=False)
-    elif C > 1:  # ring attention: K/V forward (again under full remat) and backward, f32 dK/dV home
-        hops = (C - 1) * a * (3 if m.remat_policy.full else 2) + C * 4
-        add("collective-permute", ("context",), s.stage_layers * s.tokens * 2 * m.head_dim * kv_heads * hops)
+    if s["context"] > 1:
+        _context_collectives(s, kernel, add)
     if P > 1:
         sends = 2 * (M + P - 1) if s.schedule == "gpipe" else 4 * (s.virtual_stages * M + P - 1)
         add("collective-permute", ("pipeline",), sends * act / M / (T if s.sequence_parallel else 1), False)
@@ -188,6 +187,38 @@ def collectives(s: Layout, reassociate: bool = True, kernel: str = "ring") -> li
         passes = 4 + (2 if m.remat_policy.recomputes else 0)
         add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
     return out
+
+
+def _context_collectives(s: Layout, kernel: str, add: Callable[..., None]) -> None:
+    """The context axis's traffic (C devices): Ulysses' all-to-alls (U = C), the ring's K/V hops (U = 1), or both
+    (2D: a ring of C/U positions, Ulysses in groups of U). Per layer and pass (forward, again under full remat, and
+    backward): Ulysses sends q, k, v in and the output back (autodiff's transposes in the backward); 2D's ring
+    exchanges its residuals and cotangents in its own backward (q, k, v, out, dout, lse, dlse in; dq, dk, dv back);
+    the ring sends K/V around its R positions and brings the float32 dK/dV home."""
+    m, a, T, C, d, passes = (
+        s.model,
+        s.a,
+        s["tensor"],
+        s["context"],
+        s.model.head_dim,
+        3 if s.model.remat_policy.full else 2,
+    )
+    U, H = (C if kernel.startswith("ulysses") else s.ulysses), m.heads / T
+    kv = m.kv_heads / T if m.kv_heads % T == 0 else (m.heads / T if U > 1 else m.kv_heads)  # Ulysses repeats them
+    if U > 1:
+        kv *= U // math.gcd(int(kv), U)  # each device's kv heads repeated until U devices split them
+        if U == C:
+            per_layer = passes * s.tokens * d * a * (2 * H + 2 * kv)
+        else:
+            forward, backward = d * a * (2 * H + 2 * kv) + 4 * H, d * a * (4 * H + 4 * kv) + 8 * H
+            per_layer = s.tokens * ((passes - 1) * forward + backward)
+        add("all-to-all", ("context",), s.stage_layers * per_layer, overlapped=False)
+    if kernel == "ring":  # per layer, the steps its window reaches (`ring_steps`; all R without a window)
+        R, windows = C // U, [m.window_of(i) for i in range(m.layers)]
+        layout = ring_balance(windows, s.seq_len, R)
+        steps = {w: ring_steps(R, layout, s.seq_len // (2 * R), w) for w in set(windows)}
+        hops = sum((len(steps[w]) - 1) * a * passes + (len(steps[w]) - (steps[w][-1] == 0)) * 4 for w in windows)
+        add("collective-permute", ("context",), s.stage_layers / m.layers * s.tokens * 2 * d * kv * hops)
 
 
 def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> None:
@@ -281,10 +312,10 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability).removeprefix("ulysses_")
-    if kernel != "dot":
+    local = kernel.removeprefix("ulysses_")  # the kernel per device
+    if local != "dot":
         extra += attention_forward / 2
-    if kernel == "cudnn" and manual_region(s):  # its backward there recomputes the forward kernel (attention.py)
+    if local == "cudnn" and manual_region(s):  # its backward there recomputes the forward kernel (attention.py)
         extra += attention_forward
     if sizes["pipeline"] > 1 and s.schedule != "gpipe":  # spmdkit's 1F1B backward recomputes the chunk forward
         extra += run / 3
@@ -312,7 +343,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         hbm_bytes=dev.hbm_bytes, collective_bytes=by_opcode, traffic=traffic, bubble=bubble, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble_s, step_s=step, tokens_per_s=s.batch_size * s.seq_len / step,
         mfu=model_flops / (step * devices * mixed_peak(dev, m.fp8_flops_per_token() / m.flops_per_token(s.seq_len))),
-        host_bytes=host + moments, offload_s=offload_s,
+        host_bytes=host + moments, offload_s=offload_s, attention=kernel, ulysses=s.ulysses,
     )  # fmt: skip
 
 

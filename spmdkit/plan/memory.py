@@ -281,7 +281,8 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     layers = 2 * layer * a / 4 if gathers else 0.0  # two gathered layers, cast before the all-gather
     tp = 2 * mb * E * a if T > 1 else 0.0
     scratch = attention_scratch(m, T, s.seq_len, mb / s.seq_len, kernel)
-    forward = ring_scratch(m, T, s["context"], s.seq_len, mb * s["context"] / s.seq_len) if kernel == "ring" else 0.0
+    C, U = s["context"], s.ulysses  # 2D: a ring of C / U positions over heads / (T U) heads
+    forward = ring_scratch(m, T * U, C // U, s.seq_len, mb * C / s.seq_len) if kernel == "ring" else 0.0
     if m.remat_policy.kind == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice
         forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
     grads, loss = _gradients(s), _loss_phase(s)

@@ -58,14 +58,33 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
             "traffic per step overlaps the backward pass."
         )
     if mesh["context"] > 1:
-        text.append(
-            f"Context parallelism over {mesh['context']} splits the {best.seq_len}-token sequences (ring attention)."
-        )
+        text.append(f"Context parallelism over {mesh['context']} splits the {best.seq_len}-token sequences: "
+                    f"{context_algorithm(best)}.")  # fmt: skip
     if parse_remat(best.remat).recomputes:
         text.append(f"Remat '{best.remat}' is the least recomputation that fits.")
     if runner_up is not None:
         text.append(f"Next: {format_sizes(runner_up.mesh)} ({runner_up.step_s / best.step_s - 1:+.0%} step time).")
     return " ".join(text)
+
+
+def context_algorithm(e: Estimate) -> str:
+    """The context-parallel algorithm of a layout, and why it moves what it moves."""
+    if e.attention.startswith("ulysses"):
+        kernel = e.attention.removeprefix("ulysses_")
+        return (f"Ulysses (all-to-alls trade the sequence split for a head split; {kernel} attends per device; "
+                "its bytes per device stay constant as the context axis grows)")  # fmt: skip
+    if e.ulysses > 1:
+        return (f"2D, a ring of {e.mesh['context'] // e.ulysses} positions over Ulysses groups of {e.ulysses} "
+                "(all-to-alls inside a group, K/V around the ring)")  # fmt: skip
+    return "ring attention (K/V travel the ring, zigzag-balanced; the blockwise kernel per chunk pair)"
+
+
+def _mesh_cell(e: Estimate) -> str:
+    """The mesh column: the axis sizes, and the context algorithm where there is a context axis."""
+    if e.mesh["context"] == 1:
+        return format_sizes(e.mesh)
+    algorithm = "ulysses" if e.attention.startswith("ulysses") else f"2d/u{e.ulysses}" if e.ulysses > 1 else "ring"
+    return f"{format_sizes(e.mesh)} ({algorithm})"
 
 
 def format_table(estimates: list[Estimate]) -> str:
@@ -78,7 +97,7 @@ def format_table(estimates: list[Estimate]) -> str:
             "-" if e.mesh["pipeline"] == 1 else e.schedule + (f"x{e.virtual_stages}" if e.virtual_stages > 1 else "")
         )
         rows.append(
-            f"{i:>2} {format_sizes(e.mesh):<34}{e.zero if e.mesh['fsdp'] > 1 else '-':>5}"
+            f"{i:>2} {_mesh_cell(e):<34}{e.zero if e.mesh['fsdp'] * e.mesh['context'] > 1 else '-':>5}"
             f"{'y' if e.sequence_parallel else 'n':>4} {e.remat.replace('with_no_batch_dims_saveable', 'no_batch'):<20}"
             f"{e.microbatches:>5} {sched:<12}{f'{e.total_memory / 1e9:.1f}/{e.hbm_bytes / 1e9:.0f}':>13}"
             f"{e.step_s:>9.3g}{e.compute_s:>9.3g}{e.exposed_comm_s:>8.3g}{e.bubble_s:>8.3g}{e.tokens_per_s:>11,.0f}"

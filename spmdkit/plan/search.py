@@ -5,6 +5,7 @@ fit, rank them by estimated step time. The arithmetic of one layout is `spmdkit.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -48,10 +49,10 @@ def candidate_meshes(
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
               sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
               virtual_stages: int | None, offload: bool) -> list[list[Layout]]:  # fmt: skip
-    """Layouts to try on `mesh`: per (ZeRO stage, pipeline schedule), every remat policy (least recompute first) with
-    every microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp > 1; SP wherever tensor > 1; 1F1B
-    and interleaved (v=2) pipelines; accumulation steps (powers of two) or pipeline microbatches P, 2P, 4P, 8P and
-    one sequence per data-parallel rank."""
+    """Layouts to try on `mesh`: per (ZeRO stage, context algorithm, pipeline schedule), every remat policy (least
+    recompute first) with every microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp x context
+    > 1 (the state axes); SP wherever tensor > 1; 1F1B and interleaved (v=2) pipelines; accumulation steps (powers
+    of two) or pipeline microbatches P, 2P, 4P, 8P and one sequence per data-parallel rank."""
     T, P, F = mesh["tensor"], mesh["pipeline"], mesh["fsdp"]
     local_batch = batch_size // (mesh["data"] * F * mesh["expert"])
     sp = bool(T > 1 if sequence_parallel is None else sequence_parallel)
@@ -61,18 +62,31 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
     if P > 1 and schedule is None and model.layers % (2 * P) == 0:
         pipes.append(("interleaved", virtual_stages or 2))
     out = []
-    for z in [zero] if zero is not None else ([2, 3] if F > 1 else [3]):
-        for sched, v in pipes:
-            if microbatches:
-                counts = [microbatches]
-            elif P == 1:
-                counts = [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
-            else:
-                counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
-            layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
-            policies = [remat] if remat else REMAT_ORDER
-            out.append([layout(M, sched, v, offload, model=model.replace(remat=r)) for r in policies for M in counts])
+    stages = [zero] if zero is not None else ([2, 3] if F * mesh["context"] > 1 else [3])
+    for z, (cp, u), (sched, v) in itertools.product(stages, _context_algorithms(model, mesh), pipes):
+        if microbatches:
+            counts = [microbatches]
+        elif P == 1:
+            counts = [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
+        else:
+            counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
+        layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
+        policies = [remat] if remat else REMAT_ORDER
+        out.append(
+            [layout(M, sched, v, offload, cp, u, model=model.replace(remat=r)) for r in policies for M in counts]
+        )
     return out
+
+
+def _context_algorithms(model: TransformerConfig, mesh: dict[str, int]) -> list[tuple[str, int]]:
+    """(--context-parallel, Ulysses factor) to price on `mesh`: none without a context axis; else the ring, Ulysses
+    where the heads split over tensor x context, and 2D with each Ulysses factor that splits them (#38)."""
+    C, T = mesh["context"], mesh["tensor"]
+    if C == 1:
+        return [("auto", 1)]
+    heads = model.heads // T
+    out = [("ring", 1)] + [("ulysses", 1)] * (heads % C == 0)
+    return out + [("2d", u) for u in range(2, C) if C % u == 0 and heads % u == 0]
 
 
 def search(

@@ -57,6 +57,8 @@ class Rules:
     zero_stage: int = 3
     sequence_parallel: bool = False
     overlap_tp: bool = False  # SP's projections as collective matmuls (`spmdkit.parallel.collective_matmul`)
+    ulysses: int = 1  # 2D context parallelism: the Ulysses factor of the context axis under the ring
+    ring_layout: str = "zigzag"  # the ring's sequence layout (`spmdkit.parallel.context.zigzag.ring_balance`)
 
     def to_flax(self, table: str = "params") -> tuple[tuple[str, FlaxAxes], ...]:
         """The `params` (or `"optimizer"`) table as Flax's logical axis rules: `(("batch", ("data", "fsdp",
@@ -120,9 +122,13 @@ def make_rules(
     *,
     extra: Mapping[str, FlaxAxes] | Iterable[tuple[str, FlaxAxes]] | None = None,
     overlap_tp: bool = False,
+    ulysses: int = 1,
+    ring_layout: str = "zigzag",
 ) -> Rules:
     """The rule tables for a ZeRO stage (0 = plain DP over fsdp too, 1, 2, 3) and optional SP; `overlap_tp`: under
-    SP, the projections run as collective matmuls (`--overlap-tp`).
+    SP, the projections run as collective matmuls (`--overlap-tp`); `ulysses`: the Ulysses factor of 2D context
+    parallelism (`--context-parallel 2d --ulysses U`; 1: none); `ring_layout`: the sequence's layout over the ring
+    ("zigzag", or "contiguous" for a model windowed everywhere).
 
     `extra` adds your own logical names, or overrides spmdkit's, in both tables: a mapping or Flax-style pairs,
     each name -> a mesh axis, a tuple of them, or None (replicated): `extra={"patch": None, "channels": "tensor"}`.
@@ -157,6 +163,8 @@ def make_rules(
         zero_stage=zero_stage,
         sequence_parallel=sequence_parallel,
         overlap_tp=overlap_tp,
+        ulysses=ulysses,
+        ring_layout=ring_layout,
     )
 
 

@@ -30,6 +30,7 @@ class Strategy:
     virtual_stages: int = 1
     offload: bool = False
     context_parallel: str = "auto"
+    ulysses: int = 1  # 2D context parallelism (context_parallel "2d"): devices per Ulysses group
 
     def flags(self) -> str:
         """The `spmdkit train` flags of this strategy: the mesh, the ZeRO stage, and what differs from the defaults
@@ -41,6 +42,7 @@ class Strategy:
         out += [f"--pipeline-schedule {self.schedule}"] * (self.schedule != "1f1b")
         out += [f"--virtual-stages {self.virtual_stages}"] * (self.virtual_stages != 1)
         out += [f"--context-parallel {self.context_parallel}"] * (self.context_parallel != "auto")
+        out += [f"--ulysses {self.ulysses}"] * (self.ulysses > 1)
         return " ".join(out + ["--optimizer.offload"] * self.offload)
 
 

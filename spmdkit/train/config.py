@@ -24,6 +24,7 @@ from spmdkit.data.config import DataConfig
 from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import source_model
+from spmdkit.models.attention_choice import CONTEXT_PARALLEL_HELP, ContextParallel
 from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
 from spmdkit.models.fields import arg, check_types, field_docs, require
 from spmdkit.models.presets import PRESETS
@@ -177,15 +178,8 @@ class MeshSettings:
             "--overlap-tp",
         ),
     ] = False
-    context_parallel: Annotated[
-        Literal["auto", "ring", "ulysses"],
-        arg(
-            "the algorithm over a context axis > 1: ring (K/V travel a zigzag ring), ulysses (all-to-alls to a head "
-            "split, any kernel per device), auto (ulysses around cuDNN on an NVIDIA GPU where the heads split, else "
-            "ring)",
-            "--context-parallel",
-        ),
-    ] = "auto"
+    context_parallel: Annotated[ContextParallel, arg(CONTEXT_PARALLEL_HELP, "--context-parallel")] = "auto"
+    ulysses: Annotated[int | None, arg("with --context-parallel 2d: devices per Ulysses group", "--ulysses")] = None
     pipeline_schedule: Annotated[Schedule, arg("pipeline schedule", "--pipeline-schedule")] = "1f1b"
     microbatches: Annotated[
         int | None,
@@ -199,6 +193,8 @@ class MeshSettings:
         check_types(self, "mesh")
         require(self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1")
         require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
+        two_d = "--context-parallel 2d takes --ulysses U (devices per Ulysses group), and --ulysses only goes with it"
+        require((self.ulysses is None) == (self.context_parallel != "2d"), two_d)
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:

@@ -131,8 +131,8 @@ class Trainer:
 
     def global_batch(self, local: dict[str, np.ndarray]) -> Batch:
         """This process's rows of a batch as global arrays on the mesh (zigzagged first for ring attention)."""
-        if self.model_config.attention == "ring":
-            local = zigzag_batch(local, self.context)
+        if self.model_config.attention == "ring" and self.rules.ring_layout == "zigzag":  # over the ring's positions
+            local = zigzag_batch(local, self.context // self.rules.ulysses)
         return global_batch_arrays(local, self.batch_shardings)
 
     def _eval_stream(self) -> Any:

@@ -13,8 +13,15 @@ before query chunk), with a triangular mask (the same chunk, only at step 0) or 
 chunk): `lax.switch` runs only the taken branch, so skipped pairs cost no FLOPs. A sliding window W (a query at true
 position i sees keys i - W < j <= i) adds two cases, from the chunks' true positions (the zigzag layout permutes
 chunks, never tokens within one): a key chunk wholly before the window of every query is skipped too, and one that
-crosses the window's edge is computed with a window mask. GQA: queries are viewed as [kv_heads, group]; K/V are
-never repeated. The scale and soft cap are the `AttentionSpec`'s (`spmdkit.kernels.attention_spec`).
+crosses the window's edge is computed with a window mask; steps in which every pair of every device is skipped are
+not taken at all (`ring_steps`): K/V jump from one needed step to the next in one hop, so a windowed ring sends only
+the K/V it reads (with the contiguous layout, chosen for a model windowed everywhere, one step for a window of one
+device's share). GQA: queries are viewed as [kv_heads, group]; K/V are never repeated. The scale and soft cap are
+the `AttentionSpec`'s (`spmdkit.kernels.attention_spec`).
+
+2D (`RingLayout.ulysses` U > 1): the context axis is a ring of N = C/U positions of U consecutive devices; each
+device trades its sequence piece for 1/U of the heads with the others of its position (all-to-alls,
+`spmdkit.parallel.context.exchange`) before the ring, and back after it, in the forward and in the backward.
 
 Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device; D = rowsum(dO * O) less the cotangent of
 lse). dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
@@ -26,30 +33,26 @@ tiles, bounding the scratch per pair to [heads, c, key_tile] instead of [heads, 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import F32, check_qkv, finish, initial_state, row_delta
 from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.kernels.blockwise_attention import from_kv_blocks, from_q_blocks, kv_blocks, q_blocks, row_blocks
 from spmdkit.parallel.context.chunk_pair import PairOptions, bwd_pair, fwd_pair, merge_rows, split_rows
+from spmdkit.parallel.context.chunks import pair_modes
+from spmdkit.parallel.context.exchange import fold_repeats, gather_seq, to_heads, to_seq
+from spmdkit.parallel.context.ring_layout import Ring, RingLayout, make_ring
 from spmdkit.parallel.context.zigzag import (
     FULL,
     causal_work_balance,
-    check_load_balance,
-    check_seq_len,
     from_zigzag,
     inverse_zigzag_indices,
-    pair_mode,
-    slot_chunk_ids,
+    ring_steps,
     to_zigzag,
     zigzag_indices,
 )
@@ -58,60 +61,14 @@ from spmdkit.parallel.context.zigzag import (
 __all__ = ["causal_work_balance", "from_zigzag", "inverse_zigzag_indices", "to_zigzag", "zigzag_indices"]
 __all__ += ["RingLayout", "ring_attention"]
 
-
-@dataclasses.dataclass(frozen=True)
-class RingLayout:
-    """Which mesh axes ring attention splits: the sequence over `axis_name` in the `load_balance` layout
-    ("zigzag"; None, "none" or "contiguous": natural order), batch over `batch_axes`, heads and kv_heads over
-    `heads_axis` (None: replicated). Axes absent from the mesh or of size 1 are ignored."""
-
-    axis_name: str = "context"
-    load_balance: str | None = "zigzag"
-    batch_axes: tuple[str, ...] = ("data", "fsdp")
-    heads_axis: str | None = "tensor"
+DEFAULT_LAYOUT = RingLayout()  # context, zigzag, batch over data x fsdp, heads over tensor
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ring:
-    """Static description of one ring-attention call (hashable: it is a custom_vjp non-diff argument): the layout
-    with its absent axes dropped, the spec resolved (`key_tile` set) and the chunk length seq / (2N)."""
-
-    mesh: Mesh
-    layout: RingLayout
-    spec: AttentionSpec
-    chunk: int
-
-    @property
-    def n(self) -> int:
-        return self.mesh.shape[self.layout.axis_name]
-
-    @property
-    def manual_axes(self) -> frozenset[str]:
-        axes = self.layout
-        return frozenset({axes.axis_name, *axes.batch_axes, *([axes.heads_axis] if axes.heads_axis else [])})
-
-    @property
-    def batch_spec(self) -> tuple[str, ...] | None:
-        return self.layout.batch_axes or None
-
-    @property
-    def token_spec(self) -> P:
-        """[batch, seq, heads, head_dim]."""
-        return P(self.batch_spec, self.layout.axis_name, self.layout.heads_axis, None)
-
-    @property
-    def lse_spec(self) -> P:
-        """[batch, heads, seq]."""
-        return P(self.batch_spec, self.layout.heads_axis, self.layout.axis_name)
-
-    def segment_spec(self, seg: jax.Array | None) -> P | None:
-        """[batch, seq] segment ids, or None without them."""
-        return None if seg is None else P(self.batch_spec, self.layout.axis_name)
-
-
-def _hop(x, ring: _Ring):
-    """Send `x` (an array or a tuple of them) one step around the ring: device r -> r + 1."""
-    perm = [(j, (j + 1) % ring.n) for j in range(ring.n)]
+def _hop(x, ring: Ring, shift: int = 1):
+    """Send `x` (an array or a tuple of them) `shift` steps around the ring: position r -> r + shift (under 2D,
+    device u of position r to device u of position r + shift)."""
+    u = ring.layout.ulysses
+    perm = [(j, ((j // u + shift) % ring.n) * u + j % u) for j in range(ring.n * u)]
     return jax.tree.map(lambda a: lax.ppermute(a, ring.layout.axis_name, perm=perm), x)
 
 
@@ -126,15 +83,14 @@ def _put(x: jax.Array, i, value: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(x, value, i, axis=0)
 
 
-def _pair_mode(ring: _Ring, r, t, i, j) -> tuple[jax.Array, jax.Array]:
-    """(`pair_mode`, offset) of query slot i on device r and key slot j of device (r - t) mod N; offset: the key
-    chunk's first true position less the query chunk's."""
-    ids = jnp.asarray(slot_chunk_ids(ring.n, ring.layout.load_balance), jnp.int32)
-    q_id, k_id = ids[r, i], ids[(r - t) % ring.n, j]
-    return pair_mode(q_id, k_id, ring.chunk, ring.spec.window), (k_id - q_id) * ring.chunk
+def _pair_mode(ring: Ring, r, t, i, j) -> tuple[jax.Array, jax.Array]:
+    """(`pair_mode`, offset) of query slot i on device r and key slot j of device (r - t) mod N (`pair_modes`'
+    tables); offset: the key chunk's first true position less the query chunk's."""
+    modes, offsets = pair_modes(ring.n, ring.layout.load_balance, ring.chunk, ring.spec.window)
+    return jnp.asarray(modes)[t, r, i, j], jnp.asarray(offsets)[t, r, i, j]
 
 
-def _ring_step(pair_fn, state, kv, ring: _Ring, r, t):
+def _ring_step(pair_fn, state, kv, ring: Ring, r, t):
     """Fold the K/V held at step t into `state`: `pair_fn(state, kv, i, j, offset, diagonal, windowed)` for the 4
     pairs (query slot i, key slot j), looped (one traced copy); under `causal`, `lax.switch` runs only the taken
     branch of full / diagonal / skip (/ window edge)."""
@@ -156,11 +112,14 @@ def _ring_step(pair_fn, state, kv, ring: _Ring, r, t):
     return lax.fori_loop(0, 4, pair, state)
 
 
-def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
+def _ring_loop(pair_fn, state, kv, ring: Ring, send_back=None):
     """Run the N steps while K/V rotate; the hop for step t+1 is issued before step t's math. `send_back`
     (the backward's dK, dV hop) is applied after every step: N times, the last one bringing them home."""
-    send_back = send_back or (lambda s: s)
-    r = lax.axis_index(ring.layout.axis_name)
+    send_back = send_back or (lambda s, shift=1: s)
+    steps = ring_steps(ring.n, ring.layout.load_balance, ring.chunk, ring.spec.window, ring.spec.causal)
+    if len(steps) < ring.n:  # a window: only the steps it reads, unrolled (each jump is one hop)
+        return _sparse_ring_loop(pair_fn, state, kv, ring, send_back, steps)
+    r = lax.axis_index(ring.layout.axis_name) // ring.layout.ulysses  # the ring position
 
     def body(t, carry):
         kv, state = carry
@@ -173,16 +132,29 @@ def _ring_loop(pair_fn, state, kv, ring: _Ring, send_back=None):
     return send_back(state) if ring.n > 1 else state
 
 
+def _sparse_ring_loop(pair_fn, state, kv, ring: Ring, send_back, steps: tuple[int, ...]):
+    """`_ring_loop` over the `steps` only (`ring_steps`: 0 and those some window reaches): K/V (and the dK, dV
+    travelling with them) jump from step to step in one hop each, the next hop issued before a step's math; after
+    the last step t the dK, dV go home in one more hop (n - t positions on)."""
+    r = lax.axis_index(ring.layout.axis_name) // ring.layout.ulysses
+    for here, nxt in zip(steps, (*steps[1:], None), strict=True):
+        ahead = None if nxt is None else _hop(kv, ring, nxt - here)
+        state = _ring_step(pair_fn, state, kv, ring, r, here)
+        if nxt is not None:
+            state, kv = send_back(state, nxt - here), ahead
+    return send_back(state, ring.n - steps[-1]) if steps[-1] else state
+
+
 # ---------------------------------------------------------------- forward and backward programs (per device)
 
 
-def _pair_options(ring: _Ring, q_seg, k_seg, i, j, offset, diagonal: bool, windowed: bool) -> PairOptions:
+def _pair_options(ring: Ring, q_seg, k_seg, i, j, offset, diagonal: bool, windowed: bool) -> PairOptions:
     """The options of query slot i against key slot j; q_seg, k_seg: segment ids [2, B, c] or None."""
     segments = (None, None) if q_seg is None else (_take(q_seg, i), _take(k_seg, j))
     return PairOptions(ring.spec, diagonal, windowed, *segments, offset)
 
 
-def _forward_local(ring: _Ring, q, k, v, seg):
+def _forward_local(ring: Ring, q, k, v, seg):
     """Per device: q [B, 2c, H, D], k/v [B, 2c, Hkv, D] (seg [B, 2c] or None) -> out [B, 2c, H, D], lse [B, H, 2c]
     float32. State per query slot (leading axis 2): o [.., c, D], running max m and sum l [.., c], float32. The
     segment ids of the keys travel the ring with them."""
@@ -203,7 +175,7 @@ def _forward_local(ring: _Ring, q, k, v, seg):
     return from_q_blocks(out.astype(q.dtype), 2 * c), merge_rows(lse)
 
 
-def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
+def _backward_local(ring: Ring, q, k, v, seg, out, lse, dout, dlse):
     """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
     State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
     kv_heads, c = k.shape[2], q.shape[1] // 2
@@ -221,8 +193,8 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
         dqi, dkj, dvj = bwd_pair(tuple(_take(x, i) for x in rows), kj, vj, grads, options)
         return _put(dq, i, dqi), _put(dk, j, dkj), _put(dv, j, dvj)
 
-    def send_back(state):  # dK, dV travel packed in one buffer
-        dkv = _hop(jnp.stack(state[1:]), ring)
+    def send_back(state, shift=1):  # dK, dV travel packed in one buffer
+        dkv = _hop(jnp.stack(state[1:]), ring, shift)
         return state[0], dkv[0], dkv[1]
 
     dkv = jnp.zeros_like(kv, dtype=F32)
@@ -235,7 +207,31 @@ def _backward_local(ring: _Ring, q, k, v, seg, out, lse, dout, dlse):
     )
 
 
-def _shard_map(ring: _Ring, fn, in_specs, out_specs):
+def _forward_device(ring: Ring, q, k, v, seg):
+    """Per device: `_forward_local`, under 2D between the exchanges to and from the head split."""
+    u, axis = ring.layout.ulysses, ring.layout.axis_name
+    if u == 1:
+        return _forward_local(ring, q, k, v, seg)
+    k, v = (jnp.repeat(x, ring.kv_repeat, axis=2) for x in (k, v))
+    q, k, v = (to_heads(x, axis, u) for x in (q, k, v))
+    out, lse = _forward_local(ring, q, k, v, None if seg is None else gather_seq(seg, axis, u))
+    return to_seq(out, axis, u), to_seq(lse, axis, u, seq_axis=2, heads_axis=1)
+
+
+def _backward_device(ring: Ring, q, k, v, seg, out, lse, dout, dlse):
+    """Per device: `_backward_local`, under 2D between the exchanges (the repeated kv heads' gradients summed)."""
+    u, axis = ring.layout.ulysses, ring.layout.axis_name
+    if u == 1:
+        return _backward_local(ring, q, k, v, seg, out, lse, dout, dlse)
+    k, v = (jnp.repeat(x, ring.kv_repeat, axis=2) for x in (k, v))
+    q, k, v, out, dout = (to_heads(x, axis, u) for x in (q, k, v, out, dout))
+    lse, dlse = (to_heads(x, axis, u, seq_axis=2, heads_axis=1) for x in (lse, dlse))
+    seg = None if seg is None else gather_seq(seg, axis, u)
+    dq, dk, dv = _backward_local(ring, q, k, v, seg, out, lse, dout, dlse)
+    return to_seq(dq, axis, u), *(fold_repeats(to_seq(x, axis, u), ring.kv_repeat) for x in (dk, dv))
+
+
+def _shard_map(ring: Ring, fn, in_specs, out_specs):
     return jax.shard_map(
         functools.partial(fn, ring),
         mesh=ring.mesh,
@@ -246,24 +242,24 @@ def _shard_map(ring: _Ring, fn, in_specs, out_specs):
     )
 
 
-def _forward(ring: _Ring, q, k, v, seg):
+def _forward(ring: Ring, q, k, v, seg):
     tok, seg_spec = ring.token_spec, ring.segment_spec(seg)
-    return _shard_map(ring, _forward_local, (tok, tok, tok, seg_spec), (tok, ring.lse_spec))(q, k, v, seg)
+    return _shard_map(ring, _forward_device, (tok, tok, tok, seg_spec), (tok, ring.lse_spec))(q, k, v, seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(ring: _Ring, q, k, v, seg):
+def _attention(ring: Ring, q, k, v, seg):
     return _forward(ring, q, k, v, seg)
 
 
-def _attention_fwd(ring: _Ring, q, k, v, seg):
+def _attention_fwd(ring: Ring, q, k, v, seg):
     out, lse = _forward(ring, q, k, v, seg)
     return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(ring: _Ring, residuals, cotangents):
+def _attention_bwd(ring: Ring, residuals, cotangents):
     tok, lse, seg = ring.token_spec, ring.lse_spec, ring.segment_spec(residuals[3])
-    backward = _shard_map(ring, _backward_local, (tok, tok, tok, seg, tok, lse, tok, lse), (tok, tok, tok))
+    backward = _shard_map(ring, _backward_device, (tok, tok, tok, seg, tok, lse, tok, lse), (tok, tok, tok))
     return (*backward(*residuals, *cotangents), None)
 
 
@@ -271,43 +267,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ---------------------------------------------------------------- public API
-
-
-def _present(mesh: Mesh, axis: str | None) -> bool:
-    return axis is not None and mesh.shape.get(axis, 1) > 1
-
-
-def _check_divides(what: str, size: int, axes: tuple[str, ...], mesh: Mesh) -> None:
-    devices = math.prod(mesh.shape[a] for a in axes)
-    if size % devices:
-        raise SpmdkitError(
-            f"{what}={size} is not divisible by mesh axes {'x'.join(axes)} of size {devices}: change {what} or "
-            f"shard it over other axes"
-        )
-
-
-def _make_ring(q, k, mesh: Mesh, layout: RingLayout, spec: AttentionSpec) -> _Ring:
-    """Check the user inputs (but q, k, v and segment ids: `check_qkv`), resolve the axes (size-1 and absent axes
-    are dropped) and the spec (its key tile: a divisor of the chunk, default the whole chunk)."""
-    load_balance = check_load_balance(layout.load_balance)
-    axis_name = layout.axis_name
-    if axis_name not in mesh.shape:
-        raise SpmdkitError(f"context axis {axis_name!r} is not in the mesh {dict(mesh.shape)}: set the layout's axis")
-    chunk = check_seq_len(q.shape[1], mesh.shape[axis_name])
-    batch_axes = tuple(a for a in layout.batch_axes if _present(mesh, a) and a != axis_name)
-    heads_axis = layout.heads_axis if _present(mesh, layout.heads_axis) else None
-    _check_divides("batch", q.shape[0], batch_axes, mesh)
-    if heads_axis:
-        _check_divides("heads", q.shape[2], (heads_axis,), mesh)
-        _check_divides("kv_heads", k.shape[2], (heads_axis,), mesh)
-    key_tile = chunk if spec.key_tile is None else spec.key_tile
-    if key_tile < 1 or chunk % key_tile:
-        raise SpmdkitError(
-            f"key_tile={key_tile} does not divide the chunk length seq/(2 x context) = {chunk}: pick a divisor "
-            f"of {chunk} or None"
-        )
-    spec = dataclasses.replace(spec.resolved(q.shape[3], q.shape[1]), key_tile=key_tile)
-    return _Ring(mesh, RingLayout(axis_name, load_balance, batch_axes, heads_axis), spec, chunk)
 
 
 def ring_attention(
@@ -318,7 +277,7 @@ def ring_attention(
     spec: AttentionSpec | None = None,
     *,
     mesh: Mesh,
-    layout: RingLayout = RingLayout(),
+    layout: RingLayout = DEFAULT_LAYOUT,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with the sequence sharded over `layout.axis_name`.
@@ -343,6 +302,6 @@ def ring_attention(
     q's layout; -inf for a row that sees no key), differentiable like `out`.
     """
     check_qkv(q, k, v, "ring attention", segment_ids)
-    ring = _make_ring(q, k, mesh, layout, spec or AttentionSpec())
+    ring = make_ring(q, k, mesh, layout, spec or AttentionSpec())
     out, lse = _attention(ring, q, k, v, segment_ids)
     return (out, lse) if return_lse else out

@@ -37,13 +37,14 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import check_qkv
 from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.kernels.blockwise_attention import blockwise_attention
+from spmdkit.parallel.context.exchange import gather_seq, kv_repeat, to_heads, to_seq
 from spmdkit.parallel.nested_region import nested_region
 
 # kernel(q, k, v, segment_ids, spec) on one device's arrays: q [b, s, h, d], k and v [b, s, kv, d] (the whole
 # sequence), segment ids [b, s] or None.
 LocalKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, AttentionSpec], jax.Array]
 
-__all__ = ["UlyssesLayout", "kv_repeat", "ulysses_attention"]
+__all__ = ["UlyssesLayout", "ulysses_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +58,6 @@ class UlyssesLayout:
     heads_axes: tuple[str, ...] = ("tensor",)
 
 
-def kv_repeat(kv_heads: int, heads: int, degree: int) -> int:
-    """How many times each device repeats its `kv_heads` so that `degree` devices split them: C / gcd(kv, C),
-    1 when they split already. `heads`: the device's query heads (divisible by `degree`)."""
-    repeat = degree // math.gcd(kv_heads, degree)
-    if heads % degree or (heads // kv_heads) % repeat:  # heads % degree == 0 implies the second; kept as a guard
-        raise SpmdkitError(f"Ulysses: {heads} heads per device do not split over context={degree}")
-    return repeat
-
-
 def _local_program(
     q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None, *, axis: str, repeat: int,
     local: LocalKernel, spec: AttentionSpec,
@@ -73,12 +65,10 @@ def _local_program(
     """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back."""
     if repeat > 1:
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    to_heads = functools.partial(lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
-    q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    if seg is not None:
-        seg = lax.all_gather(seg, axis, axis=1, tiled=True)
-    out = local(q, k, v, seg, spec)
-    return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+    C = lax.axis_size(axis)
+    q, k, v = (to_heads(x, axis, C) for x in (q, k, v))
+    out = local(q, k, v, None if seg is None else gather_seq(seg, axis, C), spec)
+    return to_seq(out, axis, C)
 
 
 def _split(mesh: Mesh, axes: tuple[str, ...], manual: set[str]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ import numpy as np
 from spmdkit.inspect.params import human_bytes, parameter_rows
 from spmdkit.models.config import loss_chunks
 from spmdkit.sharding.mesh import describe_parallelism, format_sizes
+from spmdkit.sharding.rules import Rules
 from spmdkit.train.reporting.metrics import plot_loss_curve, read_metrics
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def describe_run(trainer: Trainer) -> str:
             f"{jax.devices()[0].platform.upper()} device(s), {jax.process_count()} process(es)",
             f"parallelism  {describe_parallelism(trainer.mesh)}; optimizer state {zero}"
             + ("; sequence parallel" if trainer.rules.sequence_parallel else "")
-            + ("; ring attention (zigzag)" if cfg.attention == "ring" else ""),
+            + _context_parallelism(cfg.attention, trainer.rules),
             f"model        {name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
             f"compute {cfg.dtype}{' (dense matmuls in FP8)' if cfg.fp8 else ''}, remat {cfg.remat}",
             f"kernels      attention {trainer.attention}" + (" (auto)" if settings.attention == "auto" else "")
@@ -52,6 +53,14 @@ def describe_run(trainer: Trainer) -> str:
             *([_describe_pipeline(trainer)] if trainer.pipeline else []),
         ]
     )  # fmt: skip
+
+
+def _context_parallelism(kernel: str, rules: Rules) -> str:
+    """How the context axis splits attention: the ring, the 2D ring of Ulysses groups, or Ulysses."""
+    if kernel == "ring":
+        groups = f" of Ulysses groups of {rules.ulysses} (2D)" if rules.ulysses > 1 else ""
+        return f"; ring attention ({rules.ring_layout}){groups}"
+    return "; Ulysses attention (all-to-alls)" if kernel.startswith("ulysses") else ""
 
 
 def _describe_experts(trainer: Trainer) -> str:

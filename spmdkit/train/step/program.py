@@ -9,7 +9,7 @@ pipeline schedule and the optimizer. The Trainer runs it on real devices; `spmdk
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.collective_matmul import rings
+from spmdkit.parallel.context.chunks import ring_balance
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
@@ -114,7 +115,7 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
     return Layout(
         mesh_text(mesh.shape), settings.zero, settings.sequence_parallel, microbatches(config, mesh),
         settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, settings.context_parallel,
-        model=model,
+        settings.ulysses or 1, model=model,
         batch_size=run.batch_size, seq_len=run.seq_len,
     )  # fmt: skip
 
@@ -138,6 +139,25 @@ def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
 
 
+def ulysses_factor(factor: int | None, sizes: Mapping[str, int], model: TransformerConfig) -> int:
+    """2D context parallelism's Ulysses factor U (1 without it), checked: a divisor of context strictly between 1
+    and context (U = context is --context-parallel ulysses, U = 1 the ring), dividing the heads per tensor rank."""
+    if factor is None:
+        return 1
+    C, T = sizes["context"], sizes["tensor"]
+    if not 1 < factor < C or C % factor:
+        raise SpmdkitError(
+            f"--ulysses {factor} must divide context={C} and lie strictly between 1 and it (--context-parallel "
+            "ulysses is the whole axis, ring none of it)"
+        )
+    if (model.heads // T) % factor:
+        raise SpmdkitError(
+            f"--ulysses {factor}: the {model.heads // T} heads per tensor rank do not split over it: pick a factor "
+            "that divides them"
+        )
+    return factor
+
+
 def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> TrainProgram:
     """The program of `config` on `devices` (default: every device of every process). Everything the mesh, model
     and batch must agree on is checked here, before any array exists; an explicit attention kernel that cannot run
@@ -145,18 +165,22 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     config = resolve_config(config)
     mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn), devices)
     model = config.model.build()
-    rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel, overlap_tp=config.mesh.overlap_tp)
-    planned = layout(config, mesh, model)
-    check_layout(planned)
-    device = mesh.devices.flat[0]
-    split = mesh.shape["tensor"] * mesh.shape["context"]
+    ulysses = ulysses_factor(config.mesh.ulysses, mesh.shape, model)
+    device, split = mesh.devices.flat[0], mesh.shape["tensor"] * mesh.shape["context"]
     kernel = choose_attention(
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
         head_dim=model.head_dim, compute_capability=compute_capability(device), softcap=model.attention_softcap,
         context_parallel=config.mesh.context_parallel, head_split=0 if model.heads % split else model.heads // split,
     )  # fmt: skip
-    settings, run = config.mesh, config.run
-    pipeline = None
+    windows = [model.window_of(i) for i in range(model.layers)]
+    ring_layout = ring_balance(windows, config.run.seq_len, mesh.shape["context"] // ulysses)
+    settings = config.mesh
+    rules = make_rules(
+        settings.zero, settings.sequence_parallel, overlap_tp=settings.overlap_tp, ulysses=ulysses,
+        ring_layout=ring_layout,
+    )  # fmt: skip
+    check_layout(layout(config, mesh, model))
+    run, pipeline = config.run, None
     check_levers(model, rules, mesh)
     if mesh.shape["pipeline"] > 1:
         count = microbatches(config, mesh)

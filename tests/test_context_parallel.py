@@ -1,6 +1,7 @@
-"""Ulysses context parallelism: the numbers of dense one-device attention (forward and gradients) on 8 simulated
-devices, its all-to-alls in the compiled program, the kernel choice and its refusals, and training: the losses of
-an fsdp-only run, and a checkpoint of a ring run restored under Ulysses bit-identically."""
+"""Ulysses, 2D (ring x Ulysses) and the window-aware ring: the numbers of dense one-device attention (forward and
+gradients) on 8 simulated devices, the all-to-alls and K/V hops in the compiled program, the kernel choice and its
+refusals, and training: the losses of an fsdp-only run, and a checkpoint of a ring run restored under Ulysses
+bit-identically."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ import numpy as np
 import pytest
 from support import error_lines, run_spmdkit
 
+from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.kernels.attention_spec import AttentionSpec
 from spmdkit.models.attention import KERNEL_TABLE, _fused_local, dot_attention
 from spmdkit.models.attention_choice import choose_attention
-from spmdkit.parallel.context.ulysses import UlyssesLayout, kv_repeat, ulysses_attention
+from spmdkit.parallel.context.exchange import kv_repeat
+from spmdkit.parallel.context.ring_attention import RingLayout, ring_attention
+from spmdkit.parallel.context.ulysses import UlyssesLayout, ulysses_attention
+from spmdkit.parallel.context.zigzag import from_zigzag, ring_balance, ring_steps, to_zigzag
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
+from spmdkit.tools.gpu_compile import lower_train_step
+from spmdkit.train.config import TrainConfig
+from spmdkit.train.step.program import build_program
 
 RTOL = 1e-5
 
@@ -81,6 +89,34 @@ def test_ulysses_equals_dense_attention(mesh_text, batch, seq, heads, kv_heads, 
         with use_rules(rules, mesh), jax.set_mesh(mesh):
             got = _out_and_grads(KERNEL_TABLE[kind], segments, spec)(q, k, v, dout)
         _assert_close(got, want)
+
+
+# (mesh, Ulysses factor, batch, seq, heads, kv_heads, head_dim, window, packed): a ring of context / U positions
+# over Ulysses groups of U; kv heads fewer than U (repeated), equal, more; SP with tensor.
+CASES_2D = [
+    ("context=8", 2, 1, 64, 8, 2, 64, 0, False),
+    ("context=8", 4, 1, 64, 8, 8, 128, 9, True),
+    ("context=4,fsdp=2", 2, 2, 32, 4, 1, 64, 0, True),
+    ("context=2,tensor=2,fsdp=2", 2, 2, 32, 8, 4, 64, 5, False),
+]
+
+
+@pytest.mark.parametrize("mesh_text,ulysses,batch,seq,heads,kv_heads,head_dim,window,packed", CASES_2D)
+def test_2d_context_parallelism_equals_dense_attention(
+    mesh_text, ulysses, batch, seq, heads, kv_heads, head_dim, window, packed
+):
+    """The ring kernel under rules with a Ulysses factor, inputs in the zigzag layout over the ring's positions:
+    forward and gradients of dense one-device attention within 1e-5."""
+    q, k, v, dout, segments = _inputs(batch, seq, heads, kv_heads, head_dim, packed)
+    spec = AttentionSpec(window=window)
+    want = _out_and_grads(dot_attention, segments, spec)(q, k, v, dout)
+    mesh = make_mesh(mesh_text)
+    positions = mesh.shape["context"] // ulysses
+    zig = lambda x: None if x is None else np.asarray(to_zigzag(x, axis=1, n=positions))  # noqa: E731
+    rules = make_rules(3, sequence_parallel="tensor" in mesh_text, ulysses=ulysses)
+    with use_rules(rules, mesh), jax.set_mesh(mesh):
+        got = _out_and_grads(KERNEL_TABLE["ring"], zig(segments), spec)(zig(q), zig(k), zig(v), zig(dout))
+    _assert_close([np.asarray(from_zigzag(x, axis=1, n=positions)) for x in got], want)
 
 
 def test_the_fused_kernel_runs_per_device_inside_ulysses():
@@ -155,7 +191,7 @@ def test_auto_runs_ulysses_around_cudnn_on_a_gpu_where_the_heads_split():
         ),
         ("dot", dict(context_parallel="ring"), "--attention dot cannot split the sequence over context=4"),
         ("auto", dict(context=1, context_parallel="ulysses"), "--context-parallel ulysses needs a context axis > 1"),
-        ("auto", dict(context_parallel="2d"), "unknown --context-parallel '2d'"),
+        ("auto", dict(context_parallel="usp"), "unknown --context-parallel 'usp'"),
     ],
 )
 def test_a_context_choice_that_cannot_run_is_one_clear_error(kind, settings, message):
@@ -180,6 +216,40 @@ def test_ulysses_refuses_heads_that_do_not_split_in_one_line():
             "pipeline and context parallelism together are not",
         ),
         (["--mesh", "fsdp=8", "--context-parallel", "ulysses"], "needs a context axis > 1 in the mesh"),
+        (["--mesh", "context=4,fsdp=2", "--context-parallel", "2d"], "--context-parallel 2d takes --ulysses U"),
+        (["--mesh", "context=4,fsdp=2", "--ulysses", "2"], "--ulysses only goes with it"),
+        (["--mesh", "context=4,fsdp=2", "--context-parallel", "2d", "--ulysses", "3"], "--ulysses 3 must divide"),
+        (["--mesh", "context=4,fsdp=2", "--context-parallel", "2d", "--ulysses", "4"], "strictly between 1 and it"),
+        (
+            [
+                "--mesh",
+                "context=8",
+                "--model.heads",
+                "4",
+                "--model.kv-heads",
+                "4",
+                "--context-parallel",
+                "2d",
+                "--ulysses",
+                "8",
+            ],
+            "strictly between",
+        ),
+        (
+            [
+                "--mesh",
+                "context=4,tensor=2",
+                "--model.heads",
+                "6",
+                "--model.kv-heads",
+                "2",
+                "--context-parallel",
+                "2d",
+                "--ulysses",
+                "2",
+            ],
+            "the 3 heads per tensor rank do not split over it",
+        ),
     ],
 )
 def test_train_refuses_ulysses_where_it_cannot_run(tmp_path, flags, message):
@@ -209,8 +279,8 @@ def _train(run_dir, steps, *flags):
 
 def test_training_under_ulysses_gives_the_fsdp_losses(tmp_path):
     """20 steps of `tiny` (8 heads, 4 kv heads): Ulysses on context=4,fsdp=2, on context=2,tensor=2,fsdp=2 with SP
-    and on context=2,data=2,fsdp=2 accumulating 2 microbatches give the losses of fsdp=8 (float32, 1e-5), and the
-    run says which kernel ran."""
+    and on context=2,data=2,fsdp=2 accumulating 2 microbatches, and 2D (a ring of 2 positions over Ulysses pairs)
+    on context=4,fsdp=2 give the losses of fsdp=8 (float32, 1e-5), and the run says which kernel ran."""
     base = _train(tmp_path / "fsdp", 20, "--mesh", "fsdp=8", "--checkpoint-every", "0")
     ulysses = _train(tmp_path / "u", 20, "--mesh", "context=4,fsdp=2", "--context-parallel", "ulysses")
     sp = ("--mesh", "context=2,tensor=2,fsdp=2", "--sequence-parallel", "--context-parallel", "ulysses")
@@ -218,10 +288,12 @@ def test_training_under_ulysses_gives_the_fsdp_losses(tmp_path):
     # accumulating over a replica axis runs the model in a partly manual region: Ulysses nests in it
     accumulated = ("--mesh", "context=2,data=2,fsdp=2", "--grad-accum", "2", "--context-parallel", "ulysses")
     _train(tmp_path / "uacc", 20, *accumulated, "--checkpoint-every", "0")
+    two_d = _train(tmp_path / "2d", 20, "--mesh", "context=4,fsdp=2", "--context-parallel", "2d", "--ulysses", "2")
     want = _losses(tmp_path / "fsdp")
     assert len(want) == 20 and want[-1] < want[0] and "attention blockwise" in base.stdout
     assert "attention ulysses_blockwise" in ulysses.stdout
-    for name in ("u", "usp", "uacc"):
+    assert "ring attention (zigzag) of Ulysses groups of 2 (2D)" in two_d.stdout
+    for name in ("u", "usp", "uacc", "2d"):
         got = _losses(tmp_path / name)
         assert np.allclose(got, want, rtol=1e-5, atol=0), (name, got, want)
 
@@ -252,3 +324,49 @@ def _restored(run_dir, algorithm) -> tuple[list[np.ndarray], int]:
     finally:
         trainer.release_lock()
         trainer.checkpointer.close()
+
+
+# --- the window-aware ring ------------------------------------------------------------------------------------
+
+
+def test_a_windowed_ring_takes_only_the_steps_its_window_reaches():
+    # 8 positions, chunks of 8: a window of 16 reaches one chunk back and into the next; zigzag's late chunks sit
+    # in reverse, so their neighbours arrive from the other way round the ring
+    assert ring_steps(8, "zigzag", 8, 16) == (0, 1, 2, 6, 7)
+    assert ring_steps(8, "none", 8, 16) == (0, 1)
+    assert ring_steps(8, "zigzag", 8, 0) == tuple(range(8)) == ring_steps(8, "zigzag", 8, 16, causal=False)
+    assert ring_balance([16, 16], 128, 8) == "contiguous"
+    assert ring_balance([16, 0], 128, 8) == ring_balance([32, 32], 128, 8) == "zigzag"  # a global layer; too wide
+
+
+@pytest.mark.parametrize("load_balance", ["zigzag", "none"])
+@pytest.mark.parametrize("window,packed", [(16, False), (5, True), (40, False)])
+def test_a_windowed_ring_equals_dense_attention(load_balance, window, packed):
+    q, k, v, dout, segments = _inputs(1, 128, 4, 2, 16, packed)
+    spec = AttentionSpec(window=window)
+    want = _out_and_grads(dot_attention, segments, spec)(q, k, v, dout)
+    mesh = make_mesh("context=8")
+    zig = lambda x: x if x is None or load_balance == "none" else np.asarray(to_zigzag(x, axis=1, n=8))  # noqa: E731
+    back = lambda x: x if load_balance == "none" else np.asarray(from_zigzag(x, axis=1, n=8))  # noqa: E731
+    attention = functools.partial(ring_attention, mesh=mesh, layout=RingLayout(load_balance=load_balance))
+    with jax.set_mesh(mesh):
+        got = _out_and_grads(attention, zig(segments), spec)(zig(q), zig(k), zig(v), zig(dout))
+    _assert_close([np.asarray(back(x)) for x in got], want)
+
+
+def _permute_bytes(flags: str) -> int:
+    program = build_program(parse_flags(f"--model tiny --seq-len 128 --batch-size 8 {flags}".split(), TrainConfig()))
+    return collective_report(lower_train_step(program).compile()).bytes("collective-permute")
+
+
+def test_a_windowed_model_sends_only_the_kv_it_reads(tmp_path):
+    """A model windowed everywhere (window 16 = 1/8 of 128 tokens) on context=8: the ring takes the contiguous
+    layout and one step of K/V each way, at least 4x fewer collective-permute bytes per step than the same model
+    without the window (the compiled step's HLO), and trains to the losses of fsdp=8 with the same window."""
+    windowed = _permute_bytes("--mesh context=8 --model.sliding-window 16")
+    assert windowed > 0 and _permute_bytes("--mesh context=8") >= 4 * windowed
+    window = ("--model.sliding-window", "16", "--seq-len", "128", "--checkpoint-every", "0")
+    ring = _train(tmp_path / "ring", 12, "--mesh", "context=8", *window)
+    _train(tmp_path / "fsdp", 12, "--mesh", "fsdp=8", *window)
+    assert "ring attention (contiguous)" in ring.stdout
+    assert np.allclose(_losses(tmp_path / "ring"), _losses(tmp_path / "fsdp"), rtol=1e-5, atol=0)
