@@ -27,9 +27,9 @@ compares it with the residuals of the step's vjp):
         names they save; names they offload are host bytes (`Estimate.host_bytes`), not counted here.
 Transient: the largest of three phases, each on top of the persistent part.
   forward:  the attention kernel's scratch (blockwise: 3 float32 scores of its widest step, `attention_scratch`;
-            ring: `ring_scratch`; ring and blockwise under dots_saveable: two more copies of one layer's kept
-            scores, made in the kernel's loops before they are copied into the layers' stack) + two gathered
-            layers (ZeRO-3, compute dtype) + TP's 2 t_m E a.
+            ring: 3 float32 scores of one key tile, `ring_scratch`; ring and blockwise under dots_saveable: two
+            more copies of one layer's kept scores, made in the kernel's loops before they are copied into the
+            layers' stack) + two gathered layers (ZeRO-3, compute dtype) + TP's 2 t_m E a.
             No gradients yet: XLA allocates them after the forward when memory is short.
   loss:     the gradients + the LM head's float32 gradient accumulator 4EV/T (gathered over fsdp when the loss
             runs in its shard_map over the token axes) + its cast aEV/T (XLA 0.11 on casts the head before it
@@ -152,13 +152,12 @@ def attention_scratch(m: TransformerConfig, T: int, seq: int, seqs: float, kerne
 
 
 def ring_scratch(m: TransformerConfig, T: int, C: int, seq: int, seqs: float) -> float:
-    """Bytes the ring kernel's forward holds while one layer runs, with U = seqs x H x c^2 (c = S / 2C): the
-    key-tile masks depend on the loop indices only, so JAX's partial evaluation computes them apart and keeps them
-    for every step and chunk pair, broadcast to [B, H, c, c] one byte each, with one float32 [B, H, c, tile]
-    array per step and pair; the last step's are held twice: 4 (C + 1) U (1 + 4 tile / c)."""
+    """Bytes the ring kernel holds while one layer runs: as the blockwise kernel, 3 float32 score arrays (P, dP,
+    dS) of one key tile of a chunk pair, [seqs, H, c, tile] with c = S / 2C. (Its masks and pair modes are tied to
+    the data, `spmdkit.parallel.context.ring_attention._position`: before that, the layer scan's partial evaluation
+    kept them for every step and chunk pair, 4 (C + 1) x that x c / tile.)"""
     c = seq // (2 * C)
-    units = seqs * m.heads / T * c * c
-    return 4 * (C + 1) * units * (1 + 4 * ring_key_tile(c) / c)
+    return 3 * 4 * seqs * m.heads / T * c * ring_key_tile(c)
 
 
 def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -> tuple[float, float]:

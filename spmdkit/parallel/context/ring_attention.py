@@ -112,14 +112,24 @@ def _ring_step(pair_fn, state, kv, ring: Ring, r, t):
     return lax.fori_loop(0, 4, pair, state)
 
 
-def _ring_loop(pair_fn, state, kv, ring: Ring, send_back=None):
+def _position(ring: Ring, anchor: jax.Array) -> jax.Array:
+    """This device's ring position, tied to the data (`anchor`, plus a zero made from it). The masks and pair
+    modes of the ring's loops depend on loop indices and the position only; inside an enclosing layer scan JAX's
+    partial evaluation would hoist all of them out of it, computed for every step, pair and tile at once and
+    kept ([steps, 4, B, H, c, key_tile] floats and masks: 119 GB per device at Llama-3-8B x 128k, context=8)."""
+    r = lax.axis_index(ring.layout.axis_name) // ring.layout.ulysses
+    return r + anchor.reshape(-1)[0].astype(jnp.int32) * 0
+
+
+def _ring_loop(pair_fn, state, kv, ring: Ring, anchor: jax.Array, send_back=None):
     """Run the N steps while K/V rotate; the hop for step t+1 is issued before step t's math. `send_back`
-    (the backward's dK, dV hop) is applied after every step: N times, the last one bringing them home."""
+    (the backward's dK, dV hop) is applied after every step: N times, the last one bringing them home. `anchor`:
+    an array of the step's data (`_position`)."""
     send_back = send_back or (lambda s, shift=1: s)
     steps = ring_steps(ring.n, ring.layout.load_balance, ring.chunk, ring.spec.window, ring.spec.causal)
+    r = _position(ring, anchor)
     if len(steps) < ring.n:  # a window: only the steps it reads, unrolled (each jump is one hop)
-        return _sparse_ring_loop(pair_fn, state, kv, ring, send_back, steps)
-    r = lax.axis_index(ring.layout.axis_name) // ring.layout.ulysses  # the ring position
+        return _sparse_ring_loop(pair_fn, state, kv, ring, send_back, steps, r)
 
     def body(t, carry):
         kv, state = carry
@@ -132,11 +142,10 @@ def _ring_loop(pair_fn, state, kv, ring: Ring, send_back=None):
     return send_back(state) if ring.n > 1 else state
 
 
-def _sparse_ring_loop(pair_fn, state, kv, ring: Ring, send_back, steps: tuple[int, ...]):
+def _sparse_ring_loop(pair_fn, state, kv, ring: Ring, send_back, steps: tuple[int, ...], r: jax.Array):
     """`_ring_loop` over the `steps` only (`ring_steps`: 0 and those some window reaches): K/V (and the dK, dV
     travelling with them) jump from step to step in one hop each, the next hop issued before a step's math; after
-    the last step t the dK, dV go home in one more hop (n - t positions on)."""
-    r = lax.axis_index(ring.layout.axis_name) // ring.layout.ulysses
+    the last step t the dK, dV go home in one more hop (n - t positions on). r: the ring position."""
     for here, nxt in zip(steps, (*steps[1:], None), strict=True):
         ahead = None if nxt is None else _hop(kv, ring, nxt - here)
         state = _ring_step(pair_fn, state, kv, ring, r, here)
@@ -170,7 +179,7 @@ def _forward_local(ring: Ring, q, k, v, seg):
         new = fwd_pair(_take(qs, i), _take(kv[0], j), _take(kv[1], j), acc, options)
         return tuple(_put(s, i, a) for s, a in zip(state, new, strict=True))
 
-    state = _ring_loop(pair, state, (jnp.stack([kv_blocks(k, c), kv_blocks(v, c)]), q_seg), ring)
+    state = _ring_loop(pair, state, (jnp.stack([kv_blocks(k, c), kv_blocks(v, c)]), q_seg), ring, q)
     out, lse = finish(state)
     return from_q_blocks(out.astype(q.dtype), 2 * c), merge_rows(lse)
 
@@ -198,7 +207,7 @@ def _backward_local(ring: Ring, q, k, v, seg, out, lse, dout, dlse):
         return state[0], dkv[0], dkv[1]
 
     dkv = jnp.zeros_like(kv, dtype=F32)
-    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), (kv, q_seg), ring, send_back)
+    dq, dk, dv = _ring_loop(pair, (jnp.zeros_like(qs, dtype=F32), dkv[0], dkv[1]), (kv, q_seg), ring, dout, send_back)
     seq = 2 * c
     return (
         from_q_blocks(dq, seq).astype(q.dtype),
