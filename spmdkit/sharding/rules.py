@@ -58,7 +58,7 @@ class Rules:
     sequence_parallel: bool = False
     overlap_tp: bool = False  # SP's projections as collective matmuls (`spmdkit.parallel.collective_matmul`)
     ulysses: int = 1  # 2D context parallelism: the Ulysses factor of the context axis under the ring
-    ring_layout: str = "zigzag"  # the ring's sequence layout (`spmdkit.parallel.context.zigzag.ring_balance`)
+    ring_layout: str = "zigzag"  # the ring's sequence layout (`spmdkit.parallel.context.chunks.ring_balance`)
 
     def to_flax(self, table: str = "params") -> tuple[tuple[str, FlaxAxes], ...]:
         """The `params` (or `"optimizer"`) table as Flax's logical axis rules: `(("batch", ("data", "fsdp",

@@ -20,7 +20,7 @@ class Strategy:
     parallelism over tensor, the microbatches of a step (gradient accumulation, or a pipeline's microbatches when
     pipeline > 1; None: 1, or the planner's and the trainer's default for a pipeline), the pipeline schedule and its
     virtual stages, the optimizer state kept in host memory between steps, and the algorithm over a context axis
-    ("auto", "ring", "ulysses": `spmdkit.models.attention_choice`)."""
+    ("auto", "ring", "ulysses", "2d" with `ulysses` devices per group: `spmdkit.models.attention_choice`)."""
 
     mesh: str = "fsdp=-1"
     zero: int = 3

@@ -8,7 +8,8 @@ the ring's positions):
     to_seq     [b, s*U/C, h/U, d]  ->  [b, s/C, h, d]     (its inverse)
 
 The sequence gathered is the group's pieces in device order, so a layout contiguous over the devices stays one
-over the groups. `repeat_kv` repeats kv heads so that U devices split them; the backward sums the copies back.
+over the groups. `kv_repeat` says how often each device repeats its kv heads so that U devices split them;
+`fold_repeats` sums the gradients of the copies back.
 """
 
 from __future__ import annotations

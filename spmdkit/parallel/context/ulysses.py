@@ -11,8 +11,9 @@ devices). Per device (DeepSpeed-Ulysses, arXiv:2309.14509):
 Each device sends (C-1)/C of q, k, v and out per layer forward, a constant as C grows (the ring sends (C-1)/C of
 K/V per layer too, but its bytes are the whole sequence's K/V); the backward is JAX's transpose of the same
 all-to-alls. The local kernel sees the sequence whole and in order, so causal masks, windows, soft caps and packed
-documents (the segment ids are all-gathered over context) are its own; no load balancing is needed (every device
-attends all positions of its heads).
+documents (the segment ids are gathered over context) are its own; no load balancing is needed (every device
+attends all positions of its heads). cuDNN takes packed documents as a dense [seq, seq] mask per sequence, so at
+long context packed rows want the blockwise kernel (`--attention blockwise`: `ulysses_blockwise`).
 
 GQA: after the exchange every device needs the kv heads of its query heads. With kv_heads/T not divisible by C,
 each device repeats its kv heads r = C / gcd(kv_heads/T, C) times before the exchange (r divides the group
