@@ -17,9 +17,9 @@ from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_FLAGS, DEVICE_TYPES, Device, make_device, parse_mesh
-from spmdkit.plan.estimate import REMAT_ORDER, Estimate, estimate
+from spmdkit.plan.estimate import REMAT_ORDER, estimate
 from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
-from spmdkit.plan.report import explain, format_details, format_table, plot
+from spmdkit.plan.report import context_flag, explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
 from spmdkit.sharding.mesh_config import format_sizes
 from spmdkit.sharding.strategy import Strategy, mesh_text
@@ -168,7 +168,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"{title}, batch {batch} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)}"
               " meshes fit")  # fmt: skip
         print(format_table(shown))
-        cp = "" if best.mesh["context"] == 1 else f" --context-parallel {_algorithm_flag(best)}"
+        cp = "" if best.mesh["context"] == 1 else f" --context-parallel {context_flag(best)}"
         print(
             f"\n{'recommended' if best.fits else 'does NOT fit'}: {format_sizes(best.mesh)}{cp}\n{format_details(best)}"
         )
@@ -178,10 +178,3 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout.flush()
         plot(shown, args.plot)
     return 0
-
-
-def _algorithm_flag(e: Estimate) -> str:
-    """The `--context-parallel` value (with `--ulysses`) of a layout with a context axis."""
-    if e.attention.startswith("ulysses"):
-        return "ulysses"
-    return f"2d --ulysses {e.ulysses}" if e.ulysses > 1 else "ring"

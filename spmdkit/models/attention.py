@@ -121,6 +121,17 @@ def context_attention(
     return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
 
 
+def _split_kv_heads(
+    q: jax.Array, k: jax.Array, v: jax.Array, heads: tuple[str, ...], mesh: jax.sharding.Mesh
+) -> tuple[jax.Array, jax.Array]:
+    """k, v as a region splitting heads over the `heads` axes takes them: as they are when their kv heads split,
+    else (kv heads fewer than the axes, replicated by the rules) repeated to the query heads."""
+    if k.shape[2] % math.prod(mesh.shape[a] for a in heads) == 0:
+        return k, v
+    group = q.shape[2] // k.shape[2]
+    return jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+
 def _fused_local(q, k, v, segment_ids, *, spec: AttentionSpec, implementation: str) -> jax.Array:
     """`jax.nn.dot_product_attention` on one device's shard; segment ids become a [batch, 1, seq, seq] mask.
     Its `local_window_size=(left, right)` lets query i see keys i - left <= j <= i + right: our window W is
@@ -173,9 +184,7 @@ def cudnn_attention(
     for what, size, axes in (("batch", q.shape[0], batch), ("heads", q.shape[2], heads)):
         if size % math.prod(mesh.shape[a] for a in axes):
             raise SpmdkitError(f"cuDNN attention: {what}={size} does not split over mesh axes {axes}: change it")
-    if k.shape[2] % math.prod(mesh.shape[a] for a in heads):
-        group = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    k, v = _split_kv_heads(q, k, v, heads, mesh)
     tokens = PartitionSpec(batch or None, None, heads or None, None)
     args, specs = (q, k, v), (tokens, tokens, tokens)
     if segment_ids is not None:
@@ -199,9 +208,7 @@ def _ulysses(local: Any) -> Any:
     def kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None) -> jax.Array:
         rules, mesh = active_rules()
         batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
-        if k.shape[2] % math.prod(mesh.shape[a] for a in heads):  # kv heads < tensor: repeated to the query heads
-            group = q.shape[2] // k.shape[2]
-            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        k, v = _split_kv_heads(q, k, v, heads, mesh)
         layout = UlyssesLayout("context", batch, heads)
         return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local)
 

@@ -67,14 +67,29 @@ def explain(best: Estimate, runner_up: Estimate | None, gpus_per_node: int) -> s
     return " ".join(text)
 
 
+def context_choice(e: Estimate) -> tuple[str, int]:
+    """(--context-parallel, Ulysses factor) of a layout with a context axis: ("ulysses", C), ("2d", U) or
+    ("ring", 1)."""
+    if e.attention.startswith("ulysses"):
+        return "ulysses", e.mesh["context"]
+    return ("2d", e.ulysses) if e.ulysses > 1 else ("ring", 1)
+
+
+def context_flag(e: Estimate) -> str:
+    """The `--context-parallel` value (with `--ulysses` under 2D) of a layout with a context axis."""
+    name, factor = context_choice(e)
+    return f"2d --ulysses {factor}" if name == "2d" else name
+
+
 def context_algorithm(e: Estimate) -> str:
     """The context-parallel algorithm of a layout, and why it moves what it moves."""
-    if e.attention.startswith("ulysses"):
+    name, factor = context_choice(e)
+    if name == "ulysses":
         kernel = e.attention.removeprefix("ulysses_")
         return (f"Ulysses (all-to-alls trade the sequence split for a head split; {kernel} attends per device; "
                 "its bytes per device stay constant as the context axis grows)")  # fmt: skip
-    if e.ulysses > 1:
-        return (f"2D, a ring of {e.mesh['context'] // e.ulysses} positions over Ulysses groups of {e.ulysses} "
+    if name == "2d":
+        return (f"2D, a ring of {e.mesh['context'] // factor} positions over Ulysses groups of {factor} "
                 "(all-to-alls inside a group, K/V around the ring)")  # fmt: skip
     return "ring attention (K/V travel the ring, zigzag-balanced; the blockwise kernel per chunk pair)"
 
@@ -83,8 +98,8 @@ def _mesh_cell(e: Estimate) -> str:
     """The mesh column: the axis sizes, and the context algorithm where there is a context axis."""
     if e.mesh["context"] == 1:
         return format_sizes(e.mesh)
-    algorithm = "ulysses" if e.attention.startswith("ulysses") else f"2d/u{e.ulysses}" if e.ulysses > 1 else "ring"
-    return f"{format_sizes(e.mesh)} ({algorithm})"
+    name, factor = context_choice(e)
+    return f"{format_sizes(e.mesh)} ({f'2d/u{factor}' if name == '2d' else name})"
 
 
 def format_table(estimates: list[Estimate]) -> str:
