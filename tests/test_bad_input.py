@@ -38,6 +38,7 @@ from spmdkit.train.config import (
     config_from_json,
 )  # fmt: skip
 from spmdkit.train.step.optimizer import make_optimizer
+from spmdkit.train.step.program import resolve_config
 from spmdkit.train.step.state import abstract_train_state
 
 TRAIN = "train --steps 2 --seq-len 32 --batch-size 8 --dtype float32 --eval-every 0 --no-progress --mesh fsdp=8"
@@ -122,7 +123,33 @@ CASES = [
     ([*RUN, "--steps", "6", "--seq-len", "64"], 2, "was saved with --seq-len 32, this run has 64"),
     ([*RUN, "--steps", "6", "--seed", "1"], 2, "was saved with --seed 0, this run has 1"),
     ([*RUN, "--steps", "6", "--data", "synthetic"], 2, "was saved with --data stdlib, this run has synthetic"),
-    ([*RUN, "--steps", "6", "--model.layers", "2"], 2, "does not match this model: model/blocks/attention/k"),
+    ([*RUN, "--steps", "6", "--model.layers", "2", "--allow-config-change", "layers"], 2, "does not match this model"),
+    # the model's function and the optimizer: refused unless --allow-config-change names the field
+    ([*RUN, "--steps", "6", "--model.layers", "2"], 2, "optimizer settings (--model.layers 4 -> 2): pass the saved"),
+    ([*RUN, "--steps", "6", "--model.activation", "gelu"], 2, "optimizer settings (--model.activation silu -> gelu)"),
+    ([*RUN, "--steps", "6", "--model.rope-theta", "500000"], 2, "settings (--model.rope-theta 10000.0 -> 500000.0)"),
+    ([*RUN, "--steps", "6", "--model.norm-eps", "0.1"], 2, "optimizer settings (--model.norm-eps 1e-05 -> 0.1)"),
+    ([*RUN, "--steps", "6", "--model.sliding-window", "4"], 2, "optimizer settings (--model.sliding-window 0 -> 4)"),
+    ([*RUN, "--steps", "6", "--model.attention-softcap", "2"], 2, "settings (--model.attention-softcap 0.0 -> 2.0)"),
+    ([*RUN, "--steps", "6", "--model.z-loss", "0.5"], 2, "optimizer settings (--model.z-loss 0.0 -> 0.5): pass"),
+    (
+        [
+            *RUN,
+            "--steps",
+            "6",
+            "--model.logit-softcap",
+            "1",
+            "--model.z-loss",
+            "0.5",
+            "--allow-config-change",
+            "z_loss",
+        ],
+        2,
+        "optimizer settings (--model.logit-softcap 0.0 -> 1.0): pass the saved values to continue it",
+    ),
+    ([*RUN, "--steps", "6", "--lr", "0.0005"], 2, "optimizer settings (--lr 0.003 -> 0.0005): pass the saved values"),
+    ([*RUN, "--steps", "6", "--allow-config-change", "nosuch"], 2, "--allow-config-change nosuch: not a model or"),
+    ([*RUN, "--steps", "6", "--allow-config-change", "remat"], 2, "--allow-config-change remat: not a model or"),
     # -- train: --init-from (HF models of vocab 128: the synthetic data fits them)
     ([*FRESH, "--init-from", "{D}/missing"], 2, "{D}/missing does not exist: pass a Hugging Face model directory"),
     ([*FRESH, "--init-from", "{D}/empty"], 2, "{D}/empty is neither a Hugging Face model directory nor an spmdkit"),
@@ -475,9 +502,10 @@ def fixture_dir(tmp_path_factory):
     for _ in range(4):
         next(data)
     checkpointer = Checkpointer(d / "run" / "checkpoints", every=0)
-    checkpointer.save(4, state, data.iterator, json.loads(config.to_json()), force=True)
+    saved = resolve_config(config)  # as the trainer saves it: every model and optimizer setting given its value
+    checkpointer.save(4, state, data.iterator, json.loads(saved.to_json()), force=True)
     checkpointer.close()
-    (d / "run" / "config.json").write_text(config.to_json())  # a refused resume must leave these as they are
+    (d / "run" / "config.json").write_text(saved.to_json())  # a refused resume must leave these as they are
     (d / "run" / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {6 - s / 4}}}\n' for s in range(1, 5)))
     shutil.copytree(d / "run" / "checkpoints", d / "damaged")
     flip_byte(d / "damaged" / "4" / "state", "model.embedding")

@@ -190,6 +190,7 @@ def directories(tmp_path):
     (tmp_path / "afile").write_text("not a directory\n")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("my own notes\n")
+    (tmp_path / "link").symlink_to(tmp_path / "run" / "checkpoints")  # into the run's own checkpoints
     readonly = read_only_dir(tmp_path / "readonly")
     yield tmp_path, readonly
     if readonly:
@@ -205,6 +206,8 @@ BAD = [
     (["--checkpoint.local-dir", "{D}/readonly/l", "--checkpoint.local-every", "2"], "{D}/readonly/l is not writable"),
     (["--checkpoint.local-dir", "{D}/mine", "--checkpoint.local-every", "2"], "{D}/mine holds files that are not"),
     (["--checkpoint.local-dir", "{D}/run/checkpoints", "--checkpoint.local-every", "2"], "overlaps the checkpoint"),
+    (["--checkpoint.local-dir", "{D}/link", "--checkpoint.local-every", "2"], "{D}/link overlaps the checkpoint"),
+    (["--checkpoint.local-dir", "", "--checkpoint.local-every", "2"], "--checkpoint.local-dir is empty: pass a"),
 ]
 
 

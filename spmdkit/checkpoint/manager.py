@@ -70,6 +70,7 @@ class Checkpointer:
             self.directory, every=every, keep=keep, read_only=read_only, per_process=layout.per_process
         )
         self.local: LocalTier | None = None
+        self.run: dict[str, str] | None = None  # the run recorded in each step saved (`tiers.claim_steps` sets it)
         self.restored_from: Path | None = None  # with a local tier: the directory of the step restored
         self._saved: int | None = None
         self._pending: int | None = None  # the step whose asynchronous save may still be running
@@ -131,7 +132,9 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data)
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
-        custom = {"checksums": store.layout.record(tree, found, data, config)}
+        custom: dict[str, Any] = {"checksums": store.layout.record(tree, found, data, config)}
+        if store.run is not None:
+            custom["run"] = store.run
         try:
             saved = store.manager.save(step, args=ocp.args.Composite(**items), force=force, custom_metadata=custom)
         except Exception as error:  # noqa: BLE001 - a failed write, reported as one line
@@ -198,6 +201,18 @@ class Checkpointer:
         """The steps of this directory (no other process asked)."""
         self.manager.reload()
         return sorted(self.manager.all_steps())
+
+    def owners(self) -> dict[int, dict[str, str] | None]:
+        """The run each step of this directory records (`{"id", "run_dir"}`; None: none recorded, or unreadable
+        metadata, which a restore reports as damage); no other process asked."""
+        owners = {}
+        for step in self.own_steps():
+            try:
+                run = (self.manager.metadata(step).custom_metadata or {}).get("run")
+            except Exception:  # noqa: BLE001 - damage is the restore's and verify's to report
+                run = None
+            owners[step] = run if isinstance(run, dict) and isinstance(run.get("id"), str) else None
+        return owners
 
     def held(self) -> list[list[int]]:
         """Every process's steps of this directory (a collective with a per-process layout)."""

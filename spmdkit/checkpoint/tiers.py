@@ -34,7 +34,9 @@ from flax import nnx
 from spmdkit.checkpoint.damage import CheckpointWarning, LayoutMismatch
 from spmdkit.checkpoint.layout import PER_PROCESS, PREFIX, SHARED, process_directory
 from spmdkit.checkpoint.manager import Accept, Checkpointer, Data
+from spmdkit.distributed.gather import gather_over_processes
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.identity import new_run_id
 from spmdkit.rundir.lock import LOCK_FILE
 from spmdkit.sharding.mesh import process_hosts
 
@@ -54,14 +56,16 @@ def check_local_dir(
     local_dir: str | None, persistent_dir: Path, check_writable: Callable[[Path, str], None]
 ) -> Path | None:
     """The local tier's directory (absolute; None without one); SpmdkitError when `check_writable` (the trainer's
-    check of its directories) refuses it, when it is, holds or lies in the persistent directory, or when it holds
+    check of its directories) refuses it, when it is, holds or lies in the persistent directory (symlinks resolved),
+    or when it holds
     files other than checkpoint steps (and the processes' `process-<i>/` directories). Nothing is created."""
     if not local_dir:
         return None
     path = Path(local_dir).expanduser().absolute()
     check_writable(path, LOCAL_FLAG)
     persistent = Path(persistent_dir).expanduser().absolute()
-    if path == persistent or path.is_relative_to(persistent) or persistent.is_relative_to(path):
+    real, real_persistent = path.resolve(), persistent.resolve()  # a symlink into the other tier overlaps too
+    if real == real_persistent or real.is_relative_to(real_persistent) or real_persistent.is_relative_to(real):
         raise SpmdkitError(
             f"{LOCAL_FLAG} {path} overlaps the checkpoint directory {persistent}: pass a directory of its own "
             "(on a node-local disk)"
@@ -90,23 +94,74 @@ def own_local_dirs(local_dir: Path | None) -> dict[str, Path]:
     return {LOCAL_FLAG: process_directory(local_dir)}
 
 
-def open_checkpointer(directory: Path, settings: Any) -> Checkpointer:
+def open_checkpointer(
+    directory: Path, settings: Any, kept_id: str | None = None, run_dir: Path | None = None
+) -> Checkpointer:
     """The run's checkpointer: a `Checkpointer` of `directory`, with `settings.local_dir` holding the local tier
-    (`settings`: the run's `CheckpointSettings`: every, keep, local_dir, local_every); the local tier is this
-    process's own (`process-<i>/`) when the job spans several hosts."""
+    (`settings`: the run's `CheckpointSettings`: every, keep, local_dir, local_every, resume); the local tier is
+    this process's own (`process-<i>/`) when the job spans several hosts. With `run_dir`, its steps are the run's
+    (`claim_steps`, given the id the run directory keeps); with `settings.resume` off, both tiers must be empty."""
     persistent = Checkpointer(directory, every=settings.every, keep=settings.keep)
-    if not settings.local_dir:
-        return persistent
     try:
-        several = len(set(process_hosts())) > 1
-        local_dir = process_directory(Path(settings.local_dir)) if several else settings.local_dir
-        layout = PER_PROCESS if several else SHARED
-        local = Checkpointer(local_dir, every=settings.local_every, keep=LOCAL_KEEP, layout=layout)
+        if settings.local_dir:
+            several = len(set(process_hosts())) > 1
+            local_dir = process_directory(Path(settings.local_dir)) if several else settings.local_dir
+            layout = PER_PROCESS if several else SHARED
+            local = Checkpointer(local_dir, every=settings.local_every, keep=LOCAL_KEEP, layout=layout)
+            persistent.local = LocalTier(local)
+        if not settings.resume and (steps := persistent.steps()):
+            held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            local = f" or {LOCAL_FLAG} {settings.local_dir}" if settings.local_dir else ""
+            raise SpmdkitError(
+                f"--no-resume, but {persistent.directory}{local} already holds {held} of an earlier run: pass a "
+                f"fresh --checkpoint-dir{local and ' and ' + LOCAL_FLAG} or delete that directory (checkpoints "
+                "are never overwritten)"
+            )
+        if run_dir is not None:
+            claim_steps(persistent, kept_id, run_dir)
     except BaseException:
         persistent.close()
         raise
-    persistent.local = LocalTier(local)
     return persistent
+
+
+def claim_steps(checkpointer: Checkpointer, kept: str | None, run_dir: Path) -> str:
+    """The run's id, recorded from now on in every step either tier of `checkpointer` saves (`rundir.identity`):
+    `kept` (the id the run directory keeps), else the one the persistent directory's newest step records, else a new
+    one; process 0's decides. SpmdkitError when a tier holds a step another run saved: it would be resumed, or
+    rotated away by this run's saves. A collective (each process checks its own local steps)."""
+    persistent = [run["id"] for run in checkpointer.owners().values() if run is not None]
+    run_id = gather_over_processes(kept or (persistent[-1] if persistent else new_run_id()))[0]
+    own = next(filter(None, (_foreign(store, run_id, flag) for store, flag in _flagged(checkpointer))), "")
+    problem = next(filter(None, gather_over_processes(own)), "")
+    if problem:
+        raise SpmdkitError(problem)
+    for store in checkpointer._stores():
+        store.run = {"id": run_id, "run_dir": str(run_dir)}
+    return run_id
+
+
+def _flagged(checkpointer: Checkpointer) -> list[tuple[Checkpointer, str]]:
+    """Each store of `checkpointer` with the flag that names its directory."""
+    local = [] if checkpointer.local is None else [(checkpointer.local.store, LOCAL_FLAG)]
+    return [(checkpointer, "--checkpoint-dir"), *local]
+
+
+def _foreign(store: Checkpointer, run_id: str, flag: str) -> str:
+    """One line naming the steps of `store` another run saved ('' when none)."""
+    foreign = {step: run for step, run in store.owners().items() if run is not None and run["id"] != run_id}
+    if not foreign:
+        return ""
+    run = foreign[max(foreign)]
+    fix = (
+        "pass a local directory of this run's own, or delete those steps once that run no longer needs them"
+        if flag == LOCAL_FLAG
+        else f"pass --run-dir {run.get('run_dir')} to continue that run, or a fresh --checkpoint-dir"
+    )
+    return (
+        f"{flag} {store.directory} holds {_listed(sorted(foreign))} of another run (run {run['id']} of "
+        f"{run.get('run_dir')}; this is run {run_id}): a run resumes and rotates away only its own steps; {fix}"
+    )
 
 
 class LocalTier:

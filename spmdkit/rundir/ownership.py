@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.identity import RUN_ID_FILE
 from spmdkit.rundir.lock import LOCK_FILE, RunLock, lock_run
 
 CONFIG = "config.json"
@@ -37,6 +38,7 @@ def is_run_directory(path: Path) -> bool:
         return isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in ("run", "model"))
     return (
         (path / LOCK_FILE).exists()
+        or (path / RUN_ID_FILE).is_file()
         or (path / "metrics.jsonl").is_file()
         or is_checkpoint_directory(path / "checkpoints")
     )

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from spmdkit.data.config import DataConfig
-from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import source_model
 from spmdkit.models.attention_choice import CONTEXT_PARALLEL_HELP, ContextParallel
@@ -271,7 +270,14 @@ class CheckpointSettings:
             "--allow-data-change",
         ),
     ] = False
-
+    allow_config_change: Annotated[
+        str | None,
+        arg(
+            "resume even though these model or optimizer settings differ from the checkpoint's (comma-separated "
+            "field names, e.g. activation,rope_theta,lr; recorded in metrics.jsonl)",
+            "--allow-config-change",
+        ),
+    ] = None
     local_dir: Annotated[
         str | None, arg("a node-local directory for frequent checkpoints (a fast tier beside --checkpoint-dir)")
     ] = None
@@ -281,6 +287,9 @@ class CheckpointSettings:
         check_types(self, "checkpoint")
         require(self.every >= 0, f"--checkpoint-every must be >= 0 (got {self.every}; 0 saves only at the end)")
         require(self.keep >= 1, f"--keep must be at least 1 (got {self.keep})")
+        require(
+            self.local_dir is None or self.local_dir.strip() != "", "--checkpoint.local-dir is empty: pass a directory"
+        )
         require(
             (self.local_dir is None) == (self.local_every == 0) and self.local_every >= 0,
             f"--checkpoint.local-dir {self.local_dir} and --checkpoint.local-every {self.local_every} go together: "
@@ -383,14 +392,3 @@ def config_from_toml(path: str | Path) -> TrainConfig:
         raise SpmdkitError(f"config file {path} is not valid UTF-8 TOML: {error}") from None
     except SpmdkitError as error:
         raise SpmdkitError(f"config file {path}: {error}") from None
-
-
-def with_data_vocab(config: TrainConfig) -> TrainConfig:
-    """A model trained from scratch on prepared datasets takes its vocabulary from their tokenizer (rounded up to
-    a multiple of 128, `Tokenizer.model_vocab_size`) unless `--model.vocab-size` sets it; weights from
-    `--init-from` keep theirs (the data stream checks that the tokenizer fits)."""
-    model = config.model
-    if model.vocab_size is None and not model.init_from and resolve_source(config.data).kind in ("prepared", "mixture"):
-        vocab = source_tokenizer(config.data).model_vocab_size
-        config = dataclasses.replace(config, model=dataclasses.replace(model, vocab_size=vocab))
-    return config

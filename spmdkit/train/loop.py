@@ -28,13 +28,14 @@ import jax
 import numpy as np
 
 from spmdkit.checkpoint import tiers
-from spmdkit.checkpoint.manager import Checkpointer, NonFiniteState
+from spmdkit.checkpoint.manager import NonFiniteState
 from spmdkit.data.stream import global_batch_arrays, make_data
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_files import SIDECAR, find_tokenizer_dir
 from spmdkit.interop.loading import check_source
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.context.zigzag import zigzag_batch
+from spmdkit.rundir.identity import read_run_id, write_run_id
 from spmdkit.rundir.ownership import check_run_directory, lock_run_directories
 from spmdkit.train.config import TrainConfig, checkpoint_directory
 from spmdkit.train.health.faults import Faults, attempt
@@ -45,9 +46,15 @@ from spmdkit.train.health.profiling import StepProfiler
 from spmdkit.train.health.stragglers import StragglerWatch
 from spmdkit.train.health.watchdog import Watchdog
 from spmdkit.train.reporting.hooks import Hooks, MetricsHook, closing
-from spmdkit.train.reporting.metrics import MetricsWriter, read_metrics, replace_text, trim_metrics
+from spmdkit.train.reporting.metrics import (
+    MetricsWriter,
+    read_metrics,
+    record_config_change,
+    replace_text,
+    trim_metrics,
+)
 from spmdkit.train.reporting.report import Progress, describe_run, summary
-from spmdkit.train.step.preflight import check_resume, check_writable
+from spmdkit.train.step.preflight import check_config_changes, check_resume, check_writable
 from spmdkit.train.step.program import build_program
 from spmdkit.train.step.state import TrainState
 from spmdkit.train.step.train_step import Batch, batch_shardings, check_bad_steps, make_eval_step
@@ -85,6 +92,7 @@ class Trainer:
         # Paths and data first: a bad directory or an unreadable or too short file is reported before any
         # compilation, and before anything is written.
         check_writable(self.run_dir, "--run-dir")
+        check_config_changes(config)
         check_writable(checkpoint_directory(config), "--checkpoint-dir")
         local_dir = tiers.check_local_dir(config.checkpoint.local_dir, checkpoint_directory(config), check_writable)
         check_run_directory(self.run_dir)  # a Hugging Face model or a user's files: never written into
@@ -114,8 +122,11 @@ class Trainer:
         self.locks = lock_run_directories(self.run_dir, written, "spmdkit train", tiers.own_local_dirs(local_dir))
         # After the state: opened before it, Orbax's start-up barriers (XLA collectives) and the state's jit ran in
         # different orders on two processes, and gloo timed out at the first step.
-        try:
-            self.checkpointer = self._open_checkpointer()
+        try:  # with --no-resume its directories must hold no steps; a step of another run is refused (`identity`)
+            kept = read_run_id(self.run_dir) if self.is_main else None
+            self.checkpointer = tiers.open_checkpointer(
+                checkpoint_directory(config), config.checkpoint, kept, self.run_dir
+            )
         except BaseException:
             self.release_lock(failed=True)
             raise
@@ -166,30 +177,17 @@ class Trainer:
             return
         tokenizer.save(sidecar)  # each file renamed into place
 
-    def _open_checkpointer(self) -> Checkpointer:
-        """The run's checkpointer (with `checkpoint.local_dir`, the two tiers of `checkpoint.tiers`); with
-        `--no-resume` its directories must hold no steps."""
-        settings = self.config.checkpoint
-        checkpointer = tiers.open_checkpointer(checkpoint_directory(self.config), settings)
-        if not settings.resume and (steps := checkpointer.steps()):
-            checkpointer.close()
-            held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-            local = f" or {tiers.LOCAL_FLAG} {settings.local_dir}" if settings.local_dir else ""
-            raise SpmdkitError(
-                f"--no-resume, but {checkpointer.directory}{local} already holds {held} of an earlier run: pass a "
-                f"fresh --checkpoint-dir{local and ' and ' + tiers.LOCAL_FLAG} or delete that directory (checkpoints "
-                "are never overwritten)"
-            )
-        return checkpointer
-
     def resume(self) -> None:
         """With `checkpoint.resume`: the state and data position of the newest intact step, if there is one."""
         if not self.config.checkpoint.resume:
             return
+        changes: dict[int, dict[str, tuple[Any, Any]]] = {}  # step -> the setting changes allowed resuming it
         with self.clock.phase("restore"):
             found = self.checkpointer.restore_latest(
                 self.state.state, self.state.shardings, self.data.iterator,
-                accept=lambda step, saved: check_resume(self.config, step, saved, self._restoring_from()),
+                accept=lambda step, saved: changes.update(
+                    {step: check_resume(self.config, step, saved, self._restoring_from())}
+                ),
             )  # fmt: skip
         if found is not None:
             self.start_step, self.state.state = found
@@ -198,6 +196,11 @@ class Trainer:
         if self.is_main:  # the job's time so far (a killed run before its first save too), then the records the
             self.goodput.resume(read_metrics(self.run_dir), self.start_step)  # resumed run writes again dropped
             trim_metrics(self.run_dir, self.start_step)
+        if changed := changes.get(self.start_step):  # what --allow-config-change let through: logged and recorded
+            listed = "; ".join(f"{flag} {saved} -> {new}" for flag, (saved, new) in changed.items())
+            self.log(f"resumed with changed settings (--allow-config-change): {listed}")
+            if self.is_main:
+                record_config_change(self.run_dir, self.start_step, changed)
 
     def _restoring_from(self) -> Path:
         """The directory of the step being restored: with two tiers, the one it came from."""
@@ -313,6 +316,7 @@ class Trainer:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_run_id(self.run_dir, self.checkpointer.run["id"])
             replace_text(self.run_dir / "config.json", self.config.to_json())
             self.save_tokenizer()
         except OSError as error:

@@ -166,6 +166,14 @@ def trim_metrics(run_dir: Path, step: int) -> None:
             replace_text(path, "".join(line + "\n" for line in kept))
 
 
+def record_config_change(run_dir: Path, step: int, changed: dict[str, tuple[Any, Any]]) -> None:
+    """Append the settings a resume from `step` changed (flag -> (saved, new), `--allow-config-change`) to
+    `metrics.jsonl` as `{"step": step, "config_change": {flag: [saved, new]}}`."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    record = {"step": step, "config_change": {flag: list(change) for flag, change in changed.items()}}
+    append_line(Path(run_dir) / "metrics.jsonl", json.dumps(json_safe(record)) + "\n")
+
+
 def _lines(path: Path) -> list[str]:
     """The JSON lines of a metrics file; a partial last line (a crash mid-write) is dropped with a warning, any
     other unreadable line is an error."""

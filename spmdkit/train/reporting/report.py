@@ -109,7 +109,8 @@ def summary(run_dir: Path, skipped_steps: int) -> str:
     """The end-of-run summary from `run_dir/metrics.jsonl` (and `loss.png` drawn from it): loss from the first to
     the last logged step (bits per byte and eval figures when logged), median speed and MFU, skipped steps."""
     losses = ("loss", "eval_loss", "bits_per_byte", "eval_bits_per_byte")  # null in metrics.jsonl: not finite
-    records = [{k: math.nan if v is None and k in losses else v for k, v in r.items()} for r in read_metrics(run_dir)]
+    steps = [r for r in read_metrics(run_dir) if "loss" in r]  # not the records of a resume's allowed changes
+    records = [{k: math.nan if v is None and k in losses else v for k, v in r.items()} for r in steps]
     plot_loss_curve(records, run_dir / "loss.png")
     speed = [r["tokens_per_sec"] for r in records[1:]] or [records[-1]["tokens_per_sec"]]
     mfus = [r["mfu"] for r in records[1:] if r.get("mfu") is not None]

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdkit.data.packing.rows import FIELDS
-from spmdkit.data.resolve import resolve_source
+from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
@@ -30,7 +30,7 @@ from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import Rules, make_rules
 from spmdkit.sharding.strategy import mesh_text
 from spmdkit.targets.device_facts import compute_capability, device_platform
-from spmdkit.train.config import TrainConfig, with_data_vocab
+from spmdkit.train.config import TrainConfig
 from spmdkit.train.step.optimizer import make_optimizer, schedule
 from spmdkit.train.step.pipeline import pipeline_schedule
 from spmdkit.train.step.state import TrainState, abstract_train_state, create_train_state, gradient_shardings
@@ -118,6 +118,17 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
         settings.ulysses or 1, model=model,
         batch_size=run.batch_size, seq_len=run.seq_len,
     )  # fmt: skip
+
+
+def with_data_vocab(config: TrainConfig) -> TrainConfig:
+    """A model trained from scratch on prepared datasets takes its vocabulary from their tokenizer (rounded up to
+    a multiple of 128, `Tokenizer.model_vocab_size`) unless `--model.vocab-size` sets it; weights from
+    `--init-from` keep theirs (the data stream checks that the tokenizer fits)."""
+    model = config.model
+    if model.vocab_size is None and not model.init_from and resolve_source(config.data).kind in ("prepared", "mixture"):
+        vocab = source_tokenizer(config.data).model_vocab_size
+        config = dataclasses.replace(config, model=dataclasses.replace(model, vocab_size=vocab))
+    return config
 
 
 def resolve_config(config: TrainConfig) -> TrainConfig:
