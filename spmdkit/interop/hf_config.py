@@ -4,7 +4,8 @@ The families and what each of their keys means are `spmdkit.interop.families.FAM
 share: sizes, heads, `head_dim`, the norm epsilon, tied embeddings, the activation, and the RoPE block in either
 style (transformers 5 `rope_parameters`, possibly per layer type as Gemma 3 writes it, or a top-level `rope_theta`
 with the older `rope_scaling`; `rope_type` default, linear and llama3; `partial_rotary_factor` where the family
-rotates part of each head). A key left out means what the family's transformers config class defaults it to. Every
+rotates part of each head). A key left out means what the family's transformers config class defaults it to
+(`Family.defaults`). Every
 key that changes what transformers' modeling code for the family computes is read and implemented, or refused
 with one line naming it (`attention_dropout`, custom code `auto_map`, `quantization_config`, other RoPE types, ...).
 Keys the family's modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the
@@ -46,7 +47,8 @@ def family_of(hf: dict[str, Any], where: str) -> str:
 
 def rope_block(hf: dict[str, Any]) -> dict[str, Any]:
     """The RoPE settings as transformers 5 resolves them: a non-empty `rope_scaling` replaces `rope_parameters`;
-    `rope_theta` comes from the block, else the top level, else 10,000; `rope_type` (or the old `type`)."""
+    `rope_theta` comes from the block, else the top level (where `from_hf_config` fills in the family's default),
+    else 10,000; `rope_type` (or the old `type`)."""
     block = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     block.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
     block.setdefault("rope_type", block.get("type", "default"))
@@ -99,7 +101,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
             raise keys.refuse(key, "is not supported: spmdkit loads plain (unquantised) transformers models")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         keys.integer(key)
-    activation = keys.get(family.activation_key, "silu")
+    activation = keys.get(family.activation_key)
     keys.zero("attention_dropout")
     heads, embed, layers = keys.get("num_attention_heads"), keys.get("hidden_size"), keys.get("num_hidden_layers")
     max_positions = keys.get("max_position_embeddings") or 0
@@ -120,8 +122,8 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
             kv_heads=keys.get("num_key_value_heads") or heads,
             head_dim=keys.get("head_dim") or embed // heads,
             mlp=keys.get("intermediate_size"),
-            norm_eps=keys.number("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(keys.get("tie_word_embeddings", False)),
+            norm_eps=keys.number("rms_norm_eps"),
+            tie_embeddings=bool(keys.get("tie_word_embeddings")),
             max_positions=int(max_positions),
             **fields,
             **rope,
