@@ -4,8 +4,8 @@ The families and what each of their keys means are `spmdkit.interop.families.FAM
 share: sizes, heads, `head_dim`, the norm epsilon, tied embeddings, the activation, and the RoPE block in either
 style (transformers 5 `rope_parameters`, possibly per layer type as Gemma 3 writes it, or a top-level `rope_theta`
 with the older `rope_scaling`; `rope_type` default, linear and llama3; `partial_rotary_factor` where the family
-rotates part of each head). A key left out means what the family's transformers config class defaults it to
-(`Family.defaults`). Every
+rotates part of each head). Every key's type and range is checked first (`spmdkit.interop.hf_keys.KEYS`); a key left
+out means what the family's transformers config class defaults it to (`Family.defaults`). Every
 key that changes what transformers' modeling code for the family computes is read and implemented, or refused
 with one line naming it (`attention_dropout`, custom code `auto_map`, `quantization_config`, other RoPE types, ...).
 Keys the family's modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the
@@ -38,6 +38,7 @@ def family_of(hf: dict[str, Any], where: str) -> str:
     keys, model_type = Keys(hf, where), hf.get("model_type")
     if model_type not in FAMILIES:
         raise keys.refuse(f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
+    keys.check({"architectures": hf.get("architectures")})
     wanted = FAMILIES[model_type].architecture
     wrong = [a for a in hf.get("architectures") or [wanted] if a != wanted]
     if wrong:
@@ -96,6 +97,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     """
     family = FAMILIES[family_of(hf, where)]
     keys = Keys(family.defaults | hf, where)
+    keys.check()
     for key in ("auto_map", "quantization_config"):
         if keys.get(key):
             raise keys.refuse(key, "is not supported: spmdkit loads plain (unquantised) transformers models")
