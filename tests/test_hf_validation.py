@@ -1,4 +1,4 @@
-"""A Hugging Face config.json read as transformers reads it, and nothing malformed let in (transformers is the judge).
+"""A Hugging Face config.json read as transformers reads it, and nothing damaged let in (transformers is the judge).
 
 - Defaults: for every family, a config.json that leaves every key out but `model_type` (and one that gives only
   other sizes) reads as the config transformers' own config class makes of it (`AutoConfig.for_model`).
@@ -6,8 +6,10 @@
   `no_rope_layer_interval` 0, `rope_theta` "abc" or null, a local RoPE base "x", `max_position_embeddings` "64k")
   and its kin is one line naming the key, exit 2, and no file of the input changed, on every command that reads
   a config (`ckpt import-hf`, `train --init-from`, `generate`, `eval`).
+- A NaN or Inf weight is refused by name (the tensor and its file) on the same four commands.
 """
 
+import json
 import shutil
 
 import numpy as np
@@ -118,4 +120,20 @@ def test_every_command_refuses_a_malformed_config(case, saved, tmp_path, capsys)
     model = tmp_path / "model"
     shutil.copytree(saved / ("llama" if model_type == "llama" else model_type), model)
     edit_config(model, **keys, **({"layer_types": None} if "sliding_window_pattern" in keys else {}))
+    _refused_everywhere(capsys, model, tmp_path, saved / "tokens.bin", message)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_every_command_refuses_a_weight_that_is_not_finite(bad, saved, tmp_path, capsys):
+    """One NaN (or Inf) in one tensor is named with its file by every way into a model from the directory."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(saved / "llama", model)
+    file = model / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+    save_file(tensors, str(file), {"format": "pt"})
+    assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
+    message = f"model.layers.1.mlp.up_proj.weight in {file} holds NaN or Inf values"
     _refused_everywhere(capsys, model, tmp_path, saved / "tokens.bin", message)
