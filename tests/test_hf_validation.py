@@ -6,7 +6,8 @@
   `no_rope_layer_interval` 0, `rope_theta` "abc" or null, a local RoPE base "x", `max_position_embeddings` "64k")
   and its kin is one line naming the key, exit 2, and no file of the input changed, on every command that reads
   a config (`ckpt import-hf`, `train --init-from`, `generate`, `eval`).
-- A NaN or Inf weight is refused by name (the tensor and its file) on the same four commands.
+- A NaN or Inf weight is refused by name (the tensor and its file) on the same four commands; and FP8 under
+  float16 compute (its scaling overflows: NaN by step 2) is refused before a run starts.
 """
 
 import json
@@ -137,3 +138,12 @@ def test_every_command_refuses_a_weight_that_is_not_finite(bad, saved, tmp_path,
     assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
     message = f"model.layers.1.mlp.up_proj.weight in {file} holds NaN or Inf values"
     _refused_everywhere(capsys, model, tmp_path, saved / "tokens.bin", message)
+
+
+def test_fp8_under_float16_compute_is_refused_before_the_run_starts(tmp_path, capsys):
+    """FP8's delayed scaling overflows float16 (the loss was NaN at step 2, blamed on the data or the lr)."""
+    args = ["train", "--model", "tiny", "--model.fp8", "True", "--steps", "2", "--run-dir", str(tmp_path / "run")]
+    code, _, err = run_cli(capsys, *args, "--dtype", "float16")
+    assert code == 2 and len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert "fp8 needs a bfloat16 or float32 compute dtype" in err and "--dtype bfloat16" in err
+    assert not (tmp_path / "run").exists()
