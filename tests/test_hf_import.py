@@ -142,7 +142,7 @@ def test_import_keeps_bfloat16_unless_told_and_carries_the_tokenizer(tmp_path, c
 
 def test_import_hf_refuses_nan_weights_and_writes_nothing(models, tmp_path, capsys):
     """A model whose weights hold NaN/Inf (transformers saved them; a training run went bad) is refused in one line
-    naming the parameter, with exit 2, and no checkpoint (nor a staging directory) is left behind."""
+    naming the tensor and its file, with exit 2, and no checkpoint (nor a staging directory) is left behind."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -156,6 +156,6 @@ def test_import_hf_refuses_nan_weights_and_writes_nothing(models, tmp_path, caps
     before = {p.name: p.read_bytes() for p in source.iterdir()}
     code, _, err = run_cli(capsys, "ckpt", "import-hf", str(source), "--out", str(tmp_path / "ckpt"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "NaN/Inf values in model/blocks/mlp/down (1)" in err and "nothing was written" in err
+    assert f"model.layers.1.mlp.down_proj.weight in {file} holds NaN or Inf values" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nan-model"]  # no checkpoint, no staging directory
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # the input is untouched

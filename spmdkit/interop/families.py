@@ -101,7 +101,7 @@ def _gemma_common(keys: Keys) -> dict[str, Any]:
 
 
 def _gemma(keys: Keys, layers: int) -> dict[str, Any]:
-    activation = keys.get("hidden_act", "gelu_pytorch_tanh")
+    activation = keys.get("hidden_act")
     return {**_gemma_common(keys), "activation": "gelu_pytorch_tanh" if activation == "gelu" else activation}
 
 
@@ -150,10 +150,10 @@ def _phi3(keys: Keys, layers: int) -> dict[str, Any]:
 def _granite(keys: Keys, layers: int) -> dict[str, Any]:
     return {
         **_biases(keys),
-        "embed_scale": keys.number("embedding_multiplier", 1.0),
-        "residual_scale": keys.number("residual_multiplier", 1.0),
-        "attention_scale": keys.number("attention_multiplier", 1.0),
-        "logit_divisor": keys.number("logits_scaling", 1.0),
+        "embed_scale": keys.number("embedding_multiplier"),
+        "residual_scale": keys.number("residual_multiplier"),
+        "attention_scale": keys.number("attention_multiplier"),
+        "logit_divisor": keys.number("logits_scaling"),
     }
 
 
@@ -165,7 +165,7 @@ def _write_granite(model: TransformerConfig) -> dict[str, Any]:
 
 
 def _smollm3(keys: Keys, layers: int) -> dict[str, Any]:
-    interval = keys.integer("no_rope_layer_interval", 4)
+    interval = keys.integer("no_rope_layer_interval")
     uses = keys.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     if not isinstance(uses, list) or len(uses) != layers or set(uses) - {0, 1}:
         raise keys.refuse("no_rope_layers", f"must list 0 or 1 for each of the {layers} layers, got {uses!r}")
@@ -208,7 +208,7 @@ def _qwen_moe(keys: Keys, layers: int) -> dict[str, Any]:
     return {
         **_routed(keys, "num_experts", bool(keys.get("norm_topk_prob"))),
         "expert_mlp": keys.integer("moe_intermediate_size"),
-        "moe_every": keys.integer("decoder_sparse_step", 1),
+        "moe_every": keys.integer("decoder_sparse_step"),
         "dense_layers": tuple(sorted(set(dense))),
     }
 
@@ -250,27 +250,54 @@ def _write_qwen2_moe(model: TransformerConfig) -> dict[str, Any]:
             "max_window_layers": model.layers, "layer_types": _types(model)}  # fmt: skip
 
 
-_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768, "num_key_value_heads": 32}
-_GEMMA = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 4096,
-          "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+# What each family's transformers config class (transformers 5) assumes for a key left out; a key it derives
+# from others (num_key_value_heads: the heads; head_dim: hidden / heads; layer_types) is derived by the readers.
+_LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+          "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0,
+          "tie_word_embeddings": False, "hidden_act": "silu"}  # fmt: skip
+_MISTRAL = _LLAMA | {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072}
+_QWEN = _LLAMA | {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32, "sliding_window": 4096,
+                  "max_window_layers": 28, "max_position_embeddings": 32768}  # fmt: skip
+_GEMMA = _LLAMA | {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+                   "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                   "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
 _GEMMA2 = _GEMMA | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-_QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": []}
+_GEMMA1 = _GEMMA | {"hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28, "num_attention_heads": 16,
+                    "num_key_value_heads": 16, "hidden_act": "gelu_pytorch_tanh"}  # fmt: skip
+_GEMMA3 = _GEMMA | {"vocab_size": 262208, "max_position_embeddings": 131072, "rope_theta": 1e6,
+                    "rope_local_base_freq": 10_000.0}  # fmt: skip
+_MOE = {"hidden_size": 2048, "num_hidden_layers": 24, "decoder_sparse_step": 1, "norm_topk_prob": False,
+        "mlp_only_layers": []}  # fmt: skip
+_QWEN3_MOE = _QWEN | _MOE | {"intermediate_size": 6144, "num_key_value_heads": 4, "head_dim": 128,
+                             "num_local_experts": 128, "num_experts_per_tok": 8,
+                             "moe_intermediate_size": 768}  # fmt: skip
+_QWEN2_MOE = _QWEN | _MOE | {"intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
+                             "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                             "shared_expert_intermediate_size": 5632}  # fmt: skip
+_SMOLLM3 = _LLAMA | {"vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
+                     "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 2e6,
+                     "tie_word_embeddings": True, "no_rope_layer_interval": 4}  # fmt: skip
+_MIXTRAL = _MISTRAL | {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}
+_OLMO2 = _LLAMA | {"vocab_size": 50304, "rms_norm_eps": 1e-5}
+_PHI3 = _LLAMA | {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 4096,
+                  "rms_norm_eps": 1e-5}  # fmt: skip
+_GRANITE = _LLAMA | dict.fromkeys(("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                   "logits_scaling"), 1.0)  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", _biases, _write_biases),
-    "mistral": Family("MistralForCausalLM", _mistral, _write_window_everywhere, {"sliding_window": 4096}),
+    "llama": Family("LlamaForCausalLM", _biases, _write_biases, _LLAMA),
+    "mistral": Family("MistralForCausalLM", _mistral, _write_window_everywhere, _MISTRAL | {"sliding_window": 4096}),
     "qwen2": Family("Qwen2ForCausalLM", _qwen2, _write_qwen_window, _QWEN),
     "qwen3": Family("Qwen3ForCausalLM", _qwen3, _write_qwen3, _QWEN | {"head_dim": 128}),
-    "gemma": Family("GemmaForCausalLM", _gemma, _write_gemma, _GEMMA),
+    "gemma": Family("GemmaForCausalLM", _gemma, _write_gemma, _GEMMA1),
     "gemma2": Family("Gemma2ForCausalLM", _gemma2, _write_gemma2, _GEMMA2, activation_key="hidden_activation"),
-    "gemma3_text": Family("Gemma3ForCausalLM", _gemma3, _write_gemma2, _GEMMA, activation_key="hidden_activation"),
-    "olmo2": Family("Olmo2ForCausalLM", _olmo2, lambda m: {"attention_bias": m.qkv_bias}),
-    "phi3": Family("Phi3ForCausalLM", _phi3, _write_window_everywhere, partial_rope=True, fused=True),
-    "granite": Family("GraniteForCausalLM", _granite, _write_granite),
-    "smollm3": Family("SmolLM3ForCausalLM", _smollm3, _write_smollm3),
-    "mixtral": Family("MixtralForCausalLM", _mixtral, _write_mixtral, experts="mixtral"),
-    "qwen3_moe": Family(
-        "Qwen3MoeForCausalLM", _qwen3_moe, _write_qwen3_moe, _QWEN_MOE | {"head_dim": 128}, experts="qwen"
-    ),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN | _QWEN_MOE, experts="qwen"),
+    "gemma3_text": Family("Gemma3ForCausalLM", _gemma3, _write_gemma2, _GEMMA3, activation_key="hidden_activation"),
+    "olmo2": Family("Olmo2ForCausalLM", _olmo2, lambda m: {"attention_bias": m.qkv_bias}, _OLMO2),
+    "phi3": Family("Phi3ForCausalLM", _phi3, _write_window_everywhere, _PHI3, partial_rope=True, fused=True),
+    "granite": Family("GraniteForCausalLM", _granite, _write_granite, _GRANITE),
+    "smollm3": Family("SmolLM3ForCausalLM", _smollm3, _write_smollm3, _SMOLLM3),
+    "mixtral": Family("MixtralForCausalLM", _mixtral, _write_mixtral, _MIXTRAL, experts="mixtral"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe, _write_qwen3_moe, _QWEN3_MOE, experts="qwen"),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN2_MOE, experts="qwen"),
 }

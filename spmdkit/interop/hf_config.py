@@ -4,7 +4,8 @@ The families and what each of their keys means are `spmdkit.interop.families.FAM
 share: sizes, heads, `head_dim`, the norm epsilon, tied embeddings, the activation, and the RoPE block in either
 style (transformers 5 `rope_parameters`, possibly per layer type as Gemma 3 writes it, or a top-level `rope_theta`
 with the older `rope_scaling`; `rope_type` default, linear and llama3; `partial_rotary_factor` where the family
-rotates part of each head). A key left out means what the family's transformers config class defaults it to. Every
+rotates part of each head). Every key's type and range is checked first (`spmdkit.interop.hf_keys.KEYS`); a key left
+out means what the family's transformers config class defaults it to (`Family.defaults`). Every
 key that changes what transformers' modeling code for the family computes is read and implemented, or refused
 with one line naming it (`attention_dropout`, custom code `auto_map`, `quantization_config`, other RoPE types, ...).
 Keys the family's modeling code never reads (`initializer_range`, `use_cache`, token ids, ...) do not change the
@@ -37,6 +38,7 @@ def family_of(hf: dict[str, Any], where: str) -> str:
     keys, model_type = Keys(hf, where), hf.get("model_type")
     if model_type not in FAMILIES:
         raise keys.refuse(f"model_type={model_type!r}", f"is not a family spmdkit runs ({', '.join(FAMILIES)})")
+    keys.check({"architectures": hf.get("architectures")})
     wanted = FAMILIES[model_type].architecture
     wrong = [a for a in hf.get("architectures") or [wanted] if a != wanted]
     if wrong:
@@ -46,7 +48,8 @@ def family_of(hf: dict[str, Any], where: str) -> str:
 
 def rope_block(hf: dict[str, Any]) -> dict[str, Any]:
     """The RoPE settings as transformers 5 resolves them: a non-empty `rope_scaling` replaces `rope_parameters`;
-    `rope_theta` comes from the block, else the top level, else 10,000; `rope_type` (or the old `type`)."""
+    `rope_theta` comes from the block, else the top level (where `from_hf_config` fills in the family's default),
+    else 10,000; `rope_type` (or the old `type`)."""
     block = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     block.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
     block.setdefault("rope_type", block.get("type", "default"))
@@ -94,12 +97,13 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     """
     family = FAMILIES[family_of(hf, where)]
     keys = Keys(family.defaults | hf, where)
+    keys.check()
     for key in ("auto_map", "quantization_config"):
         if keys.get(key):
             raise keys.refuse(key, "is not supported: spmdkit loads plain (unquantised) transformers models")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         keys.integer(key)
-    activation = keys.get(family.activation_key, "silu")
+    activation = keys.get(family.activation_key)
     keys.zero("attention_dropout")
     heads, embed, layers = keys.get("num_attention_heads"), keys.get("hidden_size"), keys.get("num_hidden_layers")
     max_positions = keys.get("max_position_embeddings") or 0
@@ -120,8 +124,8 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
             kv_heads=keys.get("num_key_value_heads") or heads,
             head_dim=keys.get("head_dim") or embed // heads,
             mlp=keys.get("intermediate_size"),
-            norm_eps=keys.number("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(keys.get("tie_word_embeddings", False)),
+            norm_eps=keys.number("rms_norm_eps"),
+            tie_embeddings=bool(keys.get("tie_word_embeddings")),
             max_positions=int(max_positions),
             **fields,
             **rope,

@@ -3,7 +3,9 @@
 A checkpoint is a directory (`model.safetensors.index.json` and its `model-0000X-of-0000N.safetensors` shards, or
 one `model.safetensors`, or any `*.safetensors` files), one `.safetensors` file, or an index JSON. Opening one
 reads the file headers only (names, shapes, dtypes); `read` returns the slice asked for, so a device's share of a
-parameter is all that is read, and unmaps the file again (its pages leave the process's memory).
+parameter is all that is read, and unmaps the file again (its pages leave the process's memory). Every slice read
+is checked for NaN and Inf as it is read (every way into a model from these files reads through it), so damaged
+weights are refused by name without a second pass or copy.
 """
 
 from __future__ import annotations
@@ -99,11 +101,18 @@ class TensorFiles:
             raise SpmdkitError(f"cannot read {file}: {error.strerror or error}") from None
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The slice `index` of tensor `name`, in its stored dtype. The file is opened for this read alone, so the
-        pages it maps leave the process's memory as soon as the slice is copied out."""
+        """The slice `index` of tensor `name`, in its stored dtype; SpmdkitError (one line naming the tensor and
+        its file) when it holds a NaN or an infinity, so that no such weight reaches a model. The file is opened
+        for this read alone, so the pages it maps leave the process's memory as soon as the slice is copied out."""
         file = self.location[name]
         try:
             with safe_open(str(file), framework="np") as handle:
-                return np.asarray(handle.get_slice(name)[index])  # a copy: it outlives the mapping
+                value = np.asarray(handle.get_slice(name)[index])  # a copy: it outlives the mapping
         except SafetensorError as error:
             raise SpmdkitError(f"cannot read {name} from {file} ({error}): download it again") from None
+        if not np.isfinite(value).all():
+            raise SpmdkitError(
+                f"{name} in {file} holds NaN or Inf values: the weights are damaged (download them again, or "
+                "re-save them from a model whose weights are finite)"
+            )
+        return value

@@ -156,6 +156,11 @@ class TransformerConfig:
             raise SpmdkitError(
                 "fp8 covers dense models: the routed experts' grouped matmuls have no FP8 form yet; drop --model.fp8"
             )
+        if self.fp8 and self.dtype == "float16":
+            raise SpmdkitError(
+                "fp8 needs a bfloat16 or float32 compute dtype: with float16 its scaled matmuls overflow (NaN by the "
+                "second step); use --dtype bfloat16, or drop --model.fp8"
+            )
         self._check_rope()
         self._check_scales()
 
