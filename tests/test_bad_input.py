@@ -276,6 +276,7 @@ CASES += [
         "{D}/nockpt holds metrics.jsonl: it is not one",
     ),
     (["ckpt", "export", "{D}/run", "--out", "{D}/afile", "--force"], 2, "{D}/afile is a file: it is not one"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/hf", "--force"], 2, "{D}/hf has no .spmdkit-export (a directory spmd"),
     (["ckpt", "export", "{D}/run", "--out", "{D}/damaged/hf"], 2, "lies inside the checkpoint directory {D}/damaged"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run/checkpoints/new"], 2, "lies inside {D}/run"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}"], 2, "--out {D} contains {D}/run"),
