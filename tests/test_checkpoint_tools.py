@@ -50,9 +50,11 @@ def _flat(tree):
 def test_reshard_onto_another_mesh_keeps_values_and_data_position(saved, tmp_path, abstract, capsys):  # noqa: F811 - the fixture
     directory, state = saved
     out = tmp_path / "resharded"
+    (tmp_path / ".resharded.resharding" / "3").mkdir(parents=True)  # what a killed reshard leaves: never `out`
     code, stdout, err = run_cli(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
     assert code == 0, err
     assert "resharded step 3" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"]  # assembled beside it, then renamed
 
     fresh = Checkpointer(out, read_only=True)
     assert fresh.steps() == [3]

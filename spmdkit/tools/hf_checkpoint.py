@@ -14,8 +14,6 @@ as a complete Hugging Face model directory.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -41,7 +39,7 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.rundir.ownership import check_output, run_inputs
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.tools.convert import check_creatable, fresh_output, read_params, writing_into
+from spmdkit.tools.convert import check_creatable, fresh_output, publish, read_params, staging_for, writing_into
 from spmdkit.train.config import TrainConfig, apply_overrides
 
 
@@ -70,9 +68,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
         layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
         rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
         params = hf_params(files, model, family, param_sharding_tree(model, layout, rules), model.param_dtype)
-        staging = out.with_name(f".{out.name}.importing")
-        if jax.process_index() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_for(out, "importing")
         try:
             write_params(staging, params, json.loads(config.to_json()))
         except NonFiniteState as error:
@@ -80,9 +76,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
         del params
         if jax.process_index() == 0:
             copy_hf_files(config_path.parent, staging / SIDECAR)
-            if out.exists():
-                out.rmdir()  # empty: checked above
-            os.replace(staging, out)
+        publish(staging, out)
         return model
 
 
