@@ -370,6 +370,8 @@ CASES += [
     (["plan", "--model", "tiny", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304"),
     (["plan", "--model", "tiny", "--batch-size", "100000000"], 2, "tokens per step, above spmdkit's limit of 2^31 - 1"),
     (["plan", "--model", "tiny", "--microbatches", "100000"], 2, f"--microbatches 100,000 {LIMIT} 4,096"),
+    (["bench", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304"),
+    (["bench", "--out", "{D}/run/checkpoints/results"], 2, "lies inside the checkpoint directory {D}/run/checkpoints"),
 ]
 
 
