@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -302,6 +303,7 @@ CASES += [
         "{D}/nockpt holds metrics.jsonl: it is not one",
     ),
     (["ckpt", "export", "{D}/run", "--out", "{D}/afile", "--force"], 2, "{D}/afile is a file: it is not one"),
+    (["ckpt", "export", "{D}/run", "--out", "{D}/hf", "--force"], 2, "{D}/hf has no .spmdkit-export (a directory spmd"),
     (["ckpt", "export", "{D}/run", "--out", "{D}/damaged/hf"], 2, "lies inside the checkpoint directory {D}/damaged"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}/run/checkpoints/new"], 2, "lies inside {D}/run"),
     (["ckpt", "reshard", "{D}/run", "--mesh", "fsdp=8", "--out", "{D}"], 2, "--out {D} contains {D}/run"),
@@ -371,6 +373,32 @@ CASES += [
     (["data", "verify", "{D}/ds-flipped"], 2, "{D}/ds-flipped/tokens-00000.bin is damaged at token offset 0"),
     ([*FRESH, "--data", "{D}/ds-flipped"], 2, "{D}/ds-flipped/tokens-00000.bin is damaged at token offset 0"),
     ([*FRESH, "--data", "{D}/ds", "--model.vocab-size", "128"], 2, "the model's vocab_size 128 is smaller than the"),
+]
+
+# Outputs a command owns and sizes bounded before anything is allocated (issue 41): one line naming the limit.
+LIMIT = "is above spmdkit's limit of"
+CASES += [
+    (
+        ["data", "prepare", "{D}/texts", *PREPARE[:2], "--out", "{D}/run/checkpoints/100"],
+        2,
+        "--out {D}/run/checkpoints/100 lies inside the checkpoint directory {D}/run/checkpoints",
+    ),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--workers", "1000"], 2, "--workers 1000: pass 1 to"),
+    (["data", "prepare", "{D}/texts", *PREPARE, "--workers", "-1"], 2, "--workers -1: pass 1 to"),
+    (["compile", "--model", "tiny", "--devices", "100000000"], 2, f"--devices 100,000,000 {LIMIT} 65,536 devices"),
+    (["compile", "--devices", "65536", "--devices-per-host", "131072"], 2, f"--devices-per-host 131,072 {LIMIT}"),
+    (["compile", "--model", "tiny", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304 tokens"),
+    (["compile", "--model", "llama3-70b", "--seq-len", "10000000"], 2, f"--seq-len 10,000,000 {LIMIT} 4,194,304"),
+    (["compile", "--batch-size", "100000000"], 2, "--batch-size 100,000,000 x --seq-len 128 is 12,800,000,000 tokens"),
+    (["compile", "--mesh", "pipeline=2,data=4", "--microbatches", "100000"], 2, f"--microbatches 100,000 {LIMIT}"),
+    (["compile", "--grad-accum", "100000"], 2, f"--grad-accum 100,000 {LIMIT} 4,096 microbatches per step"),
+    (["plan", "--model", "tiny", "--devices", "100000000"], 2, f"--devices 100,000,000 {LIMIT} 65,536 devices"),
+    (["plan", "--model", "tiny", "--gpus-per-node", "100000"], 2, f"--gpus-per-node 100,000 {LIMIT} 65,536"),
+    (["plan", "--model", "tiny", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304"),
+    (["plan", "--model", "tiny", "--batch-size", "100000000"], 2, "tokens per step, above spmdkit's limit of 2^31 - 1"),
+    (["plan", "--model", "tiny", "--microbatches", "100000"], 2, f"--microbatches 100,000 {LIMIT} 4,096"),
+    (["bench", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304"),
+    (["bench", "--out", "{D}/run/checkpoints/results"], 2, "lies inside the checkpoint directory {D}/run/checkpoints"),
 ]
 
 
@@ -543,6 +571,28 @@ def test_bad_input(fixture_dir, capsys, monkeypatch, argv, code, fragment):
         assert fragment in out and not err, (out, err)
     assert "Traceback" not in out + err and "usage:" not in err
     assert file_hashes(d) == before  # nothing changed, nothing written
+
+
+@pytest.mark.parametrize(
+    "argv", [["compile", "--model", "tiny", "--devices", "100000000"], ["data", "prepare", "x", "--tokenizer", "bytes",
+             "--out", "y", "--workers", "1000"]], ids=["compile", "prepare"],
+)  # fmt: skip
+def test_a_size_beyond_its_limit_is_refused_before_it_takes_memory(tmp_path, argv):
+    """Before issue 41 these ran for minutes and took 11.4 GB and 4 GB of host memory: now one line, the command's
+    peak resident size under 1 GB. A small Python process runs it and reports its children's peak: a child forked
+    from this test process would count this process's memory as its own (Linux keeps the peak across exec)."""
+    code = (
+        "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.returncode); print(done.stderr, end='')"
+    )
+    done = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "spmdkit", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    first, err = done.stdout.split("\n", 1)
+    peak, returncode = (int(x) for x in first.split())
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    assert returncode == 2 and err.startswith("spmdkit: error: ") and err.count("\n") == 1, err
+    assert "limit" in err or "pass 1 to" in err, err
+    assert peak < 2**30, f"peak RSS {peak / 2**20:.0f} MiB"
 
 
 def test_at_least_sixty_cases_over_every_command():

@@ -50,9 +50,11 @@ def _flat(tree):
 def test_reshard_onto_another_mesh_keeps_values_and_data_position(saved, tmp_path, abstract, capsys):  # noqa: F811 - the fixture
     directory, state = saved
     out = tmp_path / "resharded"
+    (tmp_path / ".resharded.resharding" / "3").mkdir(parents=True)  # what a killed reshard leaves: never `out`
     code, stdout, err = run_cli(capsys, "ckpt", "reshard", str(directory), "--mesh", "data=8", "--out", str(out))
     assert code == 0, err
     assert "resharded step 3" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"]  # assembled beside it, then renamed
 
     fresh = Checkpointer(out, read_only=True)
     assert fresh.steps() == [3]
@@ -385,3 +387,46 @@ def test_the_model_of_any_step_on_any_layout_through_one_reader(saved, tmp_path,
     with pytest.raises(DamagedStep, match="checkpoint step 1 in .* is damaged"):
         read_model_params(directory, step=1)
     assert read_model_params(directory, step=2)[0] == 2  # the other step is untouched
+
+
+def test_verify_of_a_live_run_skips_steps_rotated_away_while_it_reads(abstract, tmp_path, capsys, monkeypatch):  # noqa: F811 - the fixture
+    """A trainer rotates its oldest steps out while `ckpt verify` lists and reads them: a listing that fails is
+    tried again; a step deleted before its reading (step 1) or half-way through (step 2: a file of it gone) is
+    skipped, never called damaged; step 3 is read."""
+    import shutil
+
+    directory = tmp_path / "ckpt"
+    checkpointer, stream = Checkpointer(directory, every=1, keep=3), synthetic_stream()
+    config = json.loads(TrainConfig().to_json())
+    config["model"]["dtype"], config["mesh"]["mesh"] = "float32", "fsdp=4,tensor=2"
+    state = random_state(abstract, shardings_for(abstract, "fsdp=4,tensor=2"), seed=7)
+    for step in (1, 2, 3):
+        next(stream)
+        assert checkpointer.save(step, state, stream.iterator, config)
+    checkpointer.close()
+    verify = Checkpointer.verify
+
+    def rotating(self, step):  # the hook between verify's listing and its reading of each step
+        if step == 1:
+            shutil.rmtree(directory / "1")
+        if step == 2:
+            next(p for p in sorted((directory / "2" / "state").rglob("*")) if p.is_file()).unlink()
+        return verify(self, step)
+
+    def listing(*args, **kwargs):  # Orbax's listing of the steps failed once by a rotation under it
+        opened.append(args)
+        if len(opened) == 1:
+            raise SpmdkitError(f"cannot use checkpoint directory {directory} (No such file or directory)")
+        return open_step(*args, **kwargs)
+
+    from spmdkit.tools import ckpt_inspect
+
+    open_step, opened = ckpt_inspect.open_step, []
+    monkeypatch.setattr(ckpt_inspect, "open_step", listing)
+    monkeypatch.setattr(Checkpointer, "verify", rotating)
+    code, out, err = run_cli(capsys, "ckpt", "verify", str(directory))
+    assert code == 0 and not err and len(opened) == 2, out + err
+    lines = out.splitlines()
+    assert lines[:3] == ["step 1: rotated away while reading, skipped", "step 2: rotated away while reading, skipped",
+                         "step 3: ok"]  # fmt: skip
+    assert "DAMAGED" not in out and "delete" not in out and "1 of 3 steps intact" in lines[3]

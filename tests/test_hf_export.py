@@ -140,6 +140,18 @@ def test_export_refuses_to_overwrite_and_leaves_nothing_half_written(runs, tmp_p
     out.rmdir()
     assert run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))[0] == 0  # an earlier export
     earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert json.loads(earlier[".spmdkit-export"]) == {"written_by": "spmdkit", "source": str(runs["dense-gqa"]),
+                                                      "step": 3}  # fmt: skip
+
+    # An export killed between its two renames: the earlier export set aside, a staging directory beside it. The
+    # next export puts the earlier one back and removes the staging before it looks at --out.
+    out.rename(tmp_path / ".hf.replaced")
+    (tmp_path / ".hf.exporting").mkdir()
+    (tmp_path / ".hf.exporting" / "model.safetensors").write_bytes(b"half")
+    code, _, err = run_cli(capsys, "ckpt", "export", str(runs["dense-gqa"]), "--out", str(out))
+    assert code == 2 and "already exists and is not empty" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
     import safetensors.numpy
 

@@ -37,7 +37,9 @@ def _export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: the checkpoint's)")
     p.add_argument("--step", type=int, metavar="N", help="the step to export (default: the newest)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest weight file (default: 5GB)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    p.add_argument(
+        "--force", action="store_true", help="replace OUT_DIR if it is an earlier export (never another directory)"
+    )
 
 
 def _import_hf(p: argparse.ArgumentParser) -> None:
@@ -63,7 +65,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     report = verify_checkpoint(args.directory)
     print(format_verification(args.directory, report))
-    return 0 if all(r["ok"] for r in report) else 1
+    return 1 if any(r["ok"] is False for r in report) else 0  # None: rotated away by a run while read
 
 
 def run_reshard(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from spmdkit.cli.args import ArgumentParser
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
+from spmdkit.plan.limits import check_sizes
 from spmdkit.targets.topology import TARGETS, gpu_target, host_count, require_aot
 from spmdkit.train.config import TrainConfig, config_from_toml
 
@@ -59,6 +60,10 @@ def main(argv: Sequence[str]) -> int:
     config, args = parse(argv)
     gpu_target(args.target)  # the bad-input checks first, before JAX starts
     host_count(args.devices, args.devices_per_host)
+    run = config.run
+    check_sizes({"--devices": args.devices, "--devices-per-host": args.devices_per_host, "--seq-len": run.seq_len,
+                 "--batch-size": run.batch_size, "--microbatches": config.mesh.microbatches,
+                 "--grad-accum": run.grad_accum})  # fmt: skip
     require_aot()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: no driver is needed, nor looked for
     from spmdkit.tools.gpu_compile import compile_for_target, decode_report, format_report, not_fit_line

@@ -19,6 +19,7 @@ from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
 from spmdkit.plan.devices import DEVICE_FLAGS, DEVICE_TYPES, Device, make_device, parse_mesh
 from spmdkit.plan.estimate import REMAT_ORDER, estimate
 from spmdkit.plan.inference import BATCHES, format_inference, inference_meshes, inference_report
+from spmdkit.plan.limits import check_sizes
 from spmdkit.plan.report import context_flag, explain, format_details, format_table, plot
 from spmdkit.plan.search import candidate_meshes, search
 from spmdkit.sharding.mesh_config import format_sizes
@@ -81,6 +82,8 @@ def _check_args(args: argparse.Namespace) -> None:
     """One-line errors for settings that would otherwise only make every layout look impossible."""
     if args.devices < 1 or args.seq_len < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise SpmdkitError("--devices, --seq-len and --batch-size must be positive")
+    sizes = ("devices", "gpus_per_node", "seq_len", "batch_size", "microbatches")
+    check_sizes({f"--{name.replace('_', '-')}": getattr(args, name) for name in sizes})
     if args.zero is not None and args.zero not in (0, 1, 2, 3):
         raise SpmdkitError(f"--zero {args.zero} is not one of 0, 1, 2, 3")
     if args.pipeline_schedule is not None and args.pipeline_schedule not in SCHEDULES:

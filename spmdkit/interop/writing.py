@@ -4,9 +4,11 @@ and `AutoTokenizer.from_pretrained` load.
 The directory gets `config.json` (`hf_config`), `generation_config.json`, the tokenizer files, and the weights in
 shards of at most `max_shard_size` bytes (`model.safetensors`, or `model-0000X-of-0000N.safetensors` and
 `model.safetensors.index.json`), in the parameters' dtype unless `dtype` says otherwise. It is written into a
-temporary directory beside the target and renamed at the end: an interrupted export leaves nothing half-written,
-and an existing directory is replaced only with `force`. Parameters are converted one at a time, so the host holds
-one parameter and one shard at most (a parameter split over processes is gathered first: every process calls).
+directory beside the target (`.NAME.exporting`) and renamed at the end: an interrupted export leaves nothing
+half-written (the next export to NAME removes what a killed one left), and with `force` only an earlier export
+(its `.spmdkit-export` marker) is replaced, after the new one is complete. Parameters are converted one at a time,
+so the host holds one parameter and one shard at most (a parameter split over processes is gathered first: every
+process calls).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_config_writer import generation_config, hf_config
-from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids, staging_dir
+from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids
 from spmdkit.interop.safetensors_files import INDEX, SINGLE
 from spmdkit.interop.tensor_names import TensorMap, tensor_maps
 from spmdkit.models.config import TransformerConfig
@@ -35,6 +37,8 @@ NUMPY_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
 }
+MARKER = ".spmdkit-export"  # in every directory `save_hf` writes (JSON: the writer, the run and step exported)
+EXPORTED = frozenset({CONFIG, GENERATION_CONFIG, INDEX, SINGLE, MARKER, *TOKENIZER_FILES})
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -133,6 +137,7 @@ def save_hf(
     base_config: dict[str, Any] | None = None,
     base_generation: dict[str, Any] | None = None,
     force: bool = False,
+    origin: dict[str, Any] | None = None,
 ) -> Path:
     """Write `model` (a `Transformer`, or a `TransformerConfig` with `params`, a pure dict of its parameters) as a
     Hugging Face model directory `out_dir`; returns it.
@@ -140,8 +145,8 @@ def save_hf(
     `tokenizer`: a directory whose tokenizer files are copied (and whose special tokens give bos/eos/pad ids
     unless `tokens` names them). `max_positions`: `max_position_embeddings` (default: the model's; required when
     the model has none). `base_config` / `base_generation`: the configs the model was imported with (kept when the
-    model still computes what they say). `dtype`: stored dtype (default: the parameters').
-    """
+    model still computes what they say). `dtype`: stored dtype (default: the parameters'). `force`: replace an
+    earlier `save_hf` directory (`check_target`); `origin`: what its `MARKER` records besides the writer."""
     from flax import nnx
 
     if params is None:
@@ -149,8 +154,8 @@ def save_hf(
     else:
         config = model
     out = Path(out_dir).expanduser().absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise SpmdkitError(f"{out} already exists and is not empty: pass another --out, or --force to replace it")
+    _settle(out)
+    check_target(out, force)
     dtype = dtype or str(np.dtype(jax.tree.leaves(params)[0].dtype))
     if dtype not in NUMPY_DTYPES:
         raise SpmdkitError(f"unknown export dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
@@ -163,15 +168,14 @@ def save_hf(
     hf = hf_config(
         config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
     )
-    family = hf["model_type"]
-    staging = staging_dir(out) if jax.process_index() == 0 else out
+    staging = _staging(out)
     try:
-        write_weights(staging, config, family, params, dtype, limit)
+        write_weights(staging, config, hf["model_type"], params, dtype, limit)
         if jax.process_index() != 0:
             return out
-        (staging / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
-        generation = generation_config(ids, base_generation)
-        (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        files = {CONFIG: hf, GENERATION_CONFIG: generation_config(ids, base_generation)}
+        for name, value in {**files, MARKER: {"written_by": "spmdkit", **(origin or {})}}.items():
+            (staging / name).write_text(json.dumps(value, indent=2) + "\n")
         for name in TOKENIZER_FILES if tokenizer is not None else ():
             if (tokenizer / name).is_file():
                 shutil.copy2(tokenizer / name, staging / name)
@@ -182,15 +186,60 @@ def save_hf(
     return out
 
 
+def _beside(out: Path, what: str) -> Path:
+    """`.NAME.exporting`: where an export of `out` is written (renamed to `out` when complete); `.NAME.replaced`:
+    where an earlier export waits while the new one is renamed into place."""
+    return out.with_name(f".{out.name}.{what}")
+
+
+def _staging(out: Path) -> Path:
+    """A new `.NAME.exporting` beside `out` on process 0; `out` itself on the others (they write no file)."""
+    if jax.process_index() != 0:
+        return out
+    staging = _beside(out, "exporting")
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _settle(out: Path) -> None:
+    """What an export of `out` killed before it finished left: its staging directory removed, an earlier export
+    set aside put back (process 0)."""
+    if jax.process_index() == 0:
+        shutil.rmtree(_beside(out, "exporting"), ignore_errors=True)
+        earlier = _beside(out, "replaced")
+        if earlier.is_dir():
+            if out.exists():
+                shutil.rmtree(earlier)
+            else:
+                os.replace(earlier, out)
+
+
+def check_target(out: Path, force: bool) -> None:
+    """SpmdkitError unless `out` is new, empty, or (with `force`) an earlier export: a directory holding the
+    `MARKER` this module writes and only the files of an export. A Hugging Face `save_pretrained` directory, a
+    downloaded model or a user's files are never replaced."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise SpmdkitError(f"{out} already exists and is not empty: pass another --out, or --force to replace it")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    other = [n for n in names if n not in EXPORTED and not (n.startswith("model-") and n.endswith(".safetensors"))]
+    if not out.is_dir() or other or MARKER not in names or CONFIG not in names:
+        what = (
+            "is a file" if not out.is_dir() else f"holds {other[0]}" if other
+            else f"has no {MARKER} (a directory spmdkit did not write, e.g. a save_pretrained model)"
+        )  # fmt: skip
+        raise SpmdkitError(
+            f"--force replaces only an earlier export, but {out} {what}: it is not one; pass a new --out"
+        )
+
+
 def _replace(staging: Path, out: Path) -> None:
     """Move the finished `staging` directory to `out`; an existing `out` (with --force) is removed only after."""
     if not out.exists():
         os.replace(staging, out)
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    old = _beside(out, "replaced")
     os.replace(out, old)
     os.replace(staging, out)
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
+    shutil.rmtree(old)

@@ -14,6 +14,7 @@ from spmdkit.models.config import TransformerConfig
 from spmdkit.plan.devices import Device
 from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, planner_platform
 from spmdkit.plan.layout import Layout, check_layout
+from spmdkit.plan.limits import LIMITS
 from spmdkit.plan.memory import memory
 from spmdkit.sharding.strategy import mesh_text
 
@@ -70,6 +71,7 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
             counts = [2**k for k in range(local_batch.bit_length()) if local_batch % 2**k == 0]
         else:
             counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
+        counts = [c for c in counts if c <= LIMITS["--microbatches"][0]] or counts[:1]
         layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
         policies = [remat] if remat else REMAT_ORDER
         out.append(

@@ -38,6 +38,8 @@ from spmdkit.models.presets import model_preset
 from spmdkit.parallel.context.zigzag import zigzag_batch
 from spmdkit.plan.devices import DEVICES, device_for_kind
 from spmdkit.plan.estimate import estimate
+from spmdkit.plan.limits import check_sizes
+from spmdkit.rundir.ownership import check_output
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.mesh_config import MeshConfig, format_sizes
 from spmdkit.sharding.rules import make_rules
@@ -302,6 +304,8 @@ def peer_model() -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """The benchmark as a command: set up, run, print and write the table."""
+    check_sizes({"--batch-size": args.batch_size, "--seq-len": args.seq_len, "--microbatches": args.microbatches})
+    check_output(args.out, [])  # not inside a checkpoint directory
     platform = configure_platform()
 
     if args.peer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from spmdkit.checkpoint.integrity import data_files
 from spmdkit.checkpoint.steps import open_step
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
+from spmdkit.rundir.ownership import is_checkpoint_directory
 
 
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
@@ -90,22 +92,53 @@ def format_inspection(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+ROTATED = "rotated away while reading, skipped"
+VERIFY = " (verify reads every step)"
+
+
+def _files(step_dir: Path) -> set[str]:
+    """The files of a step directory (paths within it; none when it is gone): what a rotation deletes."""
+    return {str(Path(root, name).relative_to(step_dir)) for root, _, names in os.walk(step_dir) for name in names}
+
+
 def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
-    """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`)."""
-    checkpointer, _ = open_step(directory, choose=" (verify reads every step)")
+    """[{"step", "ok", "problem"}] for every step, by the rules resume applies (see `Checkpointer.verify`).
+
+    The steps are listed once. A run still training deletes its oldest steps while they are read: a step that
+    fails and has lost any of the files it had when its reading began was rotated away (or set aside), not
+    damaged: "ok" is None and the problem says so (a damaged step keeps its files: it is only wrong)."""
+    try:
+        checkpointer, _ = open_step(directory, choose=VERIFY)
+    except SpmdkitError:  # Orbax lists the steps reading each one's metadata: a rotation under it fails the listing
+        if not is_checkpoint_directory(Path(directory)):
+            raise
+        checkpointer, _ = open_step(directory, choose=VERIFY)  # once more: a rotation takes one step per save
     with contextlib.closing(checkpointer):
         report = []
         for step in checkpointer.steps():
-            problems = checkpointer.verify(step)
-            report.append({"step": step, "ok": not problems, "problem": "; ".join(problems) or None})
+            step_dir = checkpointer.directory / str(step)
+            before = _files(step_dir)
+            try:
+                problems = checkpointer.verify(step)
+            except Exception:  # noqa: BLE001 - a step deleted under the reader may fail in any way
+                problems = [ROTATED]
+                if before and before <= _files(step_dir):
+                    raise
+            if problems and (not before or not before <= _files(step_dir)):
+                report.append({"step": step, "ok": None, "problem": ROTATED})
+            else:
+                report.append({"step": step, "ok": not problems, "problem": "; ".join(problems) or None})
         return report
 
 
 def format_verification(directory: str | Path, report: list[dict[str, Any]]) -> str:
-    lines = [f"step {r['step']}: " + ("ok" if r["ok"] else f"DAMAGED ({r['problem']})") for r in report]
-    bad = sum(not r["ok"] for r in report)
+    lines = [f"step {r['step']}: " + {True: "ok", None: ROTATED}.get(r["ok"], f"DAMAGED ({r['problem']})")
+             for r in report]  # fmt: skip
+    intact, bad = sum(r["ok"] is True for r in report), sum(r["ok"] is False for r in report)
+    gone = len(report) - intact - bad
     lines.append(
-        f"{len(report) - bad} of {len(report)} steps intact in {Path(directory).absolute()}"
+        f"{intact} of {len(report)} steps intact in {Path(directory).absolute()}"
+        + (f"; {gone} rotated away while reading (a run is saving there), not checked" if gone else "")
         + (f"; {bad} damaged: delete them (resume skips them with a warning)" if bad else "")
     )
     return "\n".join(lines)

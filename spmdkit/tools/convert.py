@@ -2,7 +2,8 @@
 `spmdkit.tools.hf_checkpoint` and `spmdkit.interop`).
 
 - `reshard_checkpoint`: rebuild the abstract train state from the checkpoint's saved config, with the shardings
-  of a new mesh; restore onto it with Orbax; save the same items (state, data, config) into a new directory.
+  of a new mesh; restore onto it with Orbax; save the same items (state, data, config) into a new directory,
+  assembled beside it (`.NAME.resharding`) and renamed at the end: a killed reshard leaves no partial output.
   The data-iterator files are copied as they are; the config records the new mesh.
 - `read_params`: a step's model parameters (not its optimizer state) as host arrays, with its saved config.
 """
@@ -54,6 +55,23 @@ def check_creatable(out: Path) -> None:
         raise SpmdkitError(f"{out} cannot be written ({existing} is not writable): pass a directory you can write")
 
 
+def staging_for(out: Path, verb: str) -> Path:
+    """Where `out` is assembled before it is renamed into place (`.NAME.<verb>` beside it: one file system), emptied
+    of what a killed command left there: a killed reshard or import leaves no partial `out`."""
+    staging = out.with_name(f".{out.name}.{verb}")
+    if jax.process_index() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Rename the complete `staging` to `out` (new, or empty: `fresh_output`), on process 0."""
+    if jax.process_index() == 0:
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+
+
 @contextlib.contextmanager
 def writing_into(out: Path, command: str) -> Iterator[None]:
     """Hold the lock of the run directory `out` lies in (if any) while `command` writes `out`: refused in one line
@@ -84,12 +102,14 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
             tx = make_optimizer(config.optimizer, config.run.steps)
             _, abstract, shardings = abstract_train_state(config.model.build(), tx, new_mesh, rules, config.run.seed)
             state = source.restore(step, abstract, shardings)
-        with contextlib.closing(Checkpointer(out, every=0, keep=1)) as target:
+        staging = staging_for(out, "resharding")
+        with contextlib.closing(Checkpointer(staging, every=0, keep=1)) as target:
             target.save(step, state, config=json.loads(config.to_json()), force=True)
             target.wait()
         data = Path(source.directory) / str(step) / "data"
         if data.is_dir() and jax.process_index() == 0:
-            shutil.copytree(data, out / str(step) / "data")
+            shutil.copytree(data, staging / str(step) / "data")
+        publish(staging, out)
         return step
 
 

@@ -14,8 +14,6 @@ as a complete Hugging Face model directory.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -29,20 +27,19 @@ from spmdkit.interop.hf_files import (
     CONFIG,
     GENERATION_CONFIG,
     SIDECAR,
-    TOKENIZER_FILES,
     copy_hf_files,
     find_hf_files,
     special_token_ids,
 )
 from spmdkit.interop.loading import check_tensors, hf_params, param_sharding_tree, stored_dtype
-from spmdkit.interop.safetensors_files import INDEX, SINGLE, TensorFiles
+from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import OVERRIDES, hf_config_path, hf_family, source_kind
-from spmdkit.interop.writing import NUMPY_DTYPES, save_hf
+from spmdkit.interop.writing import NUMPY_DTYPES, check_target, save_hf
 from spmdkit.models.config import TransformerConfig
 from spmdkit.rundir.ownership import check_output, run_inputs
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import make_rules
-from spmdkit.tools.convert import check_creatable, fresh_output, read_params, writing_into
+from spmdkit.tools.convert import check_creatable, fresh_output, publish, read_params, staging_for, writing_into
 from spmdkit.train.config import TrainConfig, apply_overrides
 
 
@@ -71,9 +68,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
         layout = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
         rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
         params = hf_params(files, model, family, param_sharding_tree(model, layout, rules), model.param_dtype)
-        staging = out.with_name(f".{out.name}.importing")
-        if jax.process_index() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_for(out, "importing")
         try:
             write_params(staging, params, json.loads(config.to_json()))
         except NonFiniteState as error:
@@ -81,9 +76,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
         del params
         if jax.process_index() == 0:
             copy_hf_files(config_path.parent, staging / SIDECAR)
-            if out.exists():
-                out.rmdir()  # empty: checked above
-            os.replace(staging, out)
+        publish(staging, out)
         return model
 
 
@@ -92,22 +85,6 @@ def default_token_ids(config: TrainConfig) -> dict[str, int | None]:
     so that transformers does not fall back to Llama's 1 and 2)."""
     stdlib = config.data.source == "stdlib"
     return {"bos_token_id": BOS if stdlib else None, "eos_token_id": EOS if stdlib else None, "pad_token_id": None}
-
-
-EXPORTED = frozenset({CONFIG, GENERATION_CONFIG, INDEX, SINGLE, *TOKENIZER_FILES})
-
-
-def check_earlier_export(out: Path) -> None:
-    """SpmdkitError unless `out` is what `ckpt export` writes (a Hugging Face model directory of its files only):
-    `--force` replaces an earlier export, never another kind of directory."""
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    other = [n for n in names if n not in EXPORTED and not (n.startswith("model-") and n.endswith(".safetensors"))]
-    weights = any(n.endswith(".safetensors") for n in names)
-    if not out.is_dir() or other or not weights or CONFIG not in names:
-        what = "is a file" if not out.is_dir() else f"holds {other[0]}" if other else "holds no exported weights"
-        raise SpmdkitError(
-            f"--force replaces only an earlier export, but {out} {what}: it is not one; pass a new --out"
-        )
 
 
 def export_hf(
@@ -121,12 +98,7 @@ def export_hf(
     """The Hugging Face model directory `out` from `step` (default: the newest) of a checkpoint or run directory;
     returns (out, the step)."""
     out_path = check_output(out, run_inputs(directory))
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        if not force:
-            raise SpmdkitError(
-                f"{out_path} already exists and is not empty: pass another --out, or --force to replace it"
-            )
-        check_earlier_export(out_path)
+    check_target(out_path, force)  # before the checkpoint is read: --force replaces an earlier export only
     check_creatable(out_path)
     with writing_into(out_path, "spmdkit ckpt export"):
         step, config, params = read_params(directory, step)
@@ -140,6 +112,6 @@ def export_hf(
         written = save_hf(
             model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
             max_positions=model.max_positions or config.run.seq_len, tokens=tokens, base_config=base,
-            base_generation=generation,
+            base_generation=generation, origin={"source": str(Path(directory).expanduser().absolute()), "step": step},
         )  # fmt: skip
         return written, step

@@ -31,6 +31,7 @@ from spmdkit.data.store import DatasetWriter
 from spmdkit.data.store.staging import Staging
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.ownership import check_output
 
 TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer buffers 256 texts at a time: pieces keep that small
 
@@ -134,6 +135,16 @@ def check_new_directory(out: str | Path) -> None:
         raise SpmdkitError(f"--out {out} cannot be created ({existing} is not writable): pass a writable place")
 
 
+WORKERS_PER_CPU = 4  # more tokenizer processes than this only add memory: each is one process on one core
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a batch job's share of the node), at least 1."""
+    if hasattr(os, "process_cpu_count"):  # Python 3.13
+        return os.process_cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare a dataset as `options` say; returns its `dataset.json` content."""
     inputs = list(options.inputs)
@@ -141,8 +152,13 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
     Staging(options.out).remove_stale()  # also when --out exists: a run killed after its rename left a lock file
     check_new_directory(options.out)
-    if options.workers < 0:
-        raise SpmdkitError(f"--workers {options.workers}: pass a positive number (0: one per CPU core)")
+    check_output(options.out, [], "--out")  # not inside a checkpoint directory
+    cpus = usable_cpus()
+    if not 0 <= options.workers <= WORKERS_PER_CPU * cpus:
+        raise SpmdkitError(
+            f"--workers {options.workers}: pass 1 to {WORKERS_PER_CPU * cpus} ({WORKERS_PER_CPU} per CPU this process "
+            f"may use, {cpus}; each worker holds its own tokenizer), or 0: one per CPU"
+        )
     input_options = InputOptions(options.glob, options.text_key, options.split, piece_chars=options.piece_chars)
     steady_heap()
     for warning in check_inputs(inputs, options.out, input_options):
@@ -156,7 +172,7 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
             bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
             documents = _documents(read_inputs(inputs, input_options), options.skip_bad, skipped)
             batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
-            workers = options.workers or os.cpu_count() or 1
+            workers = options.workers or cpus
             with bar, contextlib.closing(encode(tokenizer, workers, writer.dtype, batches)) as encoded:
                 for done in encoded:  # in input order, from worker processes
                     writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
