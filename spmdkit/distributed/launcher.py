@@ -8,9 +8,11 @@ and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDE
 with SIGKILL leaves no process behind. A child that dies ends the others: the launcher stops them, and without a
 launcher JAX's heartbeat timeout does.
 
-With `--max-restarts N` a failed job is started again, whole (all processes, a fresh coordinator port), and resumes
-from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row there
-(`spmdkit.distributed.restarts`). Ctrl-C or SIGTERM to the launcher stops the job and never restarts it.
+With `--max-restarts N` (at most 100) a failed job is started again, whole (all processes, a fresh coordinator
+port), and resumes from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row
+there, the first at once and each further one after twice the wait of the one before: 1 s, 2 s, 4 s, ... up to
+60 s (`spmdkit.distributed.restarts`). A usage error (status 2) is never restarted. Ctrl-C or SIGTERM to the
+launcher stops the job and never restarts it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
-from spmdkit.distributed.restarts import ATTEMPT, PROGRESS_FILE, SameStep, read_step
+from spmdkit.distributed.restarts import (
+    ATTEMPT,
+    PROGRESS_FILE,
+    USAGE_ERROR,
+    SameStep,
+    backoff,
+    check_max_restarts,
+    read_step,
+)
 from spmdkit.distributed.slurm import COORDINATOR
 from spmdkit.distributed.slurm import check_command as check_whole_command
 from spmdkit.errors import SpmdkitError
@@ -225,11 +235,10 @@ def launch_local(
 ) -> int:
     """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status.
     `per_host`: processes per emulated host (None: all on this one). `max_restarts`: after a failure start the
-    whole job again, at most this many times in a row at one step (`spmdkit.distributed.restarts`)."""
+    whole job again, at most this many times in a row at one step, backing off (`spmdkit.distributed.restarts`)."""
     if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
-    if max_restarts < 0:
-        raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
+    check_max_restarts(max_restarts)
     platform = resolve_platform(platform, os.environ)
     check_command(command)
 
@@ -264,9 +273,10 @@ def run_attempts(
     max_restarts: int,
     progress: str,
 ) -> tuple[int, str]:
-    """Run attempts until one succeeds, is interrupted, or fails and `SameStep` says no more restarts: (exit
-    status, the last line to print). Each attempt gets a fresh free port (the same one when `port` was given: its
-    previous holder is gone), and its processes `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE` (`progress`)."""
+    """Run attempts until one succeeds, is interrupted, fails with a usage error (status 2), or fails and `SameStep`
+    says no more restarts: (exit status, the last line to print). A restart waits `backoff` s first. Each attempt
+    gets a fresh free port (the same one when `port` was given: its previous holder is gone), and its processes
+    `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE` (`progress`)."""
     rule, attempt, port_now = SameStep(max_restarts), 0, free_port(port)
     try:
         while True:
@@ -279,11 +289,14 @@ def run_attempts(
                 return code, f"spmdkit launch: {text}" if text else ""
             if not max_restarts:
                 return code, f"spmdkit launch: failed: {text}"
-            step = read_step(progress)
+            if code == USAGE_ERROR:
+                return code, f"spmdkit launch: failed: {text} (status 2: a usage error, never restarted)"
+            step = read_step(progress, attempt)
             if not rule.failed(step):
                 return code, rule.give_up_line(failure, step)
             attempt += 1
             print(rule.restart_line(failure, step, attempt), file=sys.stderr, flush=True)
+            time.sleep(backoff(rule.failures))
             port_now = port or free_port()
     except KeyboardInterrupt:  # between attempts: the processes are stopped already
         return 130, "spmdkit launch: interrupted between attempts"
