@@ -8,6 +8,10 @@ and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDE
 with SIGKILL leaves no process behind. A child that dies ends the others: the launcher stops them, and without a
 launcher JAX's heartbeat timeout does.
 
+When the job fails, the launcher names the process that stopped first: a process still running whose heartbeat
+file (`SPMDKIT_HEARTBEAT_DIR`, kept by the trainer's watchdog) stood still for more than 5 s (frozen, e.g. by
+SIGSTOP, while the others' watchdogs ended them) rather than the first that exited.
+
 With `--max-restarts N` (at most 100) a failed job is started again, whole (all processes, a fresh coordinator
 port), and resumes from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row
 there, the first at once and each further one after twice the wait of the one before: 1 s, 2 s, 4 s, ... up to
@@ -33,12 +37,14 @@ from typing import BinaryIO
 from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
 from spmdkit.distributed.restarts import (
     ATTEMPT,
+    HEARTBEAT_DIR,
     PROGRESS_FILE,
     USAGE_ERROR,
     SameStep,
     backoff,
     check_max_restarts,
     read_step,
+    stalled,
 )
 from spmdkit.distributed.slurm import COORDINATOR
 from spmdkit.distributed.slurm import check_command as check_whole_command
@@ -173,22 +179,37 @@ def stop_all(children: Sequence[subprocess.Popen], grace: float) -> None:
         child.wait()
 
 
+SETTLE = 0.5  # s the others get to end by themselves after one failed (each then says why, in one line)
+
+
+def settle(children: Sequence[subprocess.Popen], seconds: float) -> None:
+    """Wait until every child has exited, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(0.05)
+
+
 def _statuses(children: Sequence[subprocess.Popen], skip: int | None = None) -> str:
     return "; ".join(f"process {i} {_describe(c.returncode)}" for i, c in enumerate(children) if i != skip)
 
 
-def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str, str]:
+def supervise(
+    children: Sequence[subprocess.Popen], grace: float, stopped: Callable[[list[int]], str | None] = lambda _: None
+) -> tuple[int, str, str]:
     """Wait for all children: (0, '', ''); on the first failure stop the others and say who failed (status, the
     failure 'process 1 exited with status 1', then the others' statuses); on Ctrl-C / SIGTERM stop them all (130,
-    '', what became of each)."""
+    '', what became of each). `stopped(running)`: which of the processes still running stopped responding before
+    the first exit (the failure then names it, `restarts.stalled`), or None."""
     try:
         while (codes := [c.poll() for c in children]) != [0] * len(children):
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
+                frozen = stopped([i for i, code in enumerate(codes) if code is None])
+                settle(children, SETTLE)  # a survivor's own line (a lost peer) before it is told to stop
                 stop_all(children, grace=5.0)
-                failure = f"process {failed} {_describe(codes[failed])}"
+                failure = frozen or f"process {failed} {_describe(codes[failed])}"
                 code = codes[failed] if codes[failed] > 0 else 128 - codes[failed]
-                return code, failure, f"{failure}; then {_statuses(children, failed)}"
+                return code, failure, f"{failure}; then {_statuses(children, None if frozen else failed)}"
             time.sleep(0.1)
         return 0, "", ""
     except KeyboardInterrupt:
@@ -216,7 +237,8 @@ def run_attempt(command: Sequence[str], environments: Sequence[Mapping[str, str]
                 pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
                 pumps[-1].start()
         print(f"spmdkit launch: {what}, pids {', '.join(str(c.pid) for c in children)}", file=sys.stderr)
-        return supervise(children, grace)
+        heartbeats, attempt = environments[0].get(HEARTBEAT_DIR), int(environments[0].get(ATTEMPT, 0))
+        return supervise(children, grace, lambda running: heartbeats and stalled(heartbeats, running, attempt))
     finally:
         stop_all(children, grace=0)
         for pump in pumps:
@@ -244,7 +266,9 @@ def launch_local(
 
     def environments(port: int, attempt: int = 0, progress: str = "") -> list[dict[str, str]]:
         """Each process's environment in attempt `attempt` (0 first), the coordinator at `port`."""
-        extra = {ATTEMPT: str(attempt), **({PROGRESS_FILE: progress} if progress else {})}
+        extra = {ATTEMPT: str(attempt)}
+        if progress:  # the progress file and the heartbeat files in one directory the launcher owns
+            extra.update({PROGRESS_FILE: progress, HEARTBEAT_DIR: os.path.dirname(progress)})
         layout = process_environments(processes, devices_per_process, port, platform, os.environ, per_host)
         return [dict(env, **extra) for env in layout]
 
@@ -276,7 +300,7 @@ def run_attempts(
     """Run attempts until one succeeds, is interrupted, fails with a usage error (status 2), or fails and `SameStep`
     says no more restarts: (exit status, the last line to print). A restart waits `backoff` s first. Each attempt
     gets a fresh free port (the same one when `port` was given: its previous holder is gone), and its processes
-    `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE` (`progress`)."""
+    `SPMDKIT_ATTEMPT`, `SPMDKIT_PROGRESS_FILE` (`progress`) and `SPMDKIT_HEARTBEAT_DIR` (its directory)."""
     rule, attempt, port_now = SameStep(max_restarts), 0, free_port(port)
     try:
         while True:

@@ -11,22 +11,30 @@ before any step (S 0, no file, or a record of an earlier attempt: step unknown) 
 Restarts back off: the first after a failure at a new place starts at once, each further one in a row there waits
 twice as long as the one before, from 1 s up to `BACKOFF_CAP` (0, 1, 2, 4, ... 60 s). A usage error (status 2: a
 bad flag, a bad `--mesh`) would only repeat: it is never restarted. N is at most `MAX_RESTARTS`.
+
+Every process also keeps `SPMDKIT_HEARTBEAT_DIR/process-<i>.json` (its phase and step, rewritten about once a
+second while its watchdog runs, removed when it ends): when the job fails, the launcher names a process whose file
+stood still (`stalled`) as the one that stopped first, rather than the first to exit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spmdkit.errors import SpmdkitError
 
 ATTEMPT = "SPMDKIT_ATTEMPT"  # 0 in a job's first attempt, k in its k-th restart
 PROGRESS_FILE = "SPMDKIT_PROGRESS_FILE"  # where process 0 keeps {"step", "phase", "attempt"}
+HEARTBEAT_DIR = "SPMDKIT_HEARTBEAT_DIR"  # where each process keeps process-<i>.json, its phase and step, live
 UNKNOWN = -1  # the step when the progress file is missing or unreadable
 USAGE_ERROR = 2  # the status of a user error (one line, `spmdkit: error: ...`): never restarted
 MAX_RESTARTS = 100  # --max-restarts' limit (restarts in a row at one step; progress resets the count)
 BACKOFF_CAP = 60.0  # seconds: the longest wait before a restart
+STALL = 5.0  # seconds a live process's heartbeat file may stand still before it counts as stopped
 
 
 def check_max_restarts(max_restarts: int) -> None:
@@ -61,6 +69,28 @@ def read_step(path: str | os.PathLike | None, attempt: int | None = None) -> int
     if attempt is not None and record.get("attempt") != attempt:
         return UNKNOWN
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else UNKNOWN
+
+
+def stalled(directory: str | os.PathLike, running: Sequence[int], attempt: int) -> str | None:
+    """Of the `running` processes, the one whose heartbeat file (of this `attempt`) stood still longest, if longer
+    than `STALL` s: 'process 1 stopped responding 14 s earlier (last seen in step of step 12)'; None if none."""
+    now, found = time.time(), []
+    for process in running:
+        path = os.path.join(directory, f"process-{process}.json")
+        record = read_record(path)
+        try:
+            age = now - os.stat(path).st_mtime
+        except OSError:
+            continue
+        if record.get("attempt") == attempt and age > STALL:
+            found.append((age, process, record))
+    if not found:
+        return None
+    age, process, record = max(found, key=lambda item: item[0])
+    return (
+        f"process {process} stopped responding {age:.0f} s earlier (last seen in {record.get('phase')} of step "
+        f"{record.get('step')})"
+    )
 
 
 def write_progress(path: str | os.PathLike, step: int, phase: str, attempt: int) -> None:
