@@ -284,6 +284,23 @@ def test_an_unjoined_launched_process_is_told_to_join(monkeypatch):
     assert make_mesh("fsdp=2", jax.devices()[:2]).shape["fsdp"] == 2  # devices given: a local mesh, as asked
 
 
+def test_a_lost_peer_is_one_line():
+    """The error a collective raises when another process of the job died: one line naming this process (the CLI
+    prints it instead of the traceback); any other error, or one process alone, keeps its traceback (None)."""
+    from jax.errors import JaxRuntimeError
+
+    from spmdkit.distributed.initialize import lost_peer
+
+    env = {"SPMDKIT_COORDINATOR": "127.0.0.1:1234", "SPMDKIT_NUM_PROCESSES": "2", "SPMDKIT_PROCESS_ID": "0"}
+    gone = JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:1\nmo")
+    assert lost_peer(gone, env) == (
+        "process 0 of 2 stopped: another process of the job died or stopped (the launcher's last line names it): "
+        "UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:1"
+    )
+    assert lost_peer(gone, {}) is None and lost_peer(RuntimeError(str(gone)), env) is None
+    assert lost_peer(JaxRuntimeError("INVALID_ARGUMENT: mismatched shapes"), env) is None
+
+
 def test_join_is_exported_and_documented():
     import spmdkit
     import spmdkit.distributed

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support import BIN, error_lines, run_spmdkit
 
-from spmdkit.distributed.restarts import SameStep, read_step, write_progress
+from spmdkit.distributed.restarts import BACKOFF_CAP, MAX_RESTARTS, SameStep, backoff, read_step, write_progress
 from spmdkit.distributed.slurm import sbatch_script
 
 # Process 0 writes the progress file (when the plan gives a step) and waits to be stopped; process 1 waits until
@@ -78,6 +78,7 @@ def test_progress_file_and_the_same_step_rule(tmp_path):
     assert read_step(path) == -1  # missing: unknown
     write_progress(path, 7, "step", 1)
     assert read_step(path) == 7 and json.loads(path.read_text()) == {"step": 7, "phase": "step", "attempt": 1}
+    assert read_step(path, 1) == 7 and read_step(path, 2) == -1  # attempt 2 wrote nothing: it reached no step
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temporary file left
     for broken in ("", "{", "[1]", '{"step": "7"}', '{"step": -3}', '{"step": true}'):
         path.write_text(broken)
@@ -92,6 +93,8 @@ def test_progress_file_and_the_same_step_rule(tmp_path):
     assert all(rule.failed(step) for step in (1, 2, 3, 4, 5, 6))  # progress each time: never gives up
     assert [rule.failed(step) for step in (-1, 0, -1)] == [True, True, False]  # unknown and 0: before any step
     assert SameStep(0).failed(3) is False
+    assert [backoff(n) for n in range(1, 10)] == [0, 1, 2, 4, 8, 16, 32, BACKOFF_CAP, BACKOFF_CAP]
+    assert backoff(MAX_RESTARTS + 1) == BACKOFF_CAP == 60
 
 
 # ----------------------------------------------------------------------------------------------- local processes
@@ -103,9 +106,9 @@ def test_failed_attempts_are_restarted_and_the_job_finishes(tmp_path):
     done = _launch(tmp_path, [[3, "exit"], [5, "kill"]], 1)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _restarts(done.stderr) == [
-        "spmdkit launch: process 1 exited with status 1 at step 3; restarting the job (attempt 2; 1 of 1 restarts "
-        "at this step)",
-        "spmdkit launch: process 1 was killed by SIGKILL at step 5; restarting the job (attempt 3; 1 of 1 "
+        "spmdkit launch: process 1 exited with status 1 at step 3; restarting the job at once (attempt 2; 1 of 1 "
+        "restarts at this step)",
+        "spmdkit launch: process 1 was killed by SIGKILL at step 5; restarting the job at once (attempt 3; 1 of 1 "
         "restarts at this step)",
     ]
     assert not _failures(done.stderr)
@@ -122,10 +125,10 @@ def test_a_job_failing_at_the_same_step_ends_with_one_line(tmp_path):
     done = _launch(tmp_path, [[7, "exit"]] * 10, 3)
     assert done.returncode == 1, done.stderr[-3000:]
     restarts = _restarts(done.stderr)
-    assert [re.search(r"attempt (\d); (\d) of 3 restarts", line).groups() for line in restarts] == [
-        ("2", "1"),
-        ("3", "2"),
-        ("4", "3"),
+    assert [re.search(r"job (.*) \(attempt (\d); (\d) of 3 restarts", line).groups() for line in restarts] == [
+        ("at once", "2", "1"),  # backing off: 0 s, 1 s, 2 s
+        ("in 1 s", "3", "2"),
+        ("in 2 s", "4", "3"),
     ]
     assert _failures(done.stderr) == [
         "spmdkit launch: failed: process 1 exited with status 1 at step 7, 4 times in a row (--max-restarts 3): "
@@ -180,15 +183,48 @@ def test_sigterm_to_the_launcher_stops_and_never_restarts(tmp_path):
     assert "spmdkit launch: interrupted: " in err.read_text() and not _restarts(err.read_text())
 
 
+def test_false_is_restarted_with_backoff_and_ends_within_its_schedule(tmp_path):
+    """`launch --max-restarts 3 -- false` (the audit's case, with fewer restarts): 3 restarts, the first at once,
+    then after 1 s and 2 s; then one line. It ends within its schedule (3 s, plus starting `false` four times) and
+    the launcher and its children stay small (peak RSS)."""
+    measure = "import resource, subprocess, sys; subprocess.run(sys.argv[1:]); "
+    measure += "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)"
+    started = time.monotonic()
+    command = [sys.executable, "-c", measure, f"{BIN}/spmdkit", "launch", "--max-restarts", "3", "--", "false"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    lines = done.stderr.splitlines()
+    waits = [re.search(r"job (.*) \(attempt", line)[1] for line in _restarts(done.stderr)]
+    assert waits == ["at once", "in 1 s", "in 2 s"], done.stderr
+    assert _failures(done.stderr) == [
+        "spmdkit launch: failed: process 0 exited with status 1 at an unknown step, 4 times in a row "
+        "(--max-restarts 3): not restarting"
+    ]
+    assert 3 <= elapsed < 3 + 60, (elapsed, done.stderr)  # the waits' sum; starting Python and `false` the rest
+    assert int(lines[-1]) < 2**20, lines[-1]  # KiB: under 1 GB
+
+
+def test_a_usage_error_is_never_restarted():
+    """A bad --mesh: every process exits 2 at once; the launcher says so and does not restart."""
+    launch = ["launch", "--processes", "2", "--platform", "cpu", "--max-restarts", "3", "--"]
+    path = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = run_spmdkit(*launch, "spmdkit", "train", "--mesh", "nonsense=2", timeout=120, env=path)
+    assert done.returncode == 2 and not _restarts(done.stderr), done.stderr[-3000:]
+    assert "(status 2: a usage error, never restarted)" in _failures(done.stderr)[0], done.stderr[-3000:]
+    assert "attempt 2" not in done.stderr
+
+
 @pytest.mark.parametrize("slurm", [False, True])
-def test_negative_max_restarts_is_refused(slurm, monkeypatch):
+@pytest.mark.parametrize("count", ["-1", str(MAX_RESTARTS + 1), "1000000000"])
+def test_max_restarts_out_of_range_is_refused(slurm, count, monkeypatch):
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     where = ["--slurm", "--nodes", "2", "--dry-run"] if slurm else ["--processes", "2"]
-    done = run_spmdkit("launch", *where, "--max-restarts", "-1", "--", "spmdkit", "train")
+    done = run_spmdkit("launch", *where, "--max-restarts", count, "--", "spmdkit", "train")
     assert done.returncode == 2 and done.stdout == ""
-    assert error_lines(done.stderr) == ["spmdkit: error: --max-restarts -1 must be >= 0 (0: a failure ends the job)"], (
-        done.stderr
-    )
+    assert error_lines(done.stderr) == [
+        f"spmdkit: error: --max-restarts {count} must be in 0-100 (restarts in a row at one step; progress resets "
+        "the count; 0: a failure ends the job)"
+    ], done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
@@ -235,10 +271,10 @@ def test_slurm_script_restarts_a_failed_step(tmp_path):
     assert [(a, c) for a, c, _ in calls] == [("0", "node01:20042"), ("1", "node01:20043"), ("2", "node01:20044")]
     assert len({p for _, _, p in calls}) == 1 and calls[0][2].startswith(f"{tmp_path}/spmdkit-42.")
     assert done.stderr.splitlines() == [
-        "spmdkit launch: srun exited with status 1 at step 3; restarting the job (attempt 2; 1 of 3 restarts at "
-        "this step)",
-        "spmdkit launch: srun exited with status 137 at step 5; restarting the job (attempt 3; 1 of 3 restarts at "
-        "this step)",
+        "spmdkit launch: srun exited with status 1 at step 3; restarting the job at once (attempt 2; 1 of 3 "
+        "restarts at this step)",
+        "spmdkit launch: srun exited with status 137 at step 5; restarting the job at once (attempt 3; 1 of 3 "
+        "restarts at this step)",
     ]
 
 
@@ -246,7 +282,11 @@ def test_slurm_script_gives_up_at_the_same_step(tmp_path):
     done, calls = _run_script(tmp_path, ["7 3"] * 10, 3)
     assert done.returncode == 3 and len(calls) == 4, done.stderr
     lines = done.stderr.splitlines()
-    assert [re.search(r"(\d) of 3 restarts", line).group(1) for line in lines[:-1]] == ["1", "2", "3"]
+    assert [re.search(r"job (.*) \(attempt \d; (\d) of 3 restarts", line).groups() for line in lines[:-1]] == [
+        ("at once", "1"),
+        ("in 1 s", "2"),
+        ("in 2 s", "3"),
+    ]
     assert lines[-1] == (
         "spmdkit launch: failed: srun exited with status 3 at step 7, 4 times in a row (--max-restarts 3): "
         "not restarting"
@@ -265,6 +305,15 @@ def test_slurm_script_progress_and_unknown_steps(tmp_path):
         "spmdkit launch: failed: srun exited with status 1 at an unknown step, 2 times in a row "
         "(--max-restarts 1): not restarting"
     )
+    (tmp_path / "stale").mkdir()  # attempt 1 fails before it writes a record: attempt 0's step 5 is not its own
+    done, calls = _run_script(tmp_path / "stale", ["5 1", "- 1", "ok"], 1)
+    assert done.returncode == 0 and len(calls) == 3 and "at an unknown step; restarting" in done.stderr, done.stderr
+    (tmp_path / "usage").mkdir()  # a usage error: never restarted
+    done, calls = _run_script(tmp_path / "usage", ["3 2", "ok"], 3)
+    assert done.returncode == 2 and len(calls) == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "spmdkit launch: failed: srun exited with status 2 at step 3 (status 2: a usage error, never restarted)"
+    ]
 
 
 def test_slurm_script_never_restarts_after_sigterm(tmp_path):
@@ -371,6 +420,8 @@ def test_a_job_killed_five_times_trains_like_an_uninterrupted_one(tmp_path):
     assert code == 0, output[-3000:]
     assert len(set(killed)) == 5 and len(_restarts(output)) == 5, output[-3000:]
     assert all(" was killed by SIGKILL at step " in line for line in _restarts(output)), _restarts(output)
+    # a survivor says in one line that a peer is gone, or is stopped by the launcher first: never a traceback
+    assert "Traceback" not in output, output[-3000:]
     assert _losses(run_dir) == expected
     records = _records(run_dir)  # each step once: a resumed attempt drops the records it writes again
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and records[-1]["restarts"] == 5

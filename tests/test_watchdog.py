@@ -1,7 +1,8 @@
 """Hangs and stragglers in real multi-process jobs (2 processes x 2 CPU devices, gloo): a process frozen with
-SIGSTOP inside a step or inside a restore ends the job within the timeout and the log names it and the phase; a
-process slowed by an injected delay is named as the straggler, and without the delay none is. Faults come from
-`SPMDKIT_FAULTS` (spmdkit/train/health/faults.py), the test-only hook."""
+SIGSTOP inside a step or inside a restore ends the job within the timeout, the survivor's log names it and the
+phase (no stacks, no traceback), and so does the launcher's last line; a process slowed by an injected delay is
+named as the straggler, and without the delay none is. Faults come from `SPMDKIT_FAULTS`
+(spmdkit/train/health/faults.py), the test-only hook."""
 
 import json
 import re
@@ -12,12 +13,17 @@ from pathlib import Path
 import pytest
 from support import BIN, job_env
 
+from spmdkit.distributed.initialize import HEARTBEAT_MARGIN, heartbeat_timeout
 from spmdkit.errors import SpmdkitError
+from spmdkit.train.config import HealthSettings
 from spmdkit.train.health.faults import Fault, Faults, parse_fault
 from spmdkit.train.health.phases import PhaseClock
 from spmdkit.train.health.watchdog import HUNG, describe_laggards
 
-TIMEOUT = 8  # --health.step-timeout and --health.phase-timeout of the hang tests
+TIMEOUT = 8  # --health.step-timeout and --health.phase-timeout of the hang tests (the other one: 120 s)
+# JAX's heartbeat as the jobs ask for it: below the watchdog's timeouts, as its default 30 s is below the default
+# 600 s; `spmdkit train` keeps it above them (120 + 60 s here), so the watchdog speaks before JAX aborts the job
+HEARTBEAT = "5"
 TRAIN = "train --model tiny --mesh fsdp=4 --seq-len 32 --batch-size 8 --eval-every 0 --no-progress --log-every 2"
 
 
@@ -27,7 +33,11 @@ def _launch(run_dir: Path, *train: str, faults: str = "") -> tuple[subprocess.Co
     command = [f"{BIN}/spmdkit", "launch", "--processes", "2", "--devices-per-process", "2", "--", "spmdkit"]
     command += [*TRAIN.split(), "--run-dir", str(run_dir), *train]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(SPMDKIT_FAULTS=faults)
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(SPMDKIT_FAULTS=faults, SPMDKIT_HEARTBEAT_TIMEOUT=HEARTBEAT),
     )
     lines, frozen_at = [], None
     for line in process.stdout:
@@ -60,8 +70,15 @@ def test_a_process_frozen_in_a_step_ends_the_job_and_is_named(hung_in_a_step):
     said = re.search(r"\[0\] spmdkit watchdog: process 0 waited [\d.]+ s in (\w+) of step (\d+)", done.stdout)
     assert said and said[1] in ("step", "wait", "log") and int(said[2]) >= 12, done.stdout[-3000:]
     assert "[0] spmdkit watchdog: not arrived: process 1 (frozen: last seen in step of step 12)" in done.stdout
-    assert "most recent call first" in done.stdout  # the Python stacks
-    assert "spmdkit launch: failed: process 0 exited with status 75" in done.stdout
+    assert "[0] spmdkit watchdog: ending process 0 (status 75): it waits for the process(es) above" in done.stdout
+    assert "most recent call first" not in done.stdout and "Traceback" not in done.stdout  # no stacks: 1 is to blame
+    # the launcher names the process that stopped first, not the first that exited
+    failed = re.search(r"^spmdkit launch: failed: (.*)$", done.stdout, re.M)[1]
+    assert re.fullmatch(
+        r"process 1 stopped responding \d+ s earlier \(last seen in step of step 12\); then process 0 exited with "
+        r"status 75; process 1 was killed by SIGKILL",
+        failed,
+    ), failed
 
 
 @pytest.mark.slow
@@ -80,6 +97,21 @@ def test_a_process_frozen_in_a_restore_ends_the_job_and_is_named(hung_in_a_step)
     assert done.returncode == HUNG and 0 <= after <= TIMEOUT + 15, (after, done.stdout[-3000:])
     assert re.search(r"\[0\] spmdkit watchdog: process 0 waited [\d.]+ s in \w+", done.stdout), done.stdout[-3000:]
     assert "not arrived: process 1 (frozen: last seen in restore of step 0)" in done.stdout, done.stdout[-3000:]
+    assert "spmdkit launch: failed: process 1 stopped responding " in done.stdout, done.stdout[-3000:]
+    assert "(last seen in restore of step 0)" in done.stdout.splitlines()[-1]
+
+
+def test_the_default_deadlines_come_before_jax_heartbeat():
+    """`spmdkit train` joins with JAX's heartbeat above its watchdog's deadlines (the longest + 60 s): with the
+    defaults 600 s < 1800 s < 1860 s, as in the hang tests 8 s < 120 s < 180 s; a script's plain join keeps 30 s."""
+    health = HealthSettings()
+    longest = max(health.step_timeout, health.phase_timeout)
+    beat = heartbeat_timeout({}, longest)
+    assert (health.step_timeout, health.phase_timeout, beat) == (600, 1800, 1800 + HEARTBEAT_MARGIN)
+    # the watchdog fires within a second of its deadline, reads the store twice (2 s; 5 s each when it hangs)
+    assert health.step_timeout < health.phase_timeout < beat and longest + 1 + 2 + 2 * 5 < beat
+    assert TIMEOUT < 120 < heartbeat_timeout({"SPMDKIT_HEARTBEAT_TIMEOUT": HEARTBEAT}, 120) == 180
+    assert heartbeat_timeout({}) == 30 and heartbeat_timeout({"SPMDKIT_HEARTBEAT_TIMEOUT": "4000"}, 1800) == 4000
 
 
 @pytest.mark.slow

@@ -36,8 +36,9 @@ def parser() -> ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="start the whole job again after a failure (it resumes from its newest checkpoint); at most N "
-        "restarts in a row at one step (default: 0, a failure ends the job)",
+        help="start the whole job again after a failure (it resumes from its newest checkpoint); at most N (<= 100) "
+        "restarts in a row at one step, the first at once, then after 1 s, 2 s, 4 s, ... up to 60 s; a usage error "
+        "(status 2) is never restarted (default: 0, a failure ends the job)",
     )
     add("--slurm", action="store_true", help="write an sbatch script and submit it")
     add("--nodes", type=int, metavar="K", help="--slurm: nodes")

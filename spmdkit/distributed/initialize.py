@@ -6,7 +6,10 @@ It reads, in order: `SPMDKIT_NUM_PROCESSES` / `SPMDKIT_PROCESS_ID` / `SPMDKIT_CO
 sets); srun's `SLURM_PROCID` / `SLURM_NTASKS` (coordinator: `SPMDKIT_COORDINATOR`, else the first node of the node
 list); Open MPI's `OMPI_COMM_WORLD_RANK` / `_SIZE` (coordinator: `SPMDKIT_COORDINATOR`). None of them: a single
 process. `SPMDKIT_CPU_DEVICES=M` gives the process M simulated CPU devices. A process that sends no heartbeat for
-`SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status. A process's host
+`SPMDKIT_HEARTBEAT_TIMEOUT` s (default 30) ends all others of the job with a non-zero status (JAX aborts them: no
+word of which process or where); a caller with a watchdog of its own (`spmdkit train`) passes its longest deadline
+as `heartbeat_above`, and the heartbeat is kept 60 s above it, so that its watchdog names a frozen process and its
+phase first (`heartbeat_timeout`). A process's host
 (what `--dcn` counts) is `SPMDKIT_HOST`, else srun's `SLURMD_NODENAME`, else the machine's name
 (`spmdkit.sharding.mesh.this_host`).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import re
 import socket
@@ -32,7 +36,10 @@ TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds
     "SPMDKIT_HEARTBEAT_TIMEOUT": ("heartbeat_timeout_seconds", 30),
     "SPMDKIT_SHUTDOWN_TIMEOUT": ("shutdown_timeout_seconds", 60),
 }
+HEARTBEAT_MARGIN = 60  # s: JAX's heartbeat above a watchdog's longest deadline (it fires, asks the store, exits)
 FORCED_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+# What a collective or the coordination service says when another process of the job died or stopped
+PEER_LOST = re.compile(r"Gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|UNAVAILABLE|heartbeat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +144,37 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
             time.sleep(0.02)
 
 
-def join(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
+def heartbeat_timeout(environ: Mapping[str, str], above: float = 0.0) -> int:
+    """JAX's heartbeat timeout, s: `SPMDKIT_HEARTBEAT_TIMEOUT` (default 30), raised to `above` (a watchdog's
+    longest deadline; 0: none) + `HEARTBEAT_MARGIN` where that is longer: `spmdkit train`'s defaults (600 / 1800 s)
+    give 1860 s, so a frozen process is named by the watchdog, not ended by JAX's abort 30 s after it froze."""
+    var, (_, default) = "SPMDKIT_HEARTBEAT_TIMEOUT", TIMEOUTS["SPMDKIT_HEARTBEAT_TIMEOUT"]
+    return max(_int_var(environ, var, default), math.ceil(above) + HEARTBEAT_MARGIN if above > 0 else 0)
+
+
+def lost_peer(error: BaseException, environ: Mapping[str, str] | None = None) -> str | None:
+    """One line for a JAX error that says another process of this multi-process job is gone (a collective or the
+    coordination service failed): its own line, the launcher's, names it; None for any other error."""
+    if type(error).__name__ != "JaxRuntimeError" or not PEER_LOST.search(str(error)):
+        return None
+    try:
+        found = detect_environment(environ)
+    except SpmdkitError:
+        return None
+    if found is None or found.num_processes == 1:
+        return None
+    said = (str(error).strip() or repr(error)).splitlines()[0]
+    return (
+        f"process {found.process_id} of {found.num_processes} stopped: another process of the job died or stopped "
+        f"(the launcher's last line names it): {said}"
+    )
+
+
+def join(environ: Mapping[str, str] | None = None, heartbeat_above: float = 0.0) -> DistributedEnv | None:
     """Join the JAX job the environment describes (`spmdkit launch`, srun, mpirun): call it first thing in your
     script, before JAX computes anything. Returns this process's place in the job; None: one process, nothing done.
-    A launched process that skips it sees only its own devices, and `make_mesh` says to call it."""
+    A launched process that skips it sees only its own devices, and `make_mesh` says to call it.
+    `heartbeat_above`: the longest deadline of the caller's own watchdog (`heartbeat_timeout`)."""
     env = os.environ if environ is None else environ
     # SPMDKIT_CPU_DEVICES, checked against a count already forced through XLA_FLAGS (`--cpu-devices`)
     cpu_devices = _int_var(env, CPU_DEVICES) if CPU_DEVICES in env else None
@@ -161,6 +195,7 @@ def join(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
         if cpu_devices is not None or env.get("JAX_PLATFORMS", "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         timeouts = {key: _int_var(env, var, default) for var, (key, default) in TIMEOUTS.items()}
+        timeouts["heartbeat_timeout_seconds"] = heartbeat_timeout(env, heartbeat_above)
         if found.process_id != 0:
             wait_for_coordinator(found.coordinator, timeouts["initialization_timeout"])
         jax.distributed.initialize(

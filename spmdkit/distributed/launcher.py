@@ -8,9 +8,15 @@ and, on Linux, asks the kernel to SIGKILL it when the launcher dies (`PR_SET_PDE
 with SIGKILL leaves no process behind. A child that dies ends the others: the launcher stops them, and without a
 launcher JAX's heartbeat timeout does.
 
-With `--max-restarts N` a failed job is started again, whole (all processes, a fresh coordinator port), and resumes
-from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row there
-(`spmdkit.distributed.restarts`). Ctrl-C or SIGTERM to the launcher stops the job and never restarts it.
+When the job fails, the launcher names the process that stopped first: a process still running whose heartbeat
+file (`SPMDKIT_HEARTBEAT_DIR`, kept by the trainer's watchdog) stood still for more than 5 s (frozen, e.g. by
+SIGSTOP, while the others' watchdogs ended them) rather than the first that exited.
+
+With `--max-restarts N` (at most 100) a failed job is started again, whole (all processes, a fresh coordinator
+port), and resumes from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row
+there, the first at once and each further one after twice the wait of the one before: 1 s, 2 s, 4 s, ... up to
+60 s (`spmdkit.distributed.restarts`). A usage error (status 2) is never restarted. Ctrl-C or SIGTERM to the
+launcher stops the job and never restarts it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
-from spmdkit.distributed.restarts import ATTEMPT, PROGRESS_FILE, SameStep, read_step
+from spmdkit.distributed.restarts import (
+    ATTEMPT,
+    HEARTBEAT_DIR,
+    PROGRESS_FILE,
+    USAGE_ERROR,
+    SameStep,
+    backoff,
+    check_max_restarts,
+    read_step,
+    stalled,
+)
 from spmdkit.distributed.slurm import COORDINATOR
 from spmdkit.distributed.slurm import check_command as check_whole_command
 from spmdkit.errors import SpmdkitError
@@ -163,22 +179,37 @@ def stop_all(children: Sequence[subprocess.Popen], grace: float) -> None:
         child.wait()
 
 
+SETTLE = 0.5  # s the others get to end by themselves after one failed (each then says why, in one line)
+
+
+def settle(children: Sequence[subprocess.Popen], seconds: float) -> None:
+    """Wait until every child has exited, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(0.05)
+
+
 def _statuses(children: Sequence[subprocess.Popen], skip: int | None = None) -> str:
     return "; ".join(f"process {i} {_describe(c.returncode)}" for i, c in enumerate(children) if i != skip)
 
 
-def supervise(children: Sequence[subprocess.Popen], grace: float) -> tuple[int, str, str]:
+def supervise(
+    children: Sequence[subprocess.Popen], grace: float, stopped: Callable[[list[int]], str | None] = lambda _: None
+) -> tuple[int, str, str]:
     """Wait for all children: (0, '', ''); on the first failure stop the others and say who failed (status, the
     failure 'process 1 exited with status 1', then the others' statuses); on Ctrl-C / SIGTERM stop them all (130,
-    '', what became of each)."""
+    '', what became of each). `stopped(running)`: which of the processes still running stopped responding before
+    the first exit (the failure then names it, `restarts.stalled`), or None."""
     try:
         while (codes := [c.poll() for c in children]) != [0] * len(children):
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
+                frozen = stopped([i for i, code in enumerate(codes) if code is None])
+                settle(children, SETTLE)  # a survivor's own line (a lost peer) before it is told to stop
                 stop_all(children, grace=5.0)
-                failure = f"process {failed} {_describe(codes[failed])}"
+                failure = frozen or f"process {failed} {_describe(codes[failed])}"
                 code = codes[failed] if codes[failed] > 0 else 128 - codes[failed]
-                return code, failure, f"{failure}; then {_statuses(children, failed)}"
+                return code, failure, f"{failure}; then {_statuses(children, None if frozen else failed)}"
             time.sleep(0.1)
         return 0, "", ""
     except KeyboardInterrupt:
@@ -206,7 +237,8 @@ def run_attempt(command: Sequence[str], environments: Sequence[Mapping[str, str]
                 pumps.append(threading.Thread(target=_pump, args=(source, sink, b"[%d] " % i, lock), daemon=True))
                 pumps[-1].start()
         print(f"spmdkit launch: {what}, pids {', '.join(str(c.pid) for c in children)}", file=sys.stderr)
-        return supervise(children, grace)
+        heartbeats, attempt = environments[0].get(HEARTBEAT_DIR), int(environments[0].get(ATTEMPT, 0))
+        return supervise(children, grace, lambda running: heartbeats and stalled(heartbeats, running, attempt))
     finally:
         stop_all(children, grace=0)
         for pump in pumps:
@@ -225,17 +257,18 @@ def launch_local(
 ) -> int:
     """Run `command` as `processes` processes of one JAX job on 127.0.0.1, output prefixed `[i]`; exit status.
     `per_host`: processes per emulated host (None: all on this one). `max_restarts`: after a failure start the
-    whole job again, at most this many times in a row at one step (`spmdkit.distributed.restarts`)."""
+    whole job again, at most this many times in a row at one step, backing off (`spmdkit.distributed.restarts`)."""
     if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise SpmdkitError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")
-    if max_restarts < 0:
-        raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
+    check_max_restarts(max_restarts)
     platform = resolve_platform(platform, os.environ)
     check_command(command)
 
     def environments(port: int, attempt: int = 0, progress: str = "") -> list[dict[str, str]]:
         """Each process's environment in attempt `attempt` (0 first), the coordinator at `port`."""
-        extra = {ATTEMPT: str(attempt), **({PROGRESS_FILE: progress} if progress else {})}
+        extra = {ATTEMPT: str(attempt)}
+        if progress:  # the progress file and the heartbeat files in one directory the launcher owns
+            extra.update({PROGRESS_FILE: progress, HEARTBEAT_DIR: os.path.dirname(progress)})
         layout = process_environments(processes, devices_per_process, port, platform, os.environ, per_host)
         return [dict(env, **extra) for env in layout]
 
@@ -264,9 +297,10 @@ def run_attempts(
     max_restarts: int,
     progress: str,
 ) -> tuple[int, str]:
-    """Run attempts until one succeeds, is interrupted, or fails and `SameStep` says no more restarts: (exit
-    status, the last line to print). Each attempt gets a fresh free port (the same one when `port` was given: its
-    previous holder is gone), and its processes `SPMDKIT_ATTEMPT` and `SPMDKIT_PROGRESS_FILE` (`progress`)."""
+    """Run attempts until one succeeds, is interrupted, fails with a usage error (status 2), or fails and `SameStep`
+    says no more restarts: (exit status, the last line to print). A restart waits `backoff` s first. Each attempt
+    gets a fresh free port (the same one when `port` was given: its previous holder is gone), and its processes
+    `SPMDKIT_ATTEMPT`, `SPMDKIT_PROGRESS_FILE` (`progress`) and `SPMDKIT_HEARTBEAT_DIR` (its directory)."""
     rule, attempt, port_now = SameStep(max_restarts), 0, free_port(port)
     try:
         while True:
@@ -279,11 +313,14 @@ def run_attempts(
                 return code, f"spmdkit launch: {text}" if text else ""
             if not max_restarts:
                 return code, f"spmdkit launch: failed: {text}"
-            step = read_step(progress)
+            if code == USAGE_ERROR:
+                return code, f"spmdkit launch: failed: {text} (status 2: a usage error, never restarted)"
+            step = read_step(progress, attempt)
             if not rule.failed(step):
                 return code, rule.give_up_line(failure, step)
             attempt += 1
             print(rule.restart_line(failure, step, attempt), file=sys.stderr, flush=True)
+            time.sleep(backoff(rule.failures))
             port_now = port or free_port()
     except KeyboardInterrupt:  # between attempts: the processes are stopped already
         return 130, "spmdkit launch: interrupted between attempts"

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from spmdkit.distributed.restarts import check_max_restarts
 from spmdkit.errors import SpmdkitError
 
 # host:port of process 0, read by every process (spmdkit.distributed.initialize too)
@@ -40,10 +41,10 @@ NCCL_OPTIONS = """\
 RESTART_LOOP = """\
 # --max-restarts {max_restarts}: a failed step (srun --kill-on-bad-exit=1 ends all its tasks when one fails) is
 # started again, whole, in this allocation, and resumes from its newest checkpoint; at most {max_restarts} restarts
-# in a row at one step. Process 0 runs on this node (the allocation's first) and keeps the step it is in in
-# SPMDKIT_PROGRESS_FILE, a node-local file that needs no shared file system. Each attempt gets SPMDKIT_ATTEMPT
-# (0 first) and a coordinator port of its own (the last attempt's may linger). scancel or the time limit (SIGTERM)
-# never restarts.
+# in a row at one step, the first at once, then after 1 s, 2 s, 4 s, ... up to 60 s. Process 0 runs on this node
+# (the allocation's first) and keeps the step it is in in SPMDKIT_PROGRESS_FILE, a node-local file that needs no
+# shared file system. Each attempt gets SPMDKIT_ATTEMPT (0 first) and a coordinator port of its own (the last
+# attempt's may linger). scancel or the time limit (SIGTERM), and a usage error (status 2), never restart.
 progress_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/spmdkit-$SLURM_JOB_ID.XXXXXX")
 trap 'rm -rf "$progress_dir"' EXIT
 trap 'stopping=1' INT TERM
@@ -55,6 +56,8 @@ while :; do
     {srun} || status=$?
     if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then exit "$status"; fi
     step=$(sed -n 's/.*"step" *: *\\([0-9][0-9]*\\).*/\\1/p' "$SPMDKIT_PROGRESS_FILE" 2>/dev/null) || step=""
+    written=$(sed -n 's/.*"attempt" *: *\\([0-9][0-9]*\\).*/\\1/p' "$SPMDKIT_PROGRESS_FILE" 2>/dev/null) || written=""
+    [ "$written" = "$attempt" ] || step=""  # an earlier attempt's record: this one reached no step
     case $step in
         "") where="at an unknown step" ;;
         0) where="before the first step" ;;
@@ -63,14 +66,21 @@ while :; do
     place=${{step:-0}}  # before the first step and unknown: one place
     if [ "$place" = "$last_place" ]; then failures=$((failures + 1)); else failures=1; fi
     last_place=$place
+    if [ "$status" -eq 2 ]; then
+        echo "spmdkit launch: failed: srun exited with status 2 $where (status 2: a usage error, never restarted)" >&2
+        exit 2
+    fi
     if [ "$failures" -gt "$max_restarts" ]; then
         echo "spmdkit launch: failed: srun exited with status $status $where, $failures times in a row" \\
             "(--max-restarts $max_restarts): not restarting" >&2
         exit "$status"
     fi
-    attempt=$((attempt + 1))
-    echo "spmdkit launch: srun exited with status $status $where; restarting the job (attempt $((attempt + 1));" \\
-        "$failures of $max_restarts restarts at this step)" >&2
+    attempt=$((attempt + 1)) delay=$((failures <= 1 ? 0 : failures > 7 ? 60 : 1 << (failures - 2))) when="at once"
+    [ "$delay" -eq 0 ] || when="in $delay s"
+    echo "spmdkit launch: srun exited with status $status $where; restarting the job $when (attempt" \\
+        "$((attempt + 1)); $failures of $max_restarts restarts at this step)" >&2
+    sleep "$delay" & wait $! || true  # a SIGTERM meanwhile ends the wait: then no restart
+    if [ "$stopping" -eq 1 ]; then exit "$status"; fi
 done
 """
 
@@ -128,8 +138,7 @@ def sbatch_script(
         raise SpmdkitError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be at least 1")
     if per not in ("gpu", "node"):
         raise SpmdkitError(f"--process-per {per!r}: expected gpu (one task per GPU) or node (one per node)")
-    if max_restarts < 0:
-        raise SpmdkitError(f"--max-restarts {max_restarts} must be >= 0 (0: a failure ends the job)")
+    check_max_restarts(max_restarts)
     check_command(command, "spmdkit launch --slurm --nodes 2 -- spmdkit train --mesh fsdp=16", env_setup is None)
     layout = "one task per GPU" if per == "gpu" else f"one task per node ({gpus_per_node} GPUs each)"
     setup = environment_setup() if env_setup is None else env_setup
