@@ -78,6 +78,7 @@ CASES = [
     ([*FRESH, "--grad-accum", "0"], 2, "--grad-accum must be at least 1"),
     ([*FRESH, "--microbatches", "2"], 2, "--microbatches counts a pipeline's microbatches: without one, set --grad"),
     ([*FRESH, "--log-every", "0"], 2, "--log-every must be at least 1"),
+    ([*FRESH, "--profile-steps", "3:5"], 2, "--profile-steps 3:5 lies past --steps 2: profile steps within 1:2"),
     ([*FRESH, "--keep", "0"], 2, "--keep must be at least 1"),
     ([*FRESH, "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
     ([*FRESH, "--health.step-timeout", "-1"], 2, "--health.step-timeout must be >= 0"),
@@ -398,6 +399,13 @@ CASES += [
     (["plan", "--model", "tiny", "--batch-size", "100000000"], 2, "tokens per step, above spmdkit's limit of 2^31 - 1"),
     (["plan", "--model", "tiny", "--microbatches", "100000"], 2, f"--microbatches 100,000 {LIMIT} 4,096"),
     (["bench", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304"),
+    ([*FRESH, "--cpu-devices", "100000000"], 2, f"--cpu-devices 100,000,000 {LIMIT} 4,096 simulated CPU devices"),
+    ([*FRESH, "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304 tokens"),
+    ([*FRESH, "--batch-size", "100000000"], 2, "--batch-size 100,000,000 x --seq-len 32 is 3,200,000,000 tokens"),
+    ([*FRESH, "--grad-accum", "100000000"], 2, f"--grad-accum 100,000,000 {LIMIT} 4,096 microbatches per step"),
+    ([*FRESH, "--microbatches", "100000000"], 2, f"--microbatches 100,000,000 {LIMIT} 4,096 microbatches"),
+    (["eval", "{D}/run", "--seq-len", "100000000"], 2, f"--seq-len 100,000,000 {LIMIT} 4,194,304 tokens"),
+    (["generate", "{D}/run", "--prompt", "hi", "--max-len", "100000000"], 2, f"--max-len 100,000,000 {LIMIT}"),
     (["bench", "--out", "{D}/run/checkpoints/results"], 2, "lies inside the checkpoint directory {D}/run/checkpoints"),
 ]
 

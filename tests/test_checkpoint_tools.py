@@ -416,13 +416,13 @@ def test_verify_of_a_live_run_skips_steps_rotated_away_while_it_reads(abstract, 
     def listing(*args, **kwargs):  # Orbax's listing of the steps failed once by a rotation under it
         opened.append(args)
         if len(opened) == 1:
-            raise SpmdkitError(f"cannot use checkpoint directory {directory} (No such file or directory)")
-        return open_step(*args, **kwargs)
+            raise FileNotFoundError(2, "No such file or directory", str(directory / "1" / "_CHECKPOINT_METADATA"))
+        return manager(*args, **kwargs)
 
-    from spmdkit.tools import ckpt_inspect
+    from spmdkit.checkpoint import backend
 
-    open_step, opened = ckpt_inspect.open_step, []
-    monkeypatch.setattr(ckpt_inspect, "open_step", listing)
+    manager, opened = backend.ocp.CheckpointManager, []
+    monkeypatch.setattr(backend.ocp, "CheckpointManager", listing)
     monkeypatch.setattr(Checkpointer, "verify", rotating)
     code, out, err = run_cli(capsys, "ckpt", "verify", str(directory))
     assert code == 0 and not err and len(opened) == 2, out + err

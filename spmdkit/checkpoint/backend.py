@@ -85,12 +85,18 @@ def open_manager(
         cleanup_tmp_directories=not read_only,
         **extra,
     )
-    try:
-        if per_process:
-            directory.mkdir(parents=True, exist_ok=True)
-        handlers = _handlers(extra.get("multiprocessing_options"), concurrent_gb)
-        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-    except OSError as error:
-        raise SpmdkitError(
-            f"cannot use checkpoint directory {directory} ({error.strerror or error}): pass a writable directory"
-        ) from None
+    for attempt in range(3):
+        try:
+            if per_process:
+                directory.mkdir(parents=True, exist_ok=True)
+            handlers = _handlers(extra.get("multiprocessing_options"), concurrent_gb)
+            return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        except OSError as error:
+            # A reader lists the steps reading each one's metadata: a run rotating a step away under it fails the
+            # listing, and the next listing no longer sees that step.
+            if read_only and isinstance(error, FileNotFoundError) and directory.is_dir() and attempt < 2:
+                continue
+            raise SpmdkitError(
+                f"cannot use checkpoint directory {directory} ({error.strerror or error}): pass a writable directory"
+            ) from None
+    raise AssertionError("unreachable")

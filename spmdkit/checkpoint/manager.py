@@ -38,6 +38,7 @@ from spmdkit.checkpoint.failures import describe_error, drop_orphaned_reads, os_
 from spmdkit.checkpoint.integrity import array_problems, fingerprints, name_list, path_text
 from spmdkit.checkpoint.layout import SHARED, Layout
 from spmdkit.checkpoint.tree import abstract_target, first_mismatch, from_saved_tree, to_saved_tree, unreadable_arrays
+from spmdkit.distributed.initialize import lost_peer
 from spmdkit.errors import SpmdkitError
 
 if TYPE_CHECKING:
@@ -186,8 +187,12 @@ class Checkpointer:
             return "unknown" if unknown else "none"
         return f"step {newest[0]}" + ("" if newest[1] is self else f" (in {newest[1].directory})")
 
-    def _write_error(self, step: int | None, error: BaseException) -> SpmdkitError:
+    def _write_error(self, step: int | None, error: BaseException) -> BaseException:
+        """One line for a failed save; a collective that failed because another process died stays itself (the
+        CLI reports it as a lost peer, exit 1: a job to restart, not a usage error)."""
         drop_orphaned_reads()
+        if lost_peer(error) is not None:
+            return error
         reason = os_reason(error) or describe_error(error)
         return SpmdkitError(
             f"checkpoint step {step} could not be written to {self.directory} ({reason}); the newest complete "

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.plan.limits import check_sizes
 
 # A command group's subcommands: name -> (one-line help, adds the subcommand's arguments, runs it -> exit code).
 Subcommands = dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]]
@@ -38,6 +39,7 @@ def use_cpu_devices(count: int | None) -> None:
         return
     if count < 1:
         raise SpmdkitError(f"--cpu-devices {count} must be at least 1")
+    check_sizes({"--cpu-devices": count})
     import jax
 
     try:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from spmdkit.cli.args import ArgumentParser, add_cpu_devices, quiet_absl, use_cpu_devices
 from spmdkit.cli.generate import PATH_HELP, check_source
 from spmdkit.errors import SpmdkitError
+from spmdkit.plan.limits import check_sizes
 
 HF_SEQ_LEN = 1024  # the default row length of a Hugging Face model (its max positions are often far longer)
 
@@ -51,6 +52,7 @@ def main(argv: Sequence[str]) -> int:
         raise SpmdkitError(f"--seq-len {args.seq_len} must be at least 1 (default: the run's seq_len)")
     if args.batch_size < 1:
         raise SpmdkitError(f"--batch-size {args.batch_size} must be at least 1")
+    check_sizes({"--seq-len": args.seq_len, "--batch-size": args.batch_size})
     check_source(args)
     quiet_absl()
     use_cpu_devices(args.cpu_devices)

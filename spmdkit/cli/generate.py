@@ -11,6 +11,7 @@ from typing import Any
 
 from spmdkit.cli.args import ArgumentParser, add_cpu_devices, quiet_absl, use_cpu_devices
 from spmdkit.errors import SpmdkitError
+from spmdkit.plan.limits import check_sizes
 
 PATH_HELP = "a run directory, its checkpoints/ directory (the newest step is used) or a Hugging Face model directory"
 
@@ -115,6 +116,7 @@ def main(argv: Sequence[str]) -> int:
     Sampling(args.max_new_tokens or 64, args.temperature, args.top_k, args.top_p, args.seed)  # the flags, checked
     if args.max_len is not None and args.max_len < 2:
         raise SpmdkitError(f"--max-len {args.max_len} must be at least 2")
+    check_sizes({"--max-len": args.max_len})  # --max-new-tokens is checked against the context
     check_source(args)
     use_cpu_devices(args.cpu_devices)
     from spmdkit.inference.api import TextGenerator

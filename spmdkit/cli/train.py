@@ -76,7 +76,9 @@ def main(argv: Sequence[str]) -> int:
     add_run_flags(config)
     from spmdkit.distributed.initialize import initialize_distributed
 
-    initialize_distributed()  # joins a multi-process job (spmdkit launch, SLURM, Open MPI) before JAX computes
+    # joins a multi-process job (spmdkit launch, SLURM, Open MPI) before JAX computes; JAX's heartbeat above the
+    # watchdog's deadlines, so that the watchdog names a frozen process before JAX's abort ends the job
+    initialize_distributed(heartbeat_above=max(config.health.step_timeout, config.health.phase_timeout))
     from spmdkit.train.loop import train
 
     train(config)

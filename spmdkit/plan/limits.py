@@ -3,10 +3,11 @@ limit instead of minutes of work and gigabytes of host memory on a mistyped numb
 
 - `--devices` (and `--devices-per-host`, `--gpus-per-node`): 65,536 (2^16) devices in one job, more than any
   cluster trains on today.
-- `--seq-len`: 4,194,304 (2^22) tokens, four times the longest context trained in public (1M); longer sequences
-  make host tables (RoPE, masks) of several GB before XLA compiles anything.
-- `--microbatches`, `--grad-accum`: 4,096 per step; a pipeline's schedule is a table of microbatches x stages,
-  simulated tick by tick (the planner) and unrolled into the program.
+- `--seq-len` (and generation's `--max-len`): 4,194,304 (2^22) tokens, four times the longest context trained in
+  public (1M); longer sequences make host tables (RoPE, masks) of several GB before XLA compiles anything.
+- `--microbatches`, `--grad-accum`, `--virtual-stages`: 4,096 per step; a pipeline's schedule is a table of
+  microbatches x stages, simulated tick by tick (the planner) and unrolled into the program.
+- `--cpu-devices`: 4,096 simulated devices, each a share of one machine (100,000,000 took 24 GB before any check).
 - `--batch-size` x `--seq-len`: under 2^31 tokens per step, the reach of the int32 token indexes (a step's
   token count, the data's row offsets).
 
@@ -22,8 +23,11 @@ LIMITS = {  # flag -> (the largest value, why)
     "--devices-per-host": (2**16, "devices in one job"),
     "--gpus-per-node": (2**16, "devices in one job"),
     "--seq-len": (2**22, "tokens per sequence, 4x the longest context trained in public"),
+    "--max-len": (2**22, "tokens of context, 4x the longest context trained in public"),
     "--microbatches": (4096, "microbatches per step"),
     "--grad-accum": (4096, "microbatches per step"),
+    "--virtual-stages": (4096, "layer chunks per pipeline stage"),
+    "--cpu-devices": (4096, "simulated CPU devices (each a share of this machine's cores and memory)"),
 }
 MAX_TOKENS = 2**31 - 1  # tokens per step: int32 token indexes
 

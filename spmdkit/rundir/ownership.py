@@ -104,16 +104,18 @@ def check_output(out: str | Path, inputs: list[str | Path], flag: str = "--out")
 
 
 def run_inputs(directory: str | Path) -> list[Path]:
-    """What reading a checkpoint or run directory reads: the directory itself, its `checkpoints/`, and the
-    checkpoint directory its run config names (`--checkpoint-dir`)."""
+    """What reading a checkpoint or run directory reads: the directory itself, its `checkpoints/`, the checkpoint
+    directory its run config names (`--checkpoint-dir`), and the weights it was initialised from (`--init-from`:
+    an output there would replace the run's own source)."""
     path = Path(directory).expanduser().absolute()
     inputs = [path]
     if (path / "checkpoints").is_dir():
         inputs.append(path / "checkpoints")
     config = _json(path / CONFIG) if (path / CONFIG).is_file() else None
-    named = ((config or {}).get("checkpoint") or {}).get("directory") if isinstance(config, dict) else None
-    if isinstance(named, str) and named:
-        inputs.append(Path(named).expanduser().absolute())
+    for section, key in (("checkpoint", "directory"), ("model", "init_from")):
+        named = ((config or {}).get(section) or {}).get(key) if isinstance(config, dict) else None
+        if isinstance(named, str) and named:
+            inputs.append(Path(named).expanduser().absolute())
     return inputs
 
 

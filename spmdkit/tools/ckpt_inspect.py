@@ -21,7 +21,6 @@ from spmdkit.checkpoint.integrity import data_files
 from spmdkit.checkpoint.steps import open_step
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.params import human_bytes
-from spmdkit.rundir.ownership import is_checkpoint_directory
 
 
 def inspect_checkpoint(directory: str | Path, step: int | None = None) -> dict[str, Any]:
@@ -93,7 +92,6 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 
 ROTATED = "rotated away while reading, skipped"
-VERIFY = " (verify reads every step)"
 
 
 def _files(step_dir: Path) -> set[str]:
@@ -107,12 +105,7 @@ def verify_checkpoint(directory: str | Path) -> list[dict[str, Any]]:
     The steps are listed once. A run still training deletes its oldest steps while they are read: a step that
     fails and has lost any of the files it had when its reading began was rotated away (or set aside), not
     damaged: "ok" is None and the problem says so (a damaged step keeps its files: it is only wrong)."""
-    try:
-        checkpointer, _ = open_step(directory, choose=VERIFY)
-    except SpmdkitError:  # Orbax lists the steps reading each one's metadata: a rotation under it fails the listing
-        if not is_checkpoint_directory(Path(directory)):
-            raise
-        checkpointer, _ = open_step(directory, choose=VERIFY)  # once more: a rotation takes one step per save
+    checkpointer, _ = open_step(directory, choose=" (verify reads every step)")
     with contextlib.closing(checkpointer):
         report = []
         for step in checkpointer.steps():

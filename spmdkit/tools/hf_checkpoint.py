@@ -14,6 +14,7 @@ as a complete Hugging Face model directory.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -72,6 +73,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
         try:
             write_params(staging, params, json.loads(config.to_json()))
         except NonFiniteState as error:
+            shutil.rmtree(staging, ignore_errors=True)  # what the refused write left
             raise SpmdkitError(f"{path} holds {error}: nothing was written") from None
         del params
         if jax.process_index() == 0:

@@ -29,6 +29,7 @@ from spmdkit.models.fields import arg, check_types, field_docs, require
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.resolve import build_model, resolved_settings
+from spmdkit.plan.limits import check_sizes
 from spmdkit.sharding.strategy import Schedule
 
 __all__ = [
@@ -191,13 +192,15 @@ class MeshSettings:
     def __post_init__(self) -> None:
         check_types(self, "mesh")
         require(self.microbatches is None or self.microbatches >= 1, f"--microbatches {self.microbatches} must be >= 1")
+        check_sizes({"--microbatches": self.microbatches, "--virtual-stages": self.virtual_stages})
         require(self.virtual_stages >= 1, f"--virtual-stages {self.virtual_stages} must be at least 1")
         two_d = "--context-parallel 2d takes --ulysses U (devices per Ulysses group), and --ulysses only goes with it"
         require((self.ulysses is None) == (self.context_parallel != "2d"), two_d)
 
 
-def parse_steps(spec: str | None) -> tuple[int, int] | None:
-    """'3:5' -> (3, 5); None -> None; anything else is one line saying what to write."""
+def parse_steps(spec: str | None, steps: int | None = None) -> tuple[int, int] | None:
+    """'3:5' -> (3, 5); None -> None; anything else (or a step past `steps`, the run's --steps) is one line saying
+    what to write."""
     if spec is None:
         return None
     first, sep, last = spec.partition(":")
@@ -207,6 +210,8 @@ def parse_steps(spec: str | None) -> tuple[int, int] | None:
         bounds = (0, -1)
     if not 1 <= bounds[0] <= bounds[1]:
         raise SpmdkitError(f"--profile-steps {spec!r}: give A:B with 1 <= A <= B (e.g. 3:5), or one step N")
+    if steps is not None and bounds[1] > steps:
+        raise SpmdkitError(f"--profile-steps {spec} lies past --steps {steps}: profile steps within 1:{steps}")
     return bounds
 
 
@@ -246,10 +251,11 @@ class RunSettings:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
             value = getattr(self, name)
             require(value >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        check_sizes({"--seq-len": self.seq_len, "--batch-size": self.batch_size, "--grad-accum": self.grad_accum})
         require(self.eval_every >= 0, f"--eval-every {self.eval_every} must be >= 0 (0: never)")
         require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
         require(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops {self.peak_tflops} must be positive")
-        parse_steps(self.profile_steps)
+        parse_steps(self.profile_steps, self.steps)
 
 
 @dataclasses.dataclass(frozen=True)
