@@ -256,7 +256,7 @@ CASES = [
     (["launch", "--processes", "2"], 2, "no command to run"),
     (["launch", "--processes", "2", "--", "spmdkit", "train", "--cpu-devices", "8"], 2, "mismatched device counts"),
     (["launch", "--processes", "2", "--grace", "-1", "--", "spmdkit", "train"], 2, "--grace -1.0 must be >= 0"),
-    (["launch", "--processes", "2", "--max-restarts", "-1", "--", "spmdkit"], 2, "--max-restarts -1 must be >= 0"),
+    (["launch", "--processes", "2", "--max-restarts", "-1", "--", "spmdkit"], 2, "--max-restarts -1 must be in 0-100"),
     (["launch", "--slurm", "--processes", "2", "--", "spmdkit"], 2, "--slurm takes --nodes K"),
     (["launch", "--nodes", "2", "--", "spmdkit"], 2, "--nodes goes with --slurm; a local run takes --processes N"),
     # -- bench
