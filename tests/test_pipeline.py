@@ -1,4 +1,4 @@
-"""Pipeline parallelism: schedule tables, same numbers as one device, HLO traffic, memory, errors.
+"""Pipeline parallelism: schedule tables, same numbers as one device, HLO traffic, executed FLOPs, memory, errors.
 
 Toy model: 8 residual MLP layers (d=16) scanned inside each chunk, a linear head with mean cross-entropy.
 Compilations are cached per (mesh, schedule, M) and shared between tests to keep the file fast.
@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.inspect.flops import hlo_flops
 from spmdkit.parallel.pipeline import schedule as ps
 from spmdkit.parallel.pipeline.program import (
     deinterleave_layers,
@@ -320,6 +321,53 @@ def test_1f1b_hlo_traffic():
     assert not [op for op, _ in ops if op in ("all-gather", "all-to-all", "reduce-scatter")]
     # One reduction after the loop (loss, head, stage grads over data, input grads over pipeline); none per tick.
     assert len([op for op, _ in ops if op == "all-reduce"]) <= 4
+
+
+def hand_flops(kind: str, mesh_text: str, v: int, m: int) -> list[int]:
+    """Matmul FLOPs per device of each stage, counted from the toy model's shapes: a layer's two matmuls cost 2 x
+    tokens x DIM x 2DIM each forward (halved per device over `tensor`, which splits the hidden dim), the head 2 x
+    tokens x DIM x VOCAB (replicated over `tensor`); a backward is twice its forward. GPipe runs every chunk's
+    forward and backward; 1F1B and interleaved recompute the forward in the backward, except for the last chunk
+    (its forward tick is skipped: the backward computes forward, head and loss once)."""
+    sizes = make_mesh(mesh_text).shape
+    tokens = ROWS // (sizes.get("data", 1) * sizes.get("fsdp", 1)) * SEQ  # a microbatch's tokens on one device
+    layer, head = 2 * 2 * tokens * DIM * 2 * DIM // sizes.get("tensor", 1), 2 * tokens * DIM * VOCAB
+    stages = sizes["pipeline"]
+    lc, last = LAYERS // (stages * v), stages * v - 1
+    per_stage = []
+    for s in range(stages):
+        chunks = [s + j * stages for j in range(v)]
+        passes = [3 if kind == "gpipe" or c == last else 4 for c in chunks]  # forward, recompute, backward (2)
+        per_stage.append(m * sum(n * lc * layer + 3 * head * (c == last) for n, c in zip(passes, chunks, strict=True)))
+    return per_stage
+
+
+# Interleaved on MESHES[0] has one-layer chunks: no loop, and XLA drops the recompute's output matmul (unused).
+@pytest.mark.parametrize(
+    "kind,mesh_text", [(k, m) for m in MESHES for k in VIRTUAL if (k, m) != ("interleaved", MESHES[0])]
+)
+def test_flops_count_the_branches_the_schedule_runs(kind, mesh_text):
+    """`hlo_flops` with the schedule's branch runs: the executed matmul FLOPs per device, the mean over the
+    devices and the busiest one, equal to hand counts; without them every branch counts on every tick."""
+    compiled, _, sched = compiled_step(mesh_text, kind, 8)
+    stages = hand_flops(kind, mesh_text, sched.virtual_stages, 8)
+    flops = hlo_flops(compiled, branches={ps.TICK_SCOPE: sched.branch_runs()})
+    assert (flops["matmul"], flops["busiest"]) == (sum(stages) / len(stages), max(stages))
+    assert hlo_flops(compiled)["matmul"] > 2 * max(stages)  # every branch of the tick's switch, every tick
+
+
+def test_flops_of_the_toy_model_under_fsdp():
+    """The same model without a pipeline, batch and weights sharded over fsdp=8: 3 x the forward's FLOPs of the
+    device's tokens (no conditional: mean and busiest are one)."""
+    mesh, (params, head), (inputs, targets) = make_mesh("fsdp=8"), make_model(), make_batch(8)
+    shard = {"w1": P(None, None, "fsdp"), "b1": P(None, "fsdp"), "w2": P(None, "fsdp")}
+    params = {k: jax.device_put(a, NamedSharding(mesh, shard[k])) for k, a in params.items()}
+    inputs, targets = (jax.device_put(a, NamedSharding(mesh, P("fsdp"))) for a in (inputs, targets))
+    step = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1)))
+    flops = hlo_flops(step.lower(params, head, inputs, targets).compile())
+    tokens = ROWS * SEQ  # one microbatch of the 8 on each device
+    expected = 3 * (LAYERS * 2 * 2 * tokens * DIM * 2 * DIM + 2 * tokens * DIM * VOCAB)
+    assert flops["matmul"] == flops["busiest"] == expected
 
 
 def test_memory_1f1b_flat_gpipe_grows():

@@ -10,7 +10,8 @@ layer), and it is None for compile-only GPU executables. `hlo_flops(compiled)` w
   q_len x kv_len x head_dim, backward twice that and a recomputed score matmul (5 of them in all); a causal mask
   halves it (the kernel skips the masked blocks);
 - every count is multiplied by how often its computation runs per call (`known_trip_count` of each enclosing
-  loop, as `spmdkit.inspect.hlo` counts collectives).
+  loop, as `spmdkit.inspect.hlo` counts collectives), and a `conditional`'s branches by how often each runs
+  where the program says so (`branches=`: a pipeline's schedule), else each as often as the conditional.
 
 Element-wise work (norms, softmax outside cuDNN, the optimizer) is left out: it is memory-bound and a few percent.
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from spmdkit.inspect.hlo import _parse
+from spmdkit.inspect.hlo import _executions, _Instr, _Module, _split_computations, _text
 
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -61,26 +63,46 @@ def _attention_flops(target: str, operand_types: list[str], config: dict[str, An
     return flops // 2 if fmha.get("mask_type", "").startswith("CAUSAL") else flops
 
 
-def hlo_flops(compiled_or_text: Any, where: re.Pattern[str] | None = None) -> dict[str, int]:
-    """Per-device FLOPs per call of a compiled program: `{"matmul", "attention", "total"}` (see the module
-    docstring for what each counts); with `where`, only of the instructions whose attributes (their metadata's
-    `op_name` among them) it matches."""
-    module, runs = _parse(compiled_or_text)
-    matmul = attention = 0
+def _instruction_flops(module: _Module, ins: _Instr) -> tuple[int, int]:
+    """(matmul, attention) FLOPs of one run of one instruction (its called computations aside)."""
+    operand_types = [module.types.get(n, "") for n in ins.operands]
+    if ins.opcode == "dot" and (m := _CONTRACTING.search(ins.attrs)) and operand_types:
+        return _matmul_flops(ins.type, operand_types[0], [i for i in m.group(1).split(",") if i]), 0
+    if ins.opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"', ins.attrs)):
+        name, config = target.group(1), _backend_config(ins.attrs)
+        if name in _GEMM_TARGETS and operand_types:
+            contracting = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+            return _matmul_flops(ins.type, operand_types[0], contracting.get("lhs_contracting_dimensions", [])), 0
+        if name.startswith("__cudnn$fmha"):
+            return 0, _attention_flops(name, operand_types, config)
+    return 0, 0
+
+
+def hlo_flops(
+    compiled_or_text: Any, where: re.Pattern[str] | None = None, branches: Mapping[str, Any] | None = None
+) -> dict[str, int]:
+    """Per-device FLOPs per call of a compiled program: `{"matmul", "attention", "total", "busiest"}` (see the
+    module docstring for what each counts); with `where`, only of the instructions whose attributes (their
+    metadata's `op_name` among them) it matches.
+
+    Every branch of a `conditional` counts each time the conditional runs (an upper bound: one branch runs),
+    unless `branches` {named scope: `[groups, branches]` runs} says how often each group of devices takes each
+    branch of the conditional right under that scope (a pipeline: `Schedule.branch_runs()` under `TICK_SCOPE`,
+    a group per stage). Then "matmul", "attention" and "total" are the mean over the groups (each group the
+    same number of devices: the mean per device) and "busiest" is the largest group's total; without, "busiest"
+    is "total".
+    """
+    computations, entry = _split_computations(_text(compiled_or_text))
+    module = _Module(computations)
+    local = {}  # computation -> (matmul, attention) of one run of it, its callees aside
     for comp, instrs in module.by_comp.items():
-        times = runs.get(comp, 0)
-        for ins in instrs:
-            if where is not None and not where.search(ins.attrs):
-                continue
-            operand_types = [module.types.get(n, "") for n in ins.operands]
-            if ins.opcode == "dot" and (m := _CONTRACTING.search(ins.attrs)) and operand_types:
-                matmul += times * _matmul_flops(ins.type, operand_types[0], [i for i in m.group(1).split(",") if i])
-            elif ins.opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"', ins.attrs)):
-                name, config = target.group(1), _backend_config(ins.attrs)
-                if name in _GEMM_TARGETS and operand_types:
-                    numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
-                    contracting = numbers.get("lhs_contracting_dimensions", [])
-                    matmul += times * _matmul_flops(ins.type, operand_types[0], contracting)
-                elif name.startswith("__cudnn$fmha"):
-                    attention += times * _attention_flops(name, operand_types, config)
-    return {"matmul": matmul, "attention": attention, "total": matmul + attention}
+        counted = [_instruction_flops(module, i) for i in instrs if where is None or where.search(i.attrs)]
+        local[comp] = (sum(m for m, _ in counted), sum(a for _, a in counted))
+    groups = len(next(iter(branches.values()))) if branches else 1
+    rows = []  # per group: (matmul, attention)
+    for g in range(groups):
+        runs = _executions(computations, entry, {k: v[g] for k, v in (branches or {}).items()}) if entry else {}
+        rows.append([sum(runs.get(c, 0) * f[i] for c, f in local.items()) for i in (0, 1)])
+    matmul, attention = (round(sum(r[i] for r in rows) / groups) for i in (0, 1))
+    busiest = round(max(map(sum, rows)))
+    return {"matmul": matmul, "attention": attention, "total": matmul + attention, "busiest": busiest}

@@ -25,6 +25,8 @@ import collections
 import dataclasses
 import math
 import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 COLLECTIVES = (
@@ -52,6 +54,7 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 # e.g. replica_groups=mesh['a'=2,'b'=4] {'b'}, or with a device order: mesh[...], device_ids=([2,4]T(1,0)) {'b'}
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_SCOPE = re.compile(r'op_name="(?:[^"]*/)?([\w.\-]+)/\w+"')  # the innermost named scope around an instruction
 
 
 def _arrays(hlo_type: str) -> list[tuple[str, int]]:
@@ -238,9 +241,20 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 def _callees(line: str) -> list[tuple[str, str]]:
     """(how, computation) of each computation an instruction calls: a loop's body and condition, a fusion's or a
-    reduction's computation, a conditional's branches ("branch")."""
+    reduction's computation, a conditional's branches ("branch", in the order of their index)."""
     found = _CALLED.findall(line)
     return found + [("branch", c.strip().lstrip("%")) for group in _BRANCHES.findall(line) for c in group.split(",")]
+
+
+def _branch_shares(line: str, branches: Mapping[str, Sequence[int]]) -> list[Fraction] | None:
+    """The share of a conditional's executions each of its branches takes, where the conditional sits directly in
+    a named scope (its op_name `.../SCOPE/cond`) that `branches` {scope: [runs of branch 0, 1, ...]} names."""
+    listed = _BRANCHES.search(line) if branches else None
+    scope = _SCOPE.search(line) if listed else None
+    runs = branches.get(scope.group(1)) if scope else None
+    if runs is None or not sum(runs) or len(runs) != len(listed.group(1).split(",")):
+        return None
+    return [Fraction(int(n), int(sum(runs))) for n in runs]
 
 
 def _text(compiled_or_text: Any) -> str:
@@ -254,18 +268,27 @@ def _parse(compiled_or_text: Any) -> tuple[_Module, dict[str, int]]:
     return _Module(computations), _executions(computations, entry) if entry else {}
 
 
-def _executions(computations: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call, following while trip counts from the entry."""
-    runs: dict[str, int] = collections.defaultdict(int)
+def _executions(
+    computations: dict[str, list[str]], entry: str, branches: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
+    """How many times each computation runs per call, following while trip counts from the entry.
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    Every branch of a conditional runs as often as the conditional (an upper bound), except where `branches` says
+    how the conditional's executions split over its branches (`_branch_shares`): then each branch runs its share
+    (a `Fraction` where it does not divide).
+    """
+    runs: dict[str, Any] = collections.defaultdict(int)
+
+    def visit(name: str, times: Any, depth: int = 0) -> None:
         if name not in computations or depth > 64:
             return
         runs[name] += times
         for line in computations[name]:
             trip = int(m.group(1)) if (m := _TRIP.search(line)) else 1
+            shares = _branch_shares(line, branches or {})
             for kind, callee in _callees(line):
-                visit(callee, times * (trip if kind == "body" else 1), depth + 1)
+                share = shares.pop(0) if shares and kind == "branch" else 1
+                visit(callee, times * share * (trip if kind == "body" else 1), depth + 1)
 
     visit(entry, 1)
     return runs

@@ -25,6 +25,7 @@ from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.inspect.levers import expert_gemms, fp8_gemms, windowed_einsums
 from spmdkit.parallel.experts import EXPERT_OPS
+from spmdkit.parallel.pipeline.schedule import TICK_SCOPE, Schedule
 from spmdkit.plan.devices import make_device
 from spmdkit.plan.estimate import REMAT_ORDER, evaluate  # least recompute first: tried after the run's own
 from spmdkit.sharding.mesh_config import format_sizes
@@ -190,9 +191,12 @@ def base_report(
     planned: dict[str, float],
     context: int = 1,
     text: str | None = None,
+    schedule: Schedule | None = None,
 ) -> dict[str, Any]:
     """The keys every compiled program's report has: where it runs, its bytes against the HBM and the planner's
-    `planned` {term: bytes}, the kernel, collectives and FLOPs found in it, the compile time and peak RSS."""
+    `planned` {term: bytes}, the kernel, collectives and FLOPs found in it (a pipeline's branches as often as its
+    `schedule` runs them: the mean over devices, and the busiest), the compile time and peak RSS."""
+    branches = {TICK_SCOPE: schedule.branch_runs()} if schedule else None
     info, text, memory = gpu_target(target), text or compiled.as_text(), memory_bytes(compiled)
     usable, total = int(USABLE_HBM * info.hbm_bytes), sum(planned.values())
     return {
@@ -202,7 +206,7 @@ def base_report(
         "host_bytes": memory["host"], "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable,
         "attention_kernel": attention_in_hlo(text, context), "attention_windows": attention_windows(text),
         "fp8_gemms": fp8_gemms(text), "windowed_einsums": windowed_einsums(text),
-        "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text),
+        "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text, branches=branches),
         "planner_bytes": total, "planner_memory": dict(planned),
         "planner_ratio": total / memory["total"] if memory["total"] else None,
         "remat_that_fits": None, "compile_seconds": round(seconds, 2),
@@ -231,8 +235,9 @@ def compile_for_target(
     seconds = time.perf_counter() - started
     plan, text = planner_estimate(program, target), compiled.as_text()
     report = base_report(
-        target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context, text
-    )
+        target, devices, per_host, program.config, program.mesh, compiled, seconds, plan.memory, program.context, text,
+        program.pipeline,
+    )  # fmt: skip
     fits, usable, run = report["fits"], report["usable_hbm_bytes"], program.config.run
     # the planner's per-device parameters, gradients and optimizer state (they match the compiled arguments)
     state = sum(plan.memory.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
@@ -259,7 +264,10 @@ def format_report(report: dict[str, Any]) -> str:
     verdict = "fits" if r["fits"] else "does NOT fit"
     decode = r.get("program") == "decode"
     layout = "decode step" if decode else f"train step, ZeRO-{r['zero']}, remat {r['remat']}"
-    model_flops = "" if decode else f", model {r['model_flops_per_device'] / 1e12:.2f}"
+    flops, model = r["flops_per_device"], r.get("model_flops_per_device")
+    busiest = f"; branches as the schedule runs them: the mean device, the busiest {flops['busiest'] / 1e12:.3f}"
+    busiest = busiest if flops["busiest"] != flops["total"] else ""  # a pipeline's stages run different branches
+    model_flops = f", model {model / 1e12:.2f} ({flops['total'] / model:.2f} x)" if model else ""
     lines = [
         f"target       {r['devices']} x {r['device_kind']} ({r['hosts']} host(s)), mesh {r['mesh']}",
         f"program      {r['model']} {layout}, batch {r['batch_size']} x {r['seq_len']}",
@@ -269,8 +277,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
         f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
         f"attention    {r['attention_kernel']} (found in the compiled program)" + _windows_text(r),
-        f"FLOPs        {r['flops_per_device']['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
-        f"multiplied){model_flops}",
+        f"FLOPs        {flops['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
+        f"multiplied{busiest}){model_flops}",
         "collectives  " + (", ".join(
             f"{op} x{t['executions']} ({t['asynchronous']}/{t['instructions']} async{_no_overlap(t)}, "
             f"{_gb(t['operand_bytes'])})"

@@ -2,7 +2,8 @@
 
 The program follows a `Schedule` table (see `pipeline_schedule`): one rolled `lax.fori_loop` over ticks; each
 tick a stage reads its row `table[t, axis_index(pipeline)]`, stores the messages that arrived into their slots,
-runs `lax.switch` over idle / forward / backward (/ backward of the last chunk, which adds the loss), then
+runs `lax.switch` over idle / forward / backward (/ backward of the last chunk, which adds the loss) on the
+branch `Schedule.branch_table()` gives it (under the named scope `TICK_SCOPE`, where the FLOPs count finds it), then
 sends its activation to the next stage and its cotangent to the previous one with two `ppermute`s that are
 outside the branches (every stage sends every tick; idle ticks send zeros).
 
@@ -284,7 +285,7 @@ def _manual_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, he
     del remat  # the backward recomputes each chunk anyway
     sched = ctx.schedule
     chunks, head, embed, inputs, targets = _prepare(ctx, stage_params, head, embed, inputs, targets)
-    table = jnp.asarray(sched.table)
+    table, branch_table = jnp.asarray(sched.table), jnp.asarray(sched.branch_table())
     stage = lax.axis_index(ctx.axis)
     zero_x = _zeros(ctx.x, ctx)
 
@@ -327,10 +328,8 @@ def _manual_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, he
         row = table[t, stage]
         stash = _put(stash, row[ps.RECV_X], x_in, row[ps.RECV_X] >= 0)
         gbuf = _put(gbuf, row[ps.RECV_G], g_in, row[ps.RECV_G] >= 0)
-        # The last chunk's forward output has no consumer (its backward recomputes it with the loss): skip it.
-        op, last = row[ps.OP], row[ps.LAST] == 1
-        branch = jnp.where(last, jnp.where(op == ps.BACKWARD, 3, ps.IDLE), op)
-        send_x, send_g, acc = lax.switch(branch, branches, row, stash, gbuf, acc)
+        with jax.named_scope(ps.TICK_SCOPE):
+            send_x, send_g, acc = lax.switch(branch_table[t, stage], branches, row, stash, gbuf, acc)
         x_in = lax.ppermute(send_x, ctx.axis, ctx.fwd_perm)
         g_in = lax.ppermute(send_g, ctx.axis, ctx.bwd_perm)
         return x_in, g_in, stash, gbuf, acc
@@ -348,7 +347,7 @@ def _gpipe_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, hea
     """GPipe inside the shard_map: autodiff through the forward ticks (all M microbatches' activations live)."""
     sched = ctx.schedule
     chunks, head, embed, inputs, targets = _prepare(ctx, stage_params, head, embed, inputs, targets)
-    table = jnp.asarray(sched.table)
+    table, branch_table = jnp.asarray(sched.table), jnp.asarray(sched.branch_table())
     stage = lax.axis_index(ctx.axis)
     fn = jax.checkpoint(stage_fn) if remat else stage_fn
     zero_loss = _zeros(jnp.float32(0), ctx)
@@ -371,9 +370,8 @@ def _gpipe_body(stage_fn, loss_fn, embed_fn, ctx: _Ctx, remat, stage_params, hea
             x_in, loss = carry
             row = table[t, stage]
             x = _stage_input(embed_fn, embed_, inputs_, row, x_in)
-            op = row[ps.OP]
-            branch = jnp.where((op == ps.FORWARD) & (row[ps.LAST] == 1), 2, op)
-            y, value = lax.switch(branch, [idle, forward, forward_last], row, x)
+            with jax.named_scope(ps.TICK_SCOPE):
+                y, value = lax.switch(branch_table[t, stage], [idle, forward, forward_last], row, x)
             return lax.ppermute(y, ctx.axis, ctx.fwd_perm), loss + value
 
         _, loss = lax.fori_loop(0, sched.forward_ticks(), tick, (_zeros(ctx.x, ctx), zero_loss))

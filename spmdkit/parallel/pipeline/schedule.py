@@ -45,6 +45,9 @@ RECV_G = 6  # cotangent slot the cotangent arriving this tick is written to (-1:
 FIRST = 7  # 1 if this op's chunk is global chunk 0 (its input is the pipeline input)
 LAST = 8  # 1 if this op's chunk is the last global chunk (the loss follows it)
 FIELDS: tuple[str, ...] = ("op", "mb", "chunk", "slot", "grad_slot", "recv_x", "recv_g", "first", "last")
+# The named scope of the program's `lax.switch` over a tick's branches (`branch_table`): what the FLOPs count
+# (`spmdkit.inspect.flops`) finds the switch's `conditional` by, in the compiled program's metadata.
+TICK_SCOPE = "pipeline_tick"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,6 +81,24 @@ class Schedule:
         """Number of leading ticks that hold every forward (the forward phase of GPipe)."""
         ticks = np.nonzero((self.table[:, :, OP] == FORWARD).any(axis=1))[0]
         return int(ticks[-1]) + 1
+
+    def branch_table(self) -> np.ndarray:
+        """`[ticks, stages]`: the branch of the program's `lax.switch` each stage takes in each tick of its loop.
+
+        1f1b / interleaved: 0 idle, 1 forward, 2 backward, 3 backward of the last chunk (with the loss); the last
+        chunk's forward tick is idle (its backward recomputes it). gpipe, over the forward ticks only (autodiff runs
+        them backwards): 0 idle, 1 forward, 2 forward of the last chunk (with the loss).
+        """
+        op, last = self.table[:, :, OP], self.table[:, :, LAST] == 1
+        if self.kind == "gpipe":
+            return np.where(last & (op == FORWARD), 2, op)[: self.forward_ticks()].astype(np.int32)
+        return np.where(last, np.where(op == BACKWARD, 3, IDLE), op).astype(np.int32)
+
+    def branch_runs(self) -> np.ndarray:
+        """`[stages, branches]`: how many ticks of its loop each stage takes each branch of `branch_table`."""
+        table = self.branch_table()
+        branches = 3 if self.kind == "gpipe" else 4
+        return np.stack([np.bincount(table[:, s], minlength=branches) for s in range(self.num_stages)])
 
     def peak_stash(self) -> np.ndarray:
         """`[stages]`: the most stage inputs each stage holds at once (stash slots in use): a value is live from its
