@@ -28,12 +28,13 @@ def parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
         usage=f"{PROG} [--target TARGET] [--devices N] [--devices-per-host N] [--json] [spmdkit train flags ...]",
-        description="Compile the exact training step of a `spmdkit train` command line for N GPUs of the target, on "
-        "this machine without a GPU (XLA's deviceless ahead-of-time compilation; needs pip install "
+        description="Compile the exact training step of a `spmdkit train` command line for N GPUs of the target, "
+        "on this machine without a GPU (XLA's deviceless ahead-of-time compilation; needs pip install "
         "'spmdkit[gpu-aot]'), and print per-device memory against the GPU's HBM and whether it fits, the attention "
-        "kernel and the collectives in the compiled program, its FLOPs (loops multiplied) and the planner's "
-        "prediction; a layout that does not fit exits 1 and names a remat policy that does, if one does. Every "
-        "flag of spmdkit train is accepted (--model, --mesh, --seq-len, --batch-size, --model.remat, --config, ...).",
+        "kernel and the collectives in the compiled program, its FLOPs (loops multiplied, a pipeline's branches as "
+        "its schedule runs them) and the planner's prediction; a layout that does not fit exits 1 and names a remat "
+        "policy that does, if one does. Every flag of spmdkit train is accepted (--model, --mesh, --seq-len, "
+        "--batch-size, --model.remat, --config, ...).",
     )
     parser.add_argument("--target", default="h100", help=f"the GPU: {', '.join(TARGETS)} (default h100)")
     parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (default 8)")
