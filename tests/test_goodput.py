@@ -29,7 +29,7 @@ def restarted(tmp_path_factory):
     env = {"SPMDKIT_FAULTS": "0:step=18:kill@0", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     done = run_spmdkit(*launch, *train, "--run-dir", str(base / "run"), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "killed by SIGKILL at step 18; restarting the job (attempt 2" in done.stderr, done.stderr[-3000:]
+    assert "killed by SIGKILL at step 18; restarting the job at once (attempt 2" in done.stderr, done.stderr[-3000:]
     records = [json.loads(line) for line in (base / "run" / "metrics.jsonl").read_text().splitlines()]
     return first, records, done.stdout
 
