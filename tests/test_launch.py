@@ -301,6 +301,15 @@ def test_a_lost_peer_is_one_line():
     assert lost_peer(JaxRuntimeError("INVALID_ARGUMENT: mismatched shapes"), env) is None
 
 
+def test_the_launcher_names_the_process_that_died_not_the_survivor_that_said_so():
+    """Both ended by the time the launcher looks: process 0 exited saying its peer was lost, process 1 was killed."""
+    from spmdkit.distributed.initialize import PEER_LOST_STATUS
+    from spmdkit.distributed.launcher import _first_failure
+
+    assert _first_failure([PEER_LOST_STATUS, -9]) == 1 and _first_failure([PEER_LOST_STATUS, None, 1]) == 2
+    assert _first_failure([PEER_LOST_STATUS, None]) == 0 and _first_failure([None, 0]) is None
+
+
 def test_join_is_exported_and_documented():
     import spmdkit
     import spmdkit.distributed

@@ -4,7 +4,7 @@ argparse `parser()`, whose `parse_args` it is).
 `train` is built from the `TrainConfig` dataclasses by tyro (`spmdkit.cli.train`); the others are argparse parsers
 of `spmdkit.cli.args.ArgumentParser`. The contract of every command: a user error is one line on stderr
 (`spmdkit: error: ...`) and exit 2, without a usage dump or a traceback; Ctrl-C is exit 130; in a multi-process job,
-another process's death (a collective that fails) is one line and exit 1 (`spmdkit.distributed.initialize.lost_peer`).
+another process's death (a collective that fails) is one line and exit 76 (`spmdkit.distributed.initialize.lost_peer`).
 """
 
 from __future__ import annotations
@@ -97,13 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("spmdkit: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as error:  # JaxRuntimeError is one: a peer's death is one line, not a 40-line traceback
-        from spmdkit.distributed.initialize import lost_peer
+        from spmdkit.distributed.initialize import PEER_LOST_STATUS, lost_peer
 
         if (line := lost_peer(error)) is None:
             raise
         print(f"spmdkit: error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)  # not JAX's exit barrier, which waits for the lost process and aborts with pages of logs
+        # not JAX's exit barrier, which waits for the lost process and aborts with pages of logs
+        os._exit(PEER_LOST_STATUS)
     except BrokenPipeError:  # the reader of stdout went away (`spmdkit plan | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
-from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PROCESS_ID
+from spmdkit.distributed.initialize import CPU_DEVICES, FORCED_COUNT, HOST, NUM_PROCESSES, PEER_LOST_STATUS, PROCESS_ID
 from spmdkit.distributed.restarts import (
     ATTEMPT,
     HEARTBEAT_DIR,
@@ -202,7 +202,7 @@ def supervise(
     the first exit (the failure then names it, `restarts.stalled`), or None."""
     try:
         while (codes := [c.poll() for c in children]) != [0] * len(children):
-            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            failed = _first_failure(codes)
             if failed is not None:
                 frozen = stopped([i for i, code in enumerate(codes) if code is None])
                 settle(children, SETTLE)  # a survivor's own line (a lost peer) before it is told to stop
@@ -219,6 +219,13 @@ def supervise(
         except KeyboardInterrupt:
             stop_all(children, grace=0)
         return 130, "", f"interrupted: {_statuses(children)}"
+
+
+def _first_failure(codes: Sequence[int | None]) -> int | None:
+    """The process that failed (None: none has): one that ended on its own account before one that only saw a
+    peer die (`PEER_LOST_STATUS`: by the time a survivor has said so, the dead process has ended too)."""
+    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    return min(failed, key=lambda i: codes[i] == PEER_LOST_STATUS, default=None)
 
 
 def run_attempt(command: Sequence[str], environments: Sequence[Mapping[str, str]], grace: float, what: str):
