@@ -130,13 +130,14 @@ def claim_steps(checkpointer: Checkpointer, kept: str | None, run_dir: Path) -> 
     `kept` (the id the run directory keeps), else the one the persistent directory's newest step records, else a new
     one; process 0's decides. SpmdkitError when a tier holds a step another run saved: it would be resumed, or
     rotated away by this run's saves. A collective (each process checks its own local steps)."""
-    persistent = [run["id"] for run in checkpointer.owners().values() if run is not None]
+    stores = [(store, flag, store.owners()) for store, flag in _flagged(checkpointer)]  # each step's metadata once
+    persistent = [run["id"] for run in stores[0][2].values() if run is not None]
     run_id = gather_over_processes(kept or (persistent[-1] if persistent else new_run_id()))[0]
-    own = next(filter(None, (_foreign(store, run_id, flag) for store, flag in _flagged(checkpointer))), "")
+    own = next(filter(None, (_foreign(store, owners, run_id, flag) for store, flag, owners in stores)), "")
     problem = next(filter(None, gather_over_processes(own)), "")
     if problem:
         raise SpmdkitError(problem)
-    for store in checkpointer._stores():
+    for store, _, _ in stores:
         store.run = {"id": run_id, "run_dir": str(run_dir)}
     return run_id
 
@@ -147,9 +148,9 @@ def _flagged(checkpointer: Checkpointer) -> list[tuple[Checkpointer, str]]:
     return [(checkpointer, "--checkpoint-dir"), *local]
 
 
-def _foreign(store: Checkpointer, run_id: str, flag: str) -> str:
-    """One line naming the steps of `store` another run saved ('' when none)."""
-    foreign = {step: run for step, run in store.owners().items() if run is not None and run["id"] != run_id}
+def _foreign(store: Checkpointer, owners: dict[int, dict[str, str] | None], run_id: str, flag: str) -> str:
+    """One line naming the steps of `store` another run saved (`owners`: its `Checkpointer.owners()`; '' when none)."""
+    foreign = {step: run for step, run in owners.items() if run is not None and run["id"] != run_id}
     if not foreign:
         return ""
     run = foreign[max(foreign)]

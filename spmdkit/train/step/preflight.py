@@ -108,10 +108,9 @@ def check_resume(
         if key in saved.get(section, {})
         and (theirs := saved[section][key]) != (ours := json.loads(json.dumps(getattr(getattr(config, section), key))))
     }
+    allowed = _allowed(config)
     refused = [
-        f"{flag} {theirs} -> {ours}"
-        for (s, k, flag), (theirs, ours) in changed.items()
-        if (s, k) not in _allowed(config)
+        f"{flag} {theirs} -> {ours}" for (s, k, flag), (theirs, ours) in changed.items() if (s, k) not in allowed
     ]
     if refused:
         raise SpmdkitError(
