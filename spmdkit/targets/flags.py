@@ -54,6 +54,11 @@ OVERLAP_TP_FLAGS = (
     "--xla_gpu_multi_streamed_windowed_einsum=true",
     "--xla_gpu_use_memcpy_local_p2p=true",
 )
+# Compile options for a compile-only GPU target alone. No GPU is there to time the autotuner's candidates, so it
+# compiles the candidate fusion emitters of every fusion and keeps none: the program is the same (its instructions,
+# schedule and buffers; only empty emitter configs differ) at 2-6x the compile time without it. Not with
+# `--overlap-tp`: the windowed einsum's partial GEMMs need the autotuner's configs ("Failed to get configs").
+DEVICELESS_OPTIONS: dict[str, bool | int | str] = {"xla_gpu_autotune_level": 0}
 # How XLA names a flag it refuses: an unknown name, or a value it cannot parse (a value of a flag with its own
 # parser, such as the pipelining modes, is refused without a name: `check_env_flags` then bisects).
 _UNKNOWN_ENV = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)$", re.M)
@@ -72,8 +77,9 @@ def flag_name(flag: str) -> str:
 
 
 def gpu_compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool | int | str]:
-    """`--name=value` flags as `jit(...).lower(...).compile(compiler_options=...)` takes them."""
-    options: dict[str, bool | int | str] = {}
+    """`--name=value` flags as `jit(...).lower(...).compile(compiler_options=...)` takes them, for a compile-only
+    GPU target (`DEVICELESS_OPTIONS` added, but with the windowed einsum's flags)."""
+    options: dict[str, bool | int | str] = {} if set(OVERLAP_TP_FLAGS) & set(flags) else dict(DEVICELESS_OPTIONS)
     for flag in flags:
         name, _, value = flag.removeprefix("--").partition("=")
         if name in ENUM_OPTIONS:
