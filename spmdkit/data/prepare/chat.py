@@ -14,7 +14,7 @@ Which tokens are scored (`mask[t] = 1`: token t is a target the loss counts):
 - a template with `{% generation %}` blocks: every token overlapping a block's characters (transformers'
   `return_assistant_tokens_mask`, the same rule);
 - otherwise the span rule: for each assistant message whose `content` is a string, the characters the template
-  rendered for that content, through the first special token after it (the end of the turn: `<|eot_id|>`,
+  rendered for that (non-empty) content, through the first special token after it (the end of the turn: `<|eot_id|>`,
   `<|im_end|>`, `<end_of_turn>`; what the template writes between the two, e.g. Qwen's `<tool_call>` text, is
   scored too), every token overlapping them. Where the content lies is found by rendering the conversation once
   more with each assistant content replaced by a private-use marker: the text between markers is the template's
@@ -165,6 +165,7 @@ class ChatRenderer:
         self.environment.generation_tracker = (blocks, spans) if track else None
         try:
             kwargs = dict(self.variables, messages=messages, add_generation_prompt=add_generation_prompt)
+            kwargs |= {"tools": None, "documents": None}  # as transformers passes them
             for block in self.template.generate(**kwargs):
                 blocks.append(block)
         except jinja2.TemplateError as error:
@@ -186,13 +187,12 @@ class ChatRenderer:
     def _content_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
         """The span rule of the module docstring: [start, end) characters of each assistant turn in `text`."""
         marked = [
-            dict(m, content=f"\ue000{i}\ue001") if m.get("role") == "assistant" and isinstance(m.get("content"), str)
-            else m
+            dict(m, content=f"\ue000{i}\ue001") if m.get("role") == "assistant" and _text(m.get("content")) else m
             for i, m in enumerate(messages)
         ]  # fmt: skip
         parts = _MARKER.split(self.render(marked)[0])  # [text, index, text, index, ..., text]
         found = {int(i) for i in parts[1::2]}
-        self.unscored_turns += sum(1 for i, m in enumerate(marked) if m is not messages[i] and i not in found)
+        self.unscored_turns += sum(1 for i, m in enumerate(messages) if m.get("role") == "assistant" and i not in found)
         spans, pos = [], 0
         for k in range(0, len(parts) - 1, 2):
             own, following = parts[k], parts[k + 2]
@@ -216,6 +216,10 @@ class ChatRenderer:
             return 0
         at, token = min(hits, key=lambda h: (h[0], -len(h[1])))
         return at + len(token)
+
+
+def _text(content: Any) -> bool:
+    return isinstance(content, str) and bool(content)
 
 
 def overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
