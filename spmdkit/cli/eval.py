@@ -94,6 +94,7 @@ def main(argv: Sequence[str]) -> int:
             f"below the model's vocab_size {config.vocab_size}) and the checkpoint (spmdkit ckpt verify)"
         )
     result = {"path": str(args.path), "step": source.step, "data": data.source, "seq_len": seq_len, **result}
+    result["scored"] = "assistant tokens" if _loss_name(data.source) != "loss" else "all targets"
     if args.json:
         print(json.dumps(result))
         return 0
@@ -101,6 +102,15 @@ def main(argv: Sequence[str]) -> int:
     print(
         f"{source.describe()} on {data.source} (eval split, {result['batches']} batches x "
         f"{args.batch_size} x {seq_len}, {result['tokens']:,} tokens)\n"
-        f"loss {result['loss']:.4f}   perplexity {result['perplexity']:.3f}   bits per byte {bpb}"
+        f"{_loss_name(data.source)} {result['loss']:.4f}   perplexity {result['perplexity']:.3f}   bits per byte {bpb}"
     )
     return 0
+
+
+def _loss_name(source: str) -> str:
+    """ "assistant-token loss" for a chat dataset (its loss mask scores the assistant turns only), else "loss"."""
+    from spmdkit.data.store import PreparedDataset, is_prepared_dataset
+
+    if is_prepared_dataset(source) and PreparedDataset(source).has_mask:
+        return "assistant-token loss"
+    return "loss"
