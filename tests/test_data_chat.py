@@ -194,7 +194,7 @@ def test_prepare_stores_the_mask_and_counts_overflow(tokenizer_dirs, tmp_path, c
 
 SEQ, BATCH = 64, 4
 LLAMA = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128,
 )  # fmt: skip
 
@@ -210,7 +210,8 @@ def test_sft_step_loss_is_transformers_loss_on_assistant_labels(tokenizer_dirs, 
 
     model_dir = tmp_path / "model"
     shutil.copytree(tokenizer_dirs["gemma2-generation"], model_dir)
-    save_model(transformers.LlamaConfig(**LLAMA), model_dir, seed=3)
+    vocab = load_tokenizer(model_dir).vocab_size  # generation samples among the tokenizer's ids, as transformers
+    save_model(transformers.LlamaConfig(vocab_size=vocab, **LLAMA), model_dir, seed=3)
     rows = _rows(2, 40)
     data = tmp_path / "sft"
     argv = ["data", "prepare", str(_write_jsonl(tmp_path / "c.jsonl", rows)), "--chat", "--tokenizer", str(model_dir)]
@@ -231,7 +232,7 @@ def test_sft_step_loss_is_transformers_loss_on_assistant_labels(tokenizer_dirs, 
             row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         judged[tuple(out["input_ids"])] = out["assistant_masks"]
-    batch = next(make_data(DataConfig(source=str(data)), seq_len=SEQ, global_batch=BATCH, vocab_size=512, seed=0))
+    batch = next(make_data(DataConfig(source=str(data)), seq_len=SEQ, global_batch=BATCH, vocab_size=vocab, seed=0))
     model, total, scored = load(model_dir), 0.0, 0
     for r in range(BATCH):
         for segment in range(1, batch["segment_ids"][r].max() + 1):
@@ -245,3 +246,21 @@ def test_sft_step_loss_is_transformers_loss_on_assistant_labels(tokenizer_dirs, 
             count = int((mask[1:] == 1).sum())
             total, scored = total + float(loss) * count, scored + count
     assert scored == int(batch["loss_mask"].sum()) and abs(ours - total / scored) <= 1e-5 * (total / scored)
+
+    # generate --chat: the conversation rendered with the generation prompt, greedy tokens as transformers'
+    chat = json.dumps(TURNS[:3])
+    argv = ["generate", str(model_dir), "--chat", "--prompt", chat, "--temperature", "0", "--max-new-tokens", "4"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    result = json.loads(out.splitlines()[-1])
+    prompt = tokenizer.apply_chat_template(TURNS[:3], tokenize=True, return_dict=True, add_generation_prompt=True)
+    assert result["prompt_tokens"] == list(prompt["input_ids"])
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([result["prompt_tokens"]]), max_new_tokens=4, do_sample=False)
+    assert result["tokens"] == greedy[0, len(result["prompt_tokens"]) :].tolist()[: len(result["tokens"])]
+
+
+def test_end_of_turn_ids_are_the_templates_turn_enders(tokenizer_dirs):
+    for family, token in (("llama3", "<|eot_id|>"), ("qwen3", "<|im_end|>"), ("gemma2", "<end_of_turn>")):
+        theirs = transformers.AutoTokenizer.from_pretrained(tokenizer_dirs[family])
+        assert _ours(tokenizer_dirs[family]).end_of_turn_ids() == [theirs.convert_tokens_to_ids(token)]

@@ -94,7 +94,6 @@ def main(argv: Sequence[str]) -> int:
             f"below the model's vocab_size {config.vocab_size}) and the checkpoint (spmdkit ckpt verify)"
         )
     result = {"path": str(args.path), "step": source.step, "data": data.source, "seq_len": seq_len, **result}
-    result["scored"] = "assistant tokens" if _loss_name(data.source) != "loss" else "all targets"
     if args.json:
         print(json.dumps(result))
         return 0

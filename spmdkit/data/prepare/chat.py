@@ -209,6 +209,23 @@ class ChatRenderer:
             pos = end
         return spans
 
+    def end_of_turn_ids(self) -> list[int]:
+        """The token ids of the special token that ends an assistant turn (`<|eot_id|>`, `<|im_end|>`,
+        `<end_of_turn>`): the first one the template writes after an assistant's content; [] when there is none."""
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\ue000"}]
+        try:
+            text = self.render(probe)[0]
+        except ChatError:
+            return []
+        following = text[text.rfind("\ue000") + 1 :]
+        end = self._end_of_turn(following)
+        token = next((s for s in self.specials if following[:end].endswith(s)), None) if end else None
+        return self.hf.encode(token, add_special_tokens=False).ids if token else []
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids of `messages` rendered with the generation prompt (what the model continues)."""
+        return self.hf.encode(self.render(messages, add_generation_prompt=True)[0], add_special_tokens=False).ids
+
     def _end_of_turn(self, following: str) -> int:
         """Characters of `following` (the template's text after a content) through its first special token."""
         hits = [(following.find(s), s) for s in self.specials if s in following]

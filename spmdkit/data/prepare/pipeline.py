@@ -190,18 +190,12 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         with DatasetWriter(staging, tokenizer, options.dtype, options.shard_tokens, masked=options.chat) as writer:
             bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
             documents = _documents(read_inputs(inputs, input_options), options.skip_bad, skipped)
-            if options.chat:
-                with bar:
+            with bar:
+                if options.chat:
                     renderer = ChatRenderer(renderer_template, tokenizer)
                     extra["chat"] = _write_chat(options, renderer, documents, writer, bar, skipped)
-            else:
-                batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
-                with bar, contextlib.closing(encode(tokenizer, options.workers or cpus, writer.dtype, batches)) as out:
-                    for done in out:  # in input order, from worker processes
-                        writer.add_pieces(
-                            done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts
-                        )
-                        bar.update(int(done.text_bytes.sum()))
+                else:
+                    _write_text(options, tokenizer, documents, writer, bar, options.workers or cpus)
             if writer.documents == 0:
                 raise SpmdkitError("the inputs hold no documents (every one was empty or bad): check the INPUTs")
             flags = {"glob": options.glob, "text_key": options.key, "split": options.split}
@@ -226,6 +220,18 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         f"{meta['tokens'] / seconds:,.0f} tokens/s -> {options.out}"
     )
     return meta
+
+
+def _write_text(
+    options: PrepareOptions, tokenizer: Tokenizer, documents: Iterator[Document], writer: DatasetWriter, bar: Any,
+    workers: int,
+) -> None:  # fmt: skip
+    """Cut `documents` into pieces, tokenize them in `workers` processes and write them, in input order."""
+    batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
+    with contextlib.closing(encode(tokenizer, workers, writer.dtype, batches)) as encoded:
+        for done in encoded:  # in input order, from worker processes
+            writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
+            bar.update(int(done.text_bytes.sum()))
 
 
 def _check_chat_options(options: PrepareOptions) -> str | None:
