@@ -193,6 +193,8 @@ CASES = [
         "system.jsonl:1: the chat template refuses it: System role not supported",
     ),
     (["data", "prepare", "{D}/system.jsonl", *CHAT, "{D}/nochat-tok"], 2, "no chat template (no chat_template.jinja,"),
+    (["data", "verify", "{D}/chat-flipped"], 2, "{D}/chat-flipped/mask-00000.bin is damaged at token offset 0"),
+    (["data", "inspect", "{D}/chat-short"], 2, "chat-short/mask-00000.bin does not hold one byte per token of its"),
     (["data", "inspect", "{D}/missing"], 2, "{D}/missing is not a prepared dataset"),
     (["data", "verify", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
     # -- ckpt import-hf / export
@@ -347,6 +349,8 @@ CASES += [
     (["generate", "{D}/run/checkpoints/4", "--prompt", "hi"], 2, "{D}/run/checkpoints/4 is step 4 of the checkpoint"),
     # -- generate / eval: one line each, before and after the model is read
     (["generate", "{D}/run", "--prompt-file", "/dev/zero"], 2, "--prompt-file /dev/zero is larger than 1 MiB"),
+    (["generate", "{D}/run", "--chat", "--prompt", "hi"], 2, "--chat: prompt 1 is not JSON (Expecting value at column"),
+    (["generate", "{D}/run", "--chat", "--prompt", '["hi"]'], 2, "message 1 of 'messages' is not an object"),
     (["generate", "{D}/run", "--prompt-file", "{D}/big-prompt.txt"], 2, "big-prompt.txt is larger than 1 MiB"),
     (["generate", "{D}/nockpt", "--prompt", "hi"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
     (["eval", "{D}/nockpt"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
@@ -465,6 +469,14 @@ def _chat_inputs(d: Path) -> None:
     (d / "nomsg.jsonl").write_text('{"text": "no messages"}\n')
     messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}]
     (d / "system.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (d / "chat.jsonl").write_text(json.dumps({"messages": messages[1:] + [{"role": "assistant", "content": "w3"}]}))
+    argv = ["data", "prepare", str(d / "chat.jsonl"), *CHAT[:-3], str(d / "chat"), "--tokenizer", str(d / "chat-tok")]
+    assert main(argv) == 0
+    for name in ("chat-flipped", "chat-short"):  # a flipped mask bit; a mask cut short
+        shutil.copytree(d / "chat", d / name)
+    mask = (d / "chat-flipped" / "mask-00000.bin").read_bytes()
+    (d / "chat-flipped" / "mask-00000.bin").write_bytes(bytes([mask[0] ^ 1]) + mask[1:])
+    (d / "chat-short" / "mask-00000.bin").write_bytes(mask[:-1])
 
 
 def _hf_models(d: Path) -> None:

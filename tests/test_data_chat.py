@@ -84,7 +84,8 @@ def _ours(directory: Path) -> ChatRenderer:
 
 def _conversations(family: str) -> list[list[dict]]:
     gemma = family.startswith("gemma")  # no system role, no tool role
-    return [TURNS] if gemma else [[SYSTEM, *TURNS], TURNS, [SYSTEM, *TOOLS]]
+    thought = [*TURNS[:3], dict(TURNS[3], thinking="France: Paris.")]  # reasoning, under a name to alias
+    return [TURNS] if gemma else [[SYSTEM, *TURNS], TURNS, [SYSTEM, *TOOLS], thought]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -5,9 +5,11 @@ The template is the model directory's `chat_template.jinja`, else the `chat_temp
 `tokenizer_config.json` (`--chat-template FILE` overrides both). It is rendered as transformers renders it, with
 jinja2 in a sandbox (`ImmutableSandboxedEnvironment`, `trim_blocks`, `lstrip_blocks`, loop controls) and the names
 templates use: `raise_exception(message)`, the `tojson` filter (no HTML escaping), `strftime_now(format)`, the
-`{% generation %}` block, and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables. The text
-is tokenized as it is (the template writes BOS itself; special tokens in it are the special ids). A template error
-(`raise_exception`, e.g. a role the template rejects) is a bad record with the template's message.
+`{% generation %}` block, and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables; keys whose
+value is None are dropped from messages and a message's reasoning is passed under each of its names
+(`reasoning_content`, `thinking`), as transformers does. The text is tokenized as it is (the template writes BOS
+itself; special tokens in it are the special ids). A template error (`raise_exception`, e.g. a role the template
+rejects) is a bad record with the template's message.
 
 Which tokens are scored (`mask[t] = 1`: token t is a target the loss counts):
 
@@ -19,8 +21,9 @@ Which tokens are scored (`mask[t] = 1`: token t is a target the loss counts):
   scored too), every token overlapping them. Where the content lies is found by rendering the conversation once
   more with each assistant content replaced by a private-use marker: the text between markers is the template's
   own, found again in the real rendering. An assistant message whose content the template does not render (e.g.
-  Llama 3's tool-call turns) is not scored (`unscored_turns`); a template that rewrites the text around the content
-  (Qwen 3 moving `<think>` out of the content of the last turn) cannot be aligned: a bad record saying so.
+  Llama 3's tool-call turns), or that is empty, is not scored (counted: `unscored_turns`); a template whose own text
+  depends on the content beyond where it is written (Qwen 3 splitting a `</think>` inside the content into its
+  reasoning block) cannot be aligned: a bad record saying so (give the reasoning as `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -164,7 +167,9 @@ class ChatRenderer:
         blocks: list[str] = []
         self.environment.generation_tracker = (blocks, spans) if track else None
         try:
-            kwargs = dict(self.variables, messages=messages, add_generation_prompt=add_generation_prompt)
+            kwargs = dict(
+                self.variables, messages=_alias_reasoning(messages), add_generation_prompt=add_generation_prompt
+            )
             kwargs |= {"tools": None, "documents": None}  # as transformers passes them
             for block in self.template.generate(**kwargs):
                 blocks.append(block)
@@ -233,6 +238,19 @@ class ChatRenderer:
             return 0
         at, token = min(hits, key=lambda h: (h[0], -len(h[1])))
         return at + len(token)
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning comes under
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's reasoning under every name templates read (`reasoning_content`; gpt-oss: `thinking`), as
+    transformers passes it."""
+    out = []
+    for message in messages:
+        reasoning = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
+        out.append(message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning})
+    return out
 
 
 def _text(content: Any) -> bool:

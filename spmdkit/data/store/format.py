@@ -19,7 +19,7 @@ DIR/mask-00000.bin ...      only in a dataset with a loss mask (`data prepare --
 `dataset.json`: `format`, `version`, `tokenizer` (name, file, sha256, vocab_size, model_vocab_size, bos_id,
 eos_id, special_ids), `dtype`, `documents`, `tokens`, `bytes` (of text), `max_token_id` (the largest id in the
 shards), `chunk_tokens` (CHUNK_TOKENS), `shards` ([{file, documents, tokens, sha256, chunks}]: `chunks` the crc32 of
-each `chunk_tokens` tokens of the shard, the last one shorter; `mask`: {file, sha256} of its mask file, in a
+each `chunk_tokens` tokens of the shard, the last one shorter; `mask`: {file, sha256, chunks} of its mask file, in a
 masked dataset), `index` ({offsets|bytes|keys: {file, sha256}}),
 `content_sha256` (sha256 of the dtype, the tokenizer's sha256 and every shard's and index file's sha256, in order,
 then every mask file's: equal for equal datasets), `inputs`, `options`, `skipped` ({kind: count} of the bad records

@@ -77,8 +77,11 @@ class PreparedDataset:
             np.memmap(self.path / s["mask"]["file"], dtype=np.uint8, mode="r") if s["tokens"] else np.zeros(0, np.uint8)
             for s in self.meta["shards"]
         ] if self.has_mask else []  # fmt: skip
-        # per shard: which chunks were checked (the first read of a chunk checks it), and how many are left
-        self._checked = [bytearray(len(s.get("chunks", ()))) for s in self.meta["shards"]]
+        # per shard, then per mask file: which chunks were checked (the first read of a chunk checks it), and how
+        # many are left
+        self._entries = [*self.meta["shards"], *(s["mask"] for s in self.meta["shards"] if self.has_mask)]
+        self._arrays = [*self._shards, *self._masks]
+        self._checked = [bytearray(len(e.get("chunks", ()))) for e in self._entries]
         self._unchecked = [len(c) for c in self._checked]
 
     def _index_array(self, name: str) -> np.ndarray:
@@ -136,9 +139,10 @@ class PreparedDataset:
         if not isinstance(chunk, int) or chunk < 1:
             self._damaged(f"{fmt.META_FILE} says chunk_tokens {chunk!r}")
         for shard in self.meta["shards"]:
-            chunks = shard.get("chunks")
-            if not isinstance(chunks, list) or len(chunks) != -(-shard["tokens"] // chunk):
-                self._damaged(f"{fmt.META_FILE} has no chunk checksum list of {self.path / shard['file']}'s size")
+            for entry in (shard, shard["mask"]) if self.has_mask else (shard,):
+                chunks = entry.get("chunks")
+                if not isinstance(chunks, list) or len(chunks) != -(-shard["tokens"] // chunk):
+                    self._damaged(f"{fmt.META_FILE} has no chunk checksum list of {self.path / entry['file']}'s size")
         return chunk
 
     def _check_files(self) -> None:
@@ -198,22 +202,26 @@ class PreparedDataset:
         """uint8 [stop - start]: the loss mask of tokens `start:stop` of document `doc` (a masked dataset's)."""
         shard = self._doc_shard[doc]
         base = int(self.offsets[doc]) - int(self._shard_starts[shard])
+        index = len(self._shards) + int(shard)  # its checksums follow the shards'
+        if self._unchecked[index] and stop > start:
+            self.check_chunks(index, base + start, base + stop)
         return self._masks[shard][base + start : base + stop]
 
     def check_chunks(self, shard: int, start: int, stop: int) -> None:
-        """Check the crc32 of each chunk of shard `shard` that tokens `start:stop` touch and that was not checked
-        yet: a mismatch is one line naming the shard and the offset. Nothing for a dataset without checksums."""
+        """Check the crc32 of each chunk of shard `shard` (a mask file: the shard count + its shard) that tokens
+        `start:stop` touch and that was not checked yet: a mismatch is one line naming the file and the offset.
+        Nothing for a dataset without checksums."""
         if not self._chunk_tokens:
             return
         size, checked = self._chunk_tokens, self._checked[shard]
-        entry = self.meta["shards"][shard]
+        entry, array = self._entries[shard], self._arrays[shard]
         for c in range(start // size, (stop - 1) // size + 1):
             if checked[c]:
                 continue
-            if zlib.crc32(self._shards[shard][c * size : (c + 1) * size]) != entry["chunks"][c]:
+            if zlib.crc32(array[c * size : (c + 1) * size]) != entry["chunks"][c]:
                 self._damaged(
                     f"{self.path / entry['file']} is damaged at token offset {c * size:,} (byte "
-                    f"{c * size * self.dtype.itemsize:,}): chunk {c} does not match its crc32 in {fmt.META_FILE}"
+                    f"{c * size * array.dtype.itemsize:,}): chunk {c} does not match its crc32 in {fmt.META_FILE}"
                 )
             checked[c] = 1
             self._unchecked[shard] -= 1
@@ -233,7 +241,11 @@ class PreparedDataset:
             hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
             if hashes[-1] != entry["sha256"]:
                 self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")
-        for entry in (s["mask"] for s in shards if "mask" in s):
+        for k, (shard, entry) in enumerate((s, s["mask"]) for s in shards if self.has_mask):
+            index = len(shards) + k  # every chunk's crc32 first, as for the shards
+            self._checked[index] = bytearray(len(self._checked[index]))
+            self._unchecked[index] = len(self._checked[index])
+            self.check_chunks(index, 0, shard["tokens"])
             hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
             if hashes[-1] != entry["sha256"]:
                 self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")

@@ -92,7 +92,8 @@ class DatasetWriter:
                 self._mask_file.close()
                 self._mask_file = None
                 name = fmt.mask_file(len(self.shards) - 1)
-                shard["mask"] = {"file": name, "sha256": fmt.file_sha256(str(self.tmp / name))}
+                sha256, chunks = fmt.chunk_crcs(str(self.tmp / name), 1, self.chunk_tokens)
+                shard["mask"] = {"file": name, "sha256": sha256, "chunks": chunks}
 
     def _write(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         if len(tokens):
