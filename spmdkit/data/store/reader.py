@@ -52,10 +52,10 @@ class PreparedDataset:
             self._damaged(f"{meta_path} is not JSON ({error})")
         if not isinstance(self.meta, dict) or self.meta.get("format") != fmt.FORMAT:
             self._damaged(f"{meta_path} is not a {fmt.FORMAT} description")
-        if self.meta.get("version") != fmt.VERSION:
+        if self.meta.get("version") not in fmt.VERSIONS:
             raise SpmdkitError(
-                f"{meta_path} is version {self.meta.get('version')} of the format, this spmdkit reads version "
-                f"{fmt.VERSION}: prepare the dataset again with this spmdkit"
+                f"{meta_path} is version {self.meta.get('version')} of the format, this spmdkit reads versions "
+                f"{', '.join(map(str, fmt.VERSIONS))}: prepare the dataset again with this spmdkit"
             )
         try:
             if self.meta["dtype"] not in ("uint16", "uint32"):
@@ -119,6 +119,10 @@ class PreparedDataset:
         if any(masked) and not all(masked):
             self._damaged(f"{fmt.META_FILE} gives a loss mask to some shards only")
         self.has_mask = all(masked)
+        if self.has_mask != (meta["version"] == fmt.MASKED_VERSION):
+            self._damaged(
+                f"{fmt.META_FILE} is version {meta['version']} but its shards {'have' if any(masked) else 'lack'} masks"
+            )
         masks = [s["mask"]["file"] for s in meta["shards"]] if self.has_mask else []
         root = self.path.resolve()
         for name in [*(s["file"] for s in meta["shards"]), *index, *masks, meta["tokenizer"]["file"]]:

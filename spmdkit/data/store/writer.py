@@ -221,7 +221,7 @@ class DatasetWriter:
         hashes += [s["mask"]["sha256"] for s in self.shards if "mask" in s]  # after the rest: old hashes unchanged
         meta = {
             "format": fmt.FORMAT,
-            "version": fmt.VERSION,
+            "version": fmt.MASKED_VERSION if self.masked else fmt.VERSION,
             "tokenizer": self.tokenizer.describe(),
             "dtype": self.dtype,
             "documents": self.documents,
