@@ -47,6 +47,7 @@ RUN = [*TRAIN.split(), "--run-dir", "{D}/run"]  # the run of {D}/run/checkpoints
 FRESH = [*TRAIN.split(), "--run-dir", "{D}/fresh"]  # a run directory that does not exist yet
 PREPARE = ["--tokenizer", "bytes", "--out", "{D}/new", "--no-progress"]
 IMPORT = ["--out", "{D}/new"]
+CHAT = ["--chat", "--seq-len", "64", "--out", "{D}/new", "--no-progress", "--tokenizer"]
 
 TOML = {
     "bad-syntax.toml": "[run\nsteps = 3\n",
@@ -185,6 +186,15 @@ CASES = [
     (["data", "prepare", "{D}/latin1.txt", *PREPARE], 2, "latin1.txt:1: not UTF-8 (byte 0xe9 at offset 3)"),
     (["data", "prepare", "{D}/texts", *PREPARE, "--dtype", "uint8"], 2, "argument --dtype: invalid choice: 'uint8'"),
     (["data", "prepare", "{D}/texts", "--out", "{D}/new"], 2, "the following arguments are required: --tokenizer"),
+    (["data", "prepare", "{D}/nomsg.jsonl", *CHAT, "{D}/chat-tok"], 2, "nomsg.jsonl:1: no key 'messages' (keys: text)"),
+    (
+        ["data", "prepare", "{D}/system.jsonl", *CHAT, "{D}/chat-tok"],
+        2,
+        "system.jsonl:1: the chat template refuses it: System role not supported",
+    ),
+    (["data", "prepare", "{D}/system.jsonl", *CHAT, "{D}/nochat-tok"], 2, "no chat template (no chat_template.jinja,"),
+    (["data", "verify", "{D}/chat-flipped"], 2, "{D}/chat-flipped/mask-00000.bin is damaged at token offset 0"),
+    (["data", "inspect", "{D}/chat-short"], 2, "chat-short/mask-00000.bin does not hold one byte per token of its"),
     (["data", "inspect", "{D}/missing"], 2, "{D}/missing is not a prepared dataset"),
     (["data", "verify", "{D}/ds-noshard"], 2, "ds-noshard/tokens-00000.bin is missing"),
     # -- ckpt import-hf / export
@@ -339,6 +349,8 @@ CASES += [
     (["generate", "{D}/run/checkpoints/4", "--prompt", "hi"], 2, "{D}/run/checkpoints/4 is step 4 of the checkpoint"),
     # -- generate / eval: one line each, before and after the model is read
     (["generate", "{D}/run", "--prompt-file", "/dev/zero"], 2, "--prompt-file /dev/zero is larger than 1 MiB"),
+    (["generate", "{D}/run", "--chat", "--prompt", "hi"], 2, "--chat: prompt 1 is not JSON (Expecting value at column"),
+    (["generate", "{D}/run", "--chat", "--prompt", '["hi"]'], 2, "message 1 of 'messages' is not an object"),
     (["generate", "{D}/run", "--prompt-file", "{D}/big-prompt.txt"], 2, "big-prompt.txt is larger than 1 MiB"),
     (["generate", "{D}/nockpt", "--prompt", "hi"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
     (["eval", "{D}/nockpt"], 2, "{D}/nockpt is an spmdkit run directory without checkpoints"),
@@ -442,6 +454,29 @@ def _damaged_datasets(d: Path) -> None:
         f.seek(100)
         f.write(bytes([byte ^ 0x10]))
     (d / "lone.jsonl").write_text('{"text": "\\ud800 half a pair"}\n')
+    _chat_inputs(d)
+
+
+def _chat_inputs(d: Path) -> None:
+    """Tokenizer directories with Gemma 2's released chat template (no system role) and without a template, and
+    conversations: one without `messages`, one opening with a system message."""
+    from hf_reference import save_tokenizer
+
+    for name in ("chat-tok", "nochat-tok"):
+        save_tokenizer(d / name, 64)
+    template = Path(__file__).parent / "chat_templates" / "google-gemma-2-2b-it.jinja"
+    (d / "chat-tok" / "chat_template.jinja").write_bytes(template.read_bytes())
+    (d / "nomsg.jsonl").write_text('{"text": "no messages"}\n')
+    messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}]
+    (d / "system.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (d / "chat.jsonl").write_text(json.dumps({"messages": messages[1:] + [{"role": "assistant", "content": "w3"}]}))
+    argv = ["data", "prepare", str(d / "chat.jsonl"), *CHAT[:-3], str(d / "chat"), "--tokenizer", str(d / "chat-tok")]
+    assert main(argv) == 0
+    for name in ("chat-flipped", "chat-short"):  # a flipped mask bit; a mask cut short
+        shutil.copytree(d / "chat", d / name)
+    mask = (d / "chat-flipped" / "mask-00000.bin").read_bytes()
+    (d / "chat-flipped" / "mask-00000.bin").write_bytes(bytes([mask[0] ^ 1]) + mask[1:])
+    (d / "chat-short" / "mask-00000.bin").write_bytes(mask[:-1])
 
 
 def _hf_models(d: Path) -> None:

@@ -27,7 +27,27 @@ def _prepare(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="new directory for the prepared dataset")
     p.add_argument("--glob", default="*", help="files to take from a directory, recursively (default: all)")
-    p.add_argument("--text-key", default="text", metavar="KEY", help="JSON key / column holding the text")
+    p.add_argument(
+        "--text-key", default="", metavar="KEY", help="JSON key / column holding the text (default: text; with "
+        "--chat: messages, the conversations)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat", action="store_true", help="the records are conversations (lists of role/content messages): "
+        "render each with the tokenizer directory's chat template and store a loss mask scoring only the assistant "
+        "turns (supervised fine-tuning data)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template", metavar="FILE", help="--chat: a Jinja chat template to use instead of the tokenizer "
+        "directory's (chat_template.jinja, or tokenizer_config.json's chat_template)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seq-len", type=int, default=0, metavar="N", help="--chat: the training --seq-len; a longer conversation "
+        "is cut to N tokens or dropped (--chat-overflow), and counted",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-overflow", default="truncate", choices=("truncate", "drop"), help="--chat: what to do with a "
+        "conversation longer than --seq-len (default truncate)",
+    )  # fmt: skip
     p.add_argument("--split", default="train", help="split of a datasets DatasetDict or load_dataset input")
     p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")
     p.add_argument(
@@ -51,7 +71,10 @@ def _directory(p: argparse.ArgumentParser) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     from spmdkit.data.prepare import PrepareOptions, prepare
 
-    names = ("tokenizer", "out", "glob", "text_key", "split", "skip_bad", "dtype", "shard_tokens", "workers")
+    names = (
+        "tokenizer", "out", "glob", "text_key", "split", "skip_bad", "dtype", "shard_tokens", "workers", "chat",
+        "chat_template", "seq_len", "chat_overflow",
+    )  # fmt: skip
     options = PrepareOptions(inputs=tuple(args.inputs), progress=not args.no_progress, **flag_values(args, *names))
     prepare(options)
     return 0
@@ -73,9 +96,20 @@ def run_inspect(args: argparse.Namespace) -> int:
             f"content     sha256 {meta['content_sha256']}",
             f"skipped     {sum(meta.get('skipped', {}).values()):,} bad records",
         ]
+        + _chat_lines(meta.get("chat"))
     )
     print(summary)
     return 0
+
+
+def _chat_lines(chat: dict | None) -> list[str]:
+    if not chat:
+        return []
+    return [
+        f"chat        loss mask: {chat['scored_tokens']:,} assistant tokens scored ({chat['mask_rule']}); "
+        f"--seq-len {chat['max_tokens']} ({chat['overflow']}): {chat['truncated']:,} truncated, {chat['dropped']:,} "
+        f"dropped; {chat['unscored']:,} without an assistant token dropped"
+    ]
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -101,6 +101,15 @@ def main(argv: Sequence[str]) -> int:
     print(
         f"{source.describe()} on {data.source} (eval split, {result['batches']} batches x "
         f"{args.batch_size} x {seq_len}, {result['tokens']:,} tokens)\n"
-        f"loss {result['loss']:.4f}   perplexity {result['perplexity']:.3f}   bits per byte {bpb}"
+        f"{_loss_name(data.source)} {result['loss']:.4f}   perplexity {result['perplexity']:.3f}   bits per byte {bpb}"
     )
     return 0
+
+
+def _loss_name(source: str) -> str:
+    """ "assistant-token loss" for a chat dataset (its loss mask scores the assistant turns only), else "loss"."""
+    from spmdkit.data.store import PreparedDataset, is_prepared_dataset
+
+    if is_prepared_dataset(source) and PreparedDataset(source).has_mask:
+        return "assistant-token loss"
+    return "loss"

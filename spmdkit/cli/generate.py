@@ -49,6 +49,12 @@ def parser() -> ArgumentParser:
         metavar="N",
         help="longest context, prompt + new tokens (default: the run's seq_len or the model's max positions)",
     )
+    add(
+        "--chat", action="store_true", help="each prompt is a conversation, as JSON: a list of {role, content} "
+        "messages (or {\"messages\": [...]}); it is rendered with the model's chat template and its generation "
+        "prompt, the reply printed, and a row stops at the template's end-of-turn token or EOS",
+    )  # fmt: skip
+    add("--chat-template", metavar="FILE", help="--chat: a Jinja chat template to use instead of the model's")
     add("--json", action="store_true", help="one JSON object per prompt per line, with token ids and timing")
     add_cpu_devices(p)
     return p
@@ -91,7 +97,7 @@ def check_source(args: argparse.Namespace) -> None:
         raise SpmdkitError(f"{args.path} does not exist: pass {PATH_HELP}")
 
 
-def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[str]) -> int:
+def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[Any]) -> int:
     """--max-new-tokens, checked against the context: a number given that cannot fit is refused; the default (64)
     is cut to what fits."""
     context = model.generator.max_len
@@ -107,9 +113,47 @@ def _new_tokens(args: argparse.Namespace, model: Any, prompts: list[str]) -> int
     return args.max_new_tokens
 
 
+def _conversation(prompt: str, n: int) -> list[dict[str, Any]]:
+    """Prompt `n` (1-based) of `generate --chat`, read as a conversation."""
+    from spmdkit.data.prepare.chat import check_messages
+
+    try:
+        value = json.loads(prompt)
+    except json.JSONDecodeError as error:
+        raise SpmdkitError(f"--chat: prompt {n} is not JSON ({error.msg} at column {error.colno})") from None
+    value = value.get("messages") if isinstance(value, dict) else value
+    messages = check_messages(value, "messages")
+    if isinstance(messages, str):
+        raise SpmdkitError(f"--chat: prompt {n}: {messages}: pass a list of {{role, content}} messages")
+    return messages
+
+
+def _chat_prompts(args: argparse.Namespace, model: Any, prompts: list[str]) -> tuple[list[list[int]], list[int]]:
+    """(the token ids of each conversation rendered with the generation prompt, the end-of-turn ids)."""
+    from spmdkit.data.prepare.chat import ChatError, ChatRenderer, load_chat_template
+    from spmdkit.interop import find_tokenizer_dir
+
+    directory = find_tokenizer_dir(args.path)
+    if directory is None and not args.chat_template:
+        raise SpmdkitError(f"{args.path} has no tokenizer directory and so no chat template: pass --chat-template FILE")
+    renderer = ChatRenderer(load_chat_template(directory, args.chat_template), model.tokenizer)
+    ids = []
+    for n, prompt in enumerate(prompts, start=1):
+        try:
+            ids.append(renderer.prompt_ids(_conversation(prompt, n)))
+        except ChatError as error:
+            raise SpmdkitError(f"--chat: prompt {n}: {error}") from None
+    return ids, renderer.end_of_turn_ids()
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
     prompts = _prompts(args)
+    if args.chat_template and not args.chat:
+        raise SpmdkitError("--chat-template is for conversations: add --chat")
+    if args.chat:
+        for n, prompt in enumerate(prompts, start=1):
+            _conversation(prompt, n)  # each a conversation, before anything loads
     quiet_absl()
     from spmdkit.inference.sampling import Sampling
 
@@ -128,20 +172,21 @@ def main(argv: Sequence[str]) -> int:
         raise SpmdkitError(
             f"{args.path} has no tokenizer (trained on token ids, or saved without one): it cannot take text prompts"
         )
-    sampling = Sampling(_new_tokens(args, model, prompts), args.temperature, args.top_k, args.top_p, args.seed)
+    inputs, stop = _chat_prompts(args, model, prompts) if args.chat else (prompts, [])
+    sampling = Sampling(_new_tokens(args, model, inputs), args.temperature, args.top_k, args.top_p, args.seed)
     stream = not args.json and len(prompts) == 1
-    if stream:
+    if stream and not args.chat:  # a chat prints the reply only
         print(prompts[0], end="", flush=True)
 
     def show(row: int, text: str) -> None:
         print(text, end="", flush=True)
 
-    completions = model.generate(prompts, sampling, on_text=show if stream else None)
+    completions = model.generate(inputs, sampling, on_text=show if stream else None, stop_tokens=stop)
     for prompt, completion in zip(prompts, completions, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, **dataclasses.asdict(completion)}), flush=True)
         elif stream:
             print()
         else:
-            print(f"{prompt}{completion.text}\n", flush=True)
+            print(f"{'' if args.chat else prompt}{completion.text}\n", flush=True)
     return 0

@@ -161,6 +161,7 @@ def _packed_batches(
     check_vocab(tokenizer, vocab_size, name)
     for store in (s for _, s in stores if isinstance(s, PreparedDataset)):
         check_vocabulary(store, vocab_size)  # the largest id recorded at prepare time
+        _check_chat(store, seq_len, resolved.packing)
     parts, packing = [], resolved.packing
     options: dict[str, Any] = dict(seq_len=seq_len, packing=packing, split=split, eval_fraction=config.eval_fraction)
     for salt, (store_name, store) in enumerate(stores):
@@ -193,6 +194,24 @@ def _packed_batches(
     # processes' rows together are global rows [s * global_batch, (s + 1) * global_batch) in process order.
     nproc = jax.process_count()
     return rows.batch(global_batch // nproc, drop_remainder=True)[jax.process_index() :: nproc], num_records, tokenizer
+
+
+def _check_chat(store: PreparedDataset, seq_len: int, packing: str) -> None:
+    """A dataset with a loss mask (chat) is read in documents packing, each conversation within one row: refuse
+    windows packing (it has no mask) and a seq_len shorter than the conversations were cut to."""
+    if not store.has_mask:
+        return
+    if packing != "documents":
+        raise SpmdkitError(
+            f"{store.path} has a loss mask (chat data), which --packing {packing} would ignore: use --packing "
+            "documents (the default for prepared data)"
+        )
+    longest = int(store.lengths.max())
+    if longest > seq_len:
+        raise SpmdkitError(
+            f"{store.path} holds conversations of up to {longest:,} tokens, longer than --seq-len {seq_len}: train "
+            f"with --seq-len {longest} or more, or prepare it again with --seq-len {seq_len}"
+        )
 
 
 def global_batch_arrays(

@@ -78,12 +78,18 @@ class TextGenerator:
         return self.tokenizer.bos + self.tokenizer.encode(prompt) if prompt else []
 
     def generate(
-        self, prompts: Sequence[Prompt], sampling: Sampling, on_text: Callable[[int, str], None] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        sampling: Sampling,
+        on_text: Callable[[int, str], None] | None = None,
+        stop_tokens: Sequence[int] = (),
     ) -> list[Completion]:
-        """Complete every prompt; `on_text(row, new_text)` streams each row's text as its tokens arrive."""
+        """Complete every prompt; `on_text(row, new_text)` streams each row's text as its tokens arrive. A row stops
+        at the tokenizer's EOS or at one of `stop_tokens` (e.g. a chat template's end-of-turn token)."""
         ids = [self.encode(p) for p in prompts]
         tok = self.tokenizer
         stop = [] if tok is None or tok.eos_id is None else [tok.eos_id]
+        stop += [int(t) for t in stop_tokens if int(t) not in stop]
         streams = [TextStream(tok) for _ in ids] if tok is not None and on_text is not None else None
 
         def on_tokens(row: int, new: list[int]) -> None:  # passed only with `streams`

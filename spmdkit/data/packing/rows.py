@@ -7,7 +7,8 @@ Row fields (each int32 [seq_len]; the last two only with `documents` packing):
 - `positions`: the token's position in its document, 0 at a document's first token; a document continued from
   the previous row continues its positions (`windows`: 0..seq_len-1);
 - `segment_ids`: 0 = padding, 1, 2, ... = the documents of the row in order (a continued document is 1);
-- `loss_mask`: 1 where `targets` is a real next token; 0 at padding and at each document's last token.
+- `loss_mask`: 1 where `targets` is a real next token; 0 at padding and at each document's last token; in a store
+  with a loss mask (`has_mask`: chat data, assistant turns only) also 0 where the target token is not scored.
 
 Train rows repeat forever: epoch e packs the split's documents in an order drawn from (seed, salt, e) and reads its
 rows in a permutation from the same generator (a batch mixes documents from all over the data); a row's index
@@ -132,7 +133,10 @@ def assemble_row(store: Documents, plan: Plan, row: int, seq_len: int, packing: 
         targets[p : p + len(tokens) - 1] = tokens[1:]
         positions[p : p + count] = np.arange(offset, offset + count)
         segments[p : p + count] = segment
-        mask[p : p + len(tokens) - 1] = 1  # the last token of a document has no target
+        if getattr(store, "has_mask", False):  # the target at token t + 1 is scored where the store says so
+            mask[p : p + len(tokens) - 1] = store.read_mask(doc, offset + 1, offset + len(tokens))
+        else:
+            mask[p : p + len(tokens) - 1] = 1  # the last token of a document has no target
     return {"inputs": inputs, "targets": targets, "positions": positions, "segment_ids": segments, "loss_mask": mask}
 
 

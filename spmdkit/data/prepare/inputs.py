@@ -19,6 +19,10 @@ INPUT kinds, each read as documents in order:
 `check_inputs` runs first: an input given twice (or inside an input directory) and an `--out` inside an input are
 refused in one line.
 
+With `chat` (`data prepare --chat`) the JSON / Parquet / datasets values under the key are conversations: lists of
+messages (objects with a string `role`; `spmdkit.data.prepare.chat.check_messages`), or JSON text of one; a text
+file or `stdlib` is then refused.
+
 A document's name decides the eval split (crc32 of the name, `spmdkit.data.store.format.is_eval`).
 A bad input is a `Bad` record: `where` (`file:line`; Parquet and datasets: `file:row`, 1-based), what is wrong, and
 its kind ("not JSON", "not UTF-8", "missing key", "not text", "empty"). The preparer raises it as one line, or counts
@@ -52,6 +56,7 @@ class Document:
     text: str
     first: bool = True
     last: bool = True
+    messages: list[dict[str, Any]] | None = None  # a conversation (`--chat`); then `text` is ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ class InputOptions:
     split: str = "train"
     cache_dir: str | None = None  # where `datasets` may write its Arrow cache (a temporary directory)
     piece_chars: int = PIECE_CHARS  # a text file is read in pieces of at most this many characters
+    chat: bool = False  # the `text_key` values are conversations (lists of messages), not text
 
     def __post_init__(self) -> None:
         # A pattern names files *inside* each input directory: an absolute one or one that climbs out is a mistake.
@@ -146,6 +152,8 @@ def read_inputs(inputs: list[str], options: InputOptions) -> Iterator[Record]:
         raise SpmdkitError("no INPUT given: pass text/JSONL/Parquet files, directories, datasets or 'stdlib'")
     for spec in inputs:
         path = _input_path(spec)
+        if spec == STDLIB and options.chat:
+            raise SpmdkitError("--chat reads conversations (JSONL, Parquet, datasets), not the stdlib corpus")
         if path is None:  # stdlib (as --data stdlib; a directory of that name is ./stdlib) or builder:GLOB
             yield from _read_stdlib() if spec == STDLIB else _read_loaded(spec, options)
         elif path.is_dir() and _is_saved_dataset(path):
@@ -196,9 +204,11 @@ def _read_stdlib() -> Iterator[Record]:
 def _read_file(path: Path, name: str, options: InputOptions) -> Iterator[Record]:
     suffix = path.suffix.lower()
     if suffix in JSON_LINES:
-        yield from _read_json_lines(path, name, options.text_key)
+        yield from _read_json_lines(path, name, options.text_key, options.chat)
     elif suffix in PARQUET:
-        yield from _read_parquet(path, name, options.text_key)
+        yield from _read_parquet(path, name, options.text_key, options.chat)
+    elif options.chat:
+        yield Bad(f"{path}:1", "a text file holds no conversations: --chat reads JSONL, Parquet, datasets", "not JSON")
     else:
         yield from _read_text(path, name, options.piece_chars)
 
@@ -218,14 +228,27 @@ def _read_text(path: Path, name: str, piece_chars: int) -> Iterator[Record]:
         raise SpmdkitError(f"{path} changed while it was read (it is no longer UTF-8): run again") from None
 
 
-def _text_value(record: Any, key: str, where: str, kind_of_record: str) -> Record | str:
-    """The text under `key` of a JSON-like record, or a `Bad` saying why not."""
+def _text_value(record: Any, key: str, where: str, kind_of_record: str, chat: bool = False) -> Record | str | list:
+    """The text (`chat`: the messages) under `key` of a JSON-like record, or a `Bad` saying why not."""
     if not isinstance(record, dict):
         return Bad(where, f"{kind_of_record} is {type(record).__name__}, not an object with key {key!r}", "not JSON")
     if key not in record:
         keys = ", ".join(list(record)[:8]) or "none"
         return Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
-    return _checked_text(record[key], key, where)
+    return _checked_value(record[key], key, where, chat)
+
+
+def _checked_value(value: Any, key: str, where: str, chat: bool) -> Bad | str | list:
+    if not chat:
+        return _checked_text(value, key, where)
+    from spmdkit.data.prepare.chat import check_messages
+
+    messages = check_messages(value, key)
+    return Bad(where, messages, "not messages") if isinstance(messages, str) else messages
+
+
+def _document(name: str, value: str | list) -> Document:
+    return Document(name, "", messages=value) if isinstance(value, list) else Document(name, value)
 
 
 def _checked_text(value: Any, key: str, where: str) -> Bad | str:
@@ -248,7 +271,7 @@ def _checked_text(value: Any, key: str, where: str) -> Bad | str:
     return value
 
 
-def _read_json_lines(path: Path, name: str, key: str) -> Iterator[Record]:
+def _read_json_lines(path: Path, name: str, key: str, chat: bool = False) -> Iterator[Record]:
     found = False
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -266,8 +289,8 @@ def _read_json_lines(path: Path, name: str, key: str) -> Iterator[Record]:
             except json.JSONDecodeError as error:
                 yield Bad(where, f"not JSON ({error.msg} at column {error.colno})", "not JSON")
                 continue
-            value = _text_value(record, key, where, "the JSON line")
-            yield value if isinstance(value, Bad) else Document(f"{name}:{number}", value)
+            value = _text_value(record, key, where, "the JSON line", chat)
+            yield value if isinstance(value, Bad) else _document(f"{name}:{number}", value)
     if not found:
         yield Bad(f"{path}:1", "empty file (no JSON lines)", "empty")
 
@@ -281,14 +304,14 @@ def _import_optional(module: str, feature: str) -> Any:
         raise SpmdkitError(f"{feature} needs the {module} package: pip install {module}") from None
 
 
-def _read_parquet(path: Path, name: str, key: str) -> Iterator[Record]:
+def _read_parquet(path: Path, name: str, key: str, chat: bool = False) -> Iterator[Record]:
     pq = _import_optional("pyarrow.parquet", "reading Parquet")
     try:
         file = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid and OSError subclasses for damaged files
         raise SpmdkitError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
     batches = lambda: (b.column(0).to_pylist() for b in file.iter_batches(columns=[key], batch_size=4096))
-    yield from _table_rows(file.schema_arrow.names, batches, key, str(path), name, "empty file (no rows)")
+    yield from _table_rows(file.schema_arrow.names, batches, key, str(path), name, "empty file (no rows)", chat)
 
 
 def _datasets() -> Any:
@@ -298,8 +321,9 @@ def _datasets() -> Any:
 
 
 def _table_rows(
-    columns: list[str], batches: Callable[[], Iterator[list[Any]]], key: str, where: str, name: str, empty: str
-) -> Iterator[Record]:
+    columns: list[str], batches: Callable[[], Iterator[list[Any]]], key: str, where: str, name: str, empty: str,
+    chat: bool = False,
+) -> Iterator[Record]:  # fmt: skip
     """Each value of a table's column `key` (`batches()`: lists of them, read only when the column exists) as a
     document `name:row`, else a `Bad`."""
     if key not in columns:
@@ -311,15 +335,15 @@ def _table_rows(
     for values in batches():
         for value in values:
             row += 1
-            text = _checked_text(value, key, f"{where}:{row}")
-            yield text if isinstance(text, Bad) else Document(f"{name}:{row}", text)
+            text = _checked_value(value, key, f"{where}:{row}", chat)
+            yield text if isinstance(text, Bad) else _document(f"{name}:{row}", text)
     if row == 0:
         yield Bad(f"{where}:1", empty, "empty")
 
 
-def _rows(dataset: Any, key: str, where: str, name: str) -> Iterator[Record]:
+def _rows(dataset: Any, key: str, where: str, name: str, chat: bool = False) -> Iterator[Record]:
     batches = lambda: (b[key] for b in dataset.select_columns([key]).iter(batch_size=4096))
-    yield from _table_rows(dataset.column_names, batches, key, where, name, "empty dataset (no rows)")
+    yield from _table_rows(dataset.column_names, batches, key, where, name, "empty dataset (no rows)", chat)
 
 
 def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
@@ -332,7 +356,7 @@ def _read_saved(path: Path, options: InputOptions) -> Iterator[Record]:
         if options.split not in loaded:
             raise SpmdkitError(f"{path} has splits {', '.join(loaded)}, not {options.split!r}: pass --split")
         loaded = loaded[options.split]
-    yield from _rows(loaded, options.text_key, str(path), path.name)
+    yield from _rows(loaded, options.text_key, str(path), path.name, options.chat)
 
 
 def _read_loaded(spec: str, options: InputOptions) -> Iterator[Record]:
@@ -345,4 +369,4 @@ def _read_loaded(spec: str, options: InputOptions) -> Iterator[Record]:
         )
     except Exception as error:  # FileNotFoundError, DatasetGenerationError, ... : one line either way
         raise SpmdkitError(f"{spec}: datasets.load_dataset({builder!r}) failed ({first_line(error)})") from None
-    yield from _rows(loaded, options.text_key, spec, spec)
+    yield from _rows(loaded, options.text_key, spec, spec, options.chat)

@@ -6,12 +6,17 @@ inputs (one extra pass over them, fed to the trainer in pieces of at most 64 Ki 
 records are read (`inputs.py`), cut into pieces (`text.py`), gathered into batches of about `batch_bytes` of text,
 tokenized by `--workers` processes (`workers.py`) and written as they come (`DatasetWriter`, into a `Staging`
 directory), so memory does not grow with the input. A progress bar on stderr, and a final throughput line.
+
+`--chat`: the records are conversations (`messages`), each rendered with the tokenizer directory's chat template
+and tokenized in this process, one at a time (`chat.py`), written as whole documents with their loss mask; one
+longer than `--seq-len` tokens is cut to it or dropped (`--chat-overflow`), and counted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import os
 import sys
@@ -24,6 +29,7 @@ from zlib import crc32
 
 import numpy as np
 
+from spmdkit.data.prepare.chat import ChatError, ChatRenderer, chat_tokens, load_chat_template
 from spmdkit.data.prepare.inputs import Bad, Document, InputOptions, check_inputs, input_bytes, read_inputs
 from spmdkit.data.prepare.text import PIECE_CHARS, split_text
 from spmdkit.data.prepare.workers import Pieces, encode, steady_heap
@@ -33,6 +39,7 @@ from spmdkit.data.tokenizer import Tokenizer, load_tokenizer, parse_bpe_spec, tr
 from spmdkit.errors import SpmdkitError
 from spmdkit.rundir.ownership import check_output
 
+CHAT_BATCH = 256  # conversations written at once
 TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer buffers 256 texts at a time: pieces keep that small
 
 
@@ -53,6 +60,14 @@ class PrepareOptions:
     piece_chars: int = PIECE_CHARS  # longer texts are encoded in pieces of at most this many characters
     progress: bool = True
     workers: int = 0  # tokenizer processes; 0: one per CPU core
+    chat: bool = False  # records are conversations (`text_key` "" means "messages" then, else "text")
+    chat_template: str | None = None  # a file overriding the tokenizer directory's template
+    seq_len: int = 0  # --chat: the longest conversation kept, in tokens (the training --seq-len)
+    chat_overflow: str = "truncate"  # --chat: a longer conversation is cut to seq_len ("truncate") or "drop"ped
+
+    @property
+    def key(self) -> str:
+        return self.text_key or ("messages" if self.chat else "text")
 
 
 def _documents(records: Iterator[Document | Bad], skip_bad: bool, skipped: Counter[str]) -> Iterator[Document]:
@@ -159,7 +174,10 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
             f"--workers {options.workers}: pass 1 to {WORKERS_PER_CPU * cpus} ({WORKERS_PER_CPU} per CPU this process "
             f"may use, {cpus}; each worker holds its own tokenizer), or 0: one per CPU"
         )
-    input_options = InputOptions(options.glob, options.text_key, options.split, piece_chars=options.piece_chars)
+    renderer_template = _check_chat_options(options)
+    input_options = InputOptions(
+        options.glob, options.key, options.split, piece_chars=options.piece_chars, chat=options.chat
+    )
     steady_heap()
     for warning in check_inputs(inputs, options.out, input_options):
         print(f"spmdkit: {warning}", file=sys.stderr)
@@ -168,22 +186,32 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         tokenizer = resolve_tokenizer(options.tokenizer, options, input_options, log)
         skipped: Counter[str] = Counter()
         started = time.perf_counter()
-        with DatasetWriter(staging, tokenizer, options.dtype, options.shard_tokens) as writer:
+        extra: dict[str, Any] = {}
+        with DatasetWriter(staging, tokenizer, options.dtype, options.shard_tokens, masked=options.chat) as writer:
             bar = _progress(options.progress, input_bytes(inputs, input_options), "tokenize")
             documents = _documents(read_inputs(inputs, input_options), options.skip_bad, skipped)
-            batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
-            workers = options.workers or cpus
-            with bar, contextlib.closing(encode(tokenizer, workers, writer.dtype, batches)) as encoded:
-                for done in encoded:  # in input order, from worker processes
-                    writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
-                    bar.update(int(done.text_bytes.sum()))
+            with bar:
+                if options.chat:
+                    renderer = ChatRenderer(renderer_template, tokenizer)
+                    extra["chat"] = _write_chat(options, renderer, documents, writer, bar, skipped)
+                else:
+                    _write_text(options, tokenizer, documents, writer, bar, options.workers or cpus)
             if writer.documents == 0:
                 raise SpmdkitError("the inputs hold no documents (every one was empty or bad): check the INPUTs")
-            flags = {"glob": options.glob, "text_key": options.text_key, "split": options.split}
-            meta = writer.finish({"inputs": inputs, "options": flags, "skipped": dict(sorted(skipped.items()))})
+            flags = {"glob": options.glob, "text_key": options.key, "split": options.split}
+            extra |= {"inputs": inputs, "options": flags, "skipped": dict(sorted(skipped.items()))}
+            meta = writer.finish(extra)
         seconds = time.perf_counter() - started
     if skipped:
         log(f"skipped {skipped.total():,} bad records ({', '.join(f'{k}: {v}' for k, v in meta['skipped'].items())})")
+    if "chat" in meta:
+        chat = meta["chat"]
+        log(
+            f"chat: {meta['documents']:,} conversations, {chat['scored_tokens']:,} assistant tokens scored "
+            f"({chat['mask_rule']}); {chat['truncated']:,} truncated and {chat['dropped']:,} dropped at --seq-len "
+            f"{options.seq_len} ({options.chat_overflow}), {chat['unscored']:,} dropped without an assistant token, "
+            f"{chat['unscored_turns']:,} assistant turns the template renders without their content"
+        )
     text_bytes = meta["bytes"]
     log(
         f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens from {text_bytes / 1e6:,.2f} MB of "
@@ -192,3 +220,72 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print) -> dict
         f"{meta['tokens'] / seconds:,.0f} tokens/s -> {options.out}"
     )
     return meta
+
+
+def _write_text(
+    options: PrepareOptions, tokenizer: Tokenizer, documents: Iterator[Document], writer: DatasetWriter, bar: Any,
+    workers: int,
+) -> None:  # fmt: skip
+    """Cut `documents` into pieces, tokenize them in `workers` processes and write them, in input order."""
+    batches = _batches(_pieces(documents, options.piece_chars), options.batch_bytes)
+    with contextlib.closing(encode(tokenizer, workers, writer.dtype, batches)) as encoded:
+        for done in encoded:  # in input order, from worker processes
+            writer.add_pieces(done.tokens, done.lengths, done.text_bytes, done.keys, done.firsts, done.lasts)
+            bar.update(int(done.text_bytes.sum()))
+
+
+def _check_chat_options(options: PrepareOptions) -> str | None:
+    """The chat template of a `--chat` prepare (None without `--chat`), after checking the chat flags."""
+    if not options.chat:
+        if options.chat_template or options.seq_len:
+            raise SpmdkitError("--chat-template and --seq-len are for conversations: add --chat")
+        return None
+    if options.tokenizer.startswith("bpe:"):
+        raise SpmdkitError("--chat renders with a model's tokenizer and template: pass --tokenizer MODEL_DIR")
+    if options.seq_len < 2:
+        raise SpmdkitError("--chat needs --seq-len N (the training --seq-len; longer conversations are cut or dropped)")
+    if options.chat_overflow not in ("truncate", "drop"):
+        raise SpmdkitError(f"--chat-overflow {options.chat_overflow}: use truncate or drop")
+    if options.workers > 1:
+        raise SpmdkitError("--chat renders and tokenizes in this process: leave out --workers")
+    return load_chat_template(options.tokenizer, options.chat_template)
+
+
+def _write_chat(
+    options: PrepareOptions, renderer: ChatRenderer, documents: Iterator[Document], writer: DatasetWriter, bar: Any,
+    skipped: Counter[str],
+) -> dict[str, Any]:  # fmt: skip
+    """Render, tokenize and write every conversation of `documents` with its loss mask; returns `dataset.json`'s
+    `chat` entry (the counts)."""
+    counts: Counter[str] = Counter(truncated=0, dropped=0, unscored=0)
+    batch: list[tuple[str, str, np.ndarray, np.ndarray]] = []
+    scored = 0
+
+    def flush() -> None:
+        if batch:
+            ids = np.concatenate([b[2] for b in batch])
+            writer.add(
+                ids, np.array([len(b[2]) for b in batch]), np.array([len(b[1].encode()) for b in batch]),
+                np.array([crc32(b[0].encode()) for b in batch], np.uint32), np.concatenate([b[3] for b in batch]),
+            )  # fmt: skip
+            batch.clear()
+
+    conversations = ((d.name, d.messages or []) for d in documents)
+    for item in chat_tokens(renderer, conversations, options.seq_len, options.chat_overflow, counts):
+        if isinstance(item[1], ChatError):
+            if not options.skip_bad:
+                raise SpmdkitError(f"{item[0]}: {item[1]}: fix the conversation or pass --skip-bad to skip it")
+            skipped["template"] += 1
+            continue
+        batch.append(item)  # type: ignore[arg-type]
+        scored += int(item[3][1:].sum())  # type: ignore[index]
+        bar.update(len(item[1]))
+        if len(batch) >= CHAT_BATCH:
+            flush()
+    flush()
+    rule = "generation blocks" if renderer.has_generation else "assistant content spans"
+    template_sha = hashlib.sha256(renderer.source.encode()).hexdigest()
+    return {
+        "template_sha256": template_sha, "mask_rule": rule, "max_tokens": options.seq_len,
+        "overflow": options.chat_overflow, "scored_tokens": scored, **counts, "unscored_turns": renderer.unscored_turns,
+    }  # fmt: skip

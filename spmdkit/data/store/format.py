@@ -11,14 +11,20 @@ DIR/documents.npy           int64 [documents + 1]: document i is tokens [offsets
 DIR/document_bytes.npy      int64 [documents]: UTF-8 bytes of each document's text
 DIR/document_keys.npy       uint32 [documents]: crc32 of each document's name (file path, `file:line`, ...): the
                             eval split, `is_eval`
+DIR/mask-00000.bin ...      only in a dataset with a loss mask (`data prepare --chat`): uint8, one per token of the
+                            shard of the same number; 1 where the token is a target the loss scores (an assistant
+                            turn's), 0 elsewhere. Without these files every target is scored.
 ```
 
-`dataset.json`: `format`, `version`, `tokenizer` (name, file, sha256, vocab_size, model_vocab_size, bos_id,
-eos_id, special_ids), `dtype`, `documents`, `tokens`, `bytes` (of text), `max_token_id` (the largest id in the
-shards), `chunk_tokens` (CHUNK_TOKENS), `shards` ([{file, documents, tokens, sha256, chunks}]: `chunks` the crc32 of
-each `chunk_tokens` tokens of the shard, the last one shorter), `index` ({offsets|bytes|keys: {file, sha256}}),
-`content_sha256` (sha256 of the dtype, the tokenizer's sha256 and every shard's and index file's sha256, in order:
-equal for equal datasets), `inputs`, `options`, `skipped` ({kind: count} of the bad records `--skip-bad` skipped).
+`dataset.json`: `format`, `version` (1; 2 with mask files), `tokenizer` (name, file, sha256, vocab_size,
+model_vocab_size, bos_id, eos_id, special_ids), `dtype`, `documents`, `tokens`, `bytes` (of text), `max_token_id`
+(the largest id in the shards), `chunk_tokens` (CHUNK_TOKENS), `shards` ([{file, documents, tokens, sha256,
+chunks}]: `chunks` the crc32 of each `chunk_tokens` tokens of the shard, the last one shorter; `mask`: {file,
+sha256, chunks} of its mask file, in a masked dataset), `index` ({offsets|bytes|keys: {file, sha256}}),
+`content_sha256` (sha256 of the dtype, the tokenizer's sha256 and every shard's and index file's sha256, in order,
+then every mask file's: equal for equal datasets), `inputs`, `options`, `skipped` ({kind: count} of the bad records
+`--skip-bad` skipped); a chat dataset adds `chat` (its template's sha256, the mask rule, `max_tokens` and the
+counts of truncated, dropped and unscored conversations).
 The same inputs and flags give the same bytes in every file, `dataset.json` included (no time stamps), whatever
 `--workers` and whether an earlier run was killed.
 
@@ -36,6 +42,8 @@ import numpy as np
 
 FORMAT = "spmdkit-prepared-dataset"
 VERSION = 1
+MASKED_VERSION = 2  # a dataset with loss masks: a reader of version 1 only refuses it rather than ignore its masks
+VERSIONS = (VERSION, MASKED_VERSION)
 META_FILE = "dataset.json"
 INDEX_FILES = {"offsets": "documents.npy", "bytes": "document_bytes.npy", "keys": "document_keys.npy"}
 CHUNK_TOKENS = 1 << 20  # tokens per checksummed chunk of a shard (2 MiB of uint16)
@@ -44,6 +52,10 @@ EVAL_BUCKETS = 10_000  # the same rule as the stdlib source's eval files: crc32(
 
 def shard_file(index: int) -> str:
     return f"tokens-{index:05d}.bin"
+
+
+def mask_file(index: int) -> str:
+    return f"mask-{index:05d}.bin"
 
 
 def is_eval(keys: np.ndarray, eval_fraction: float) -> np.ndarray:

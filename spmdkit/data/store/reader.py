@@ -9,7 +9,8 @@ damaged chunk stops the run with one line naming the shard and the offset. `veri
 file and compares their sha256, every chunk's crc32 and the content hash (`spmdkit data verify DIR`).
 `check_vocabulary(dataset, vocab_size)` refuses a model vocabulary that does not hold the dataset's largest token id.
 A mismatch is one line naming the file and saying to prepare the dataset again. Datasets written before the chunk
-checksums and `max_token_id` get every other check.
+checksums and `max_token_id` get every other check. A masked dataset (`has_mask`, `data prepare --chat`) also has
+its mask files checked (names, sizes; `verify`: sha256), and `read_mask` reads them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def is_prepared_dataset(path: str | Path) -> bool:
 
 class PreparedDataset:
     """Documents of a prepared dataset: `lengths` int64 [documents], `keys` uint32 [documents] (eval split),
-    `text_bytes` int64 [documents], `read(doc, start, stop)` -> the tokens [stop - start] of one document."""
+    `text_bytes` int64 [documents], `read(doc, start, stop)` -> the tokens [stop - start] of one document;
+    `has_mask` and `read_mask(doc, start, stop)` -> its loss mask (uint8) where the dataset has one."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -50,10 +52,10 @@ class PreparedDataset:
             self._damaged(f"{meta_path} is not JSON ({error})")
         if not isinstance(self.meta, dict) or self.meta.get("format") != fmt.FORMAT:
             self._damaged(f"{meta_path} is not a {fmt.FORMAT} description")
-        if self.meta.get("version") != fmt.VERSION:
+        if self.meta.get("version") not in fmt.VERSIONS:
             raise SpmdkitError(
-                f"{meta_path} is version {self.meta.get('version')} of the format, this spmdkit reads version "
-                f"{fmt.VERSION}: prepare the dataset again with this spmdkit"
+                f"{meta_path} is version {self.meta.get('version')} of the format, this spmdkit reads versions "
+                f"{', '.join(map(str, fmt.VERSIONS))}: prepare the dataset again with this spmdkit"
             )
         try:
             if self.meta["dtype"] not in ("uint16", "uint32"):
@@ -71,8 +73,15 @@ class PreparedDataset:
         counts = [s["tokens"] for s in self.meta["shards"]]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._shards = [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r") for s in self.meta["shards"]]
-        # per shard: which chunks were checked (the first read of a chunk checks it), and how many are left
-        self._checked = [bytearray(len(s.get("chunks", ()))) for s in self.meta["shards"]]
+        self._masks = [
+            np.memmap(self.path / s["mask"]["file"], dtype=np.uint8, mode="r") if s["tokens"] else np.zeros(0, np.uint8)
+            for s in self.meta["shards"]
+        ] if self.has_mask else []  # fmt: skip
+        # per shard, then per mask file: which chunks were checked (the first read of a chunk checks it), and how
+        # many are left
+        self._entries = [*self.meta["shards"], *(s["mask"] for s in self.meta["shards"] if self.has_mask)]
+        self._arrays = [*self._shards, *self._masks]
+        self._checked = [bytearray(len(e.get("chunks", ()))) for e in self._entries]
         self._unchecked = [len(c) for c in self._checked]
 
     def _index_array(self, name: str) -> np.ndarray:
@@ -106,8 +115,17 @@ class PreparedDataset:
         index = [e["file"] for e in meta["index"].values()]
         if index != [meta["index"][k]["file"] for k in fmt.INDEX_FILES]:
             self._damaged(f"{fmt.META_FILE} has another index than {', '.join(fmt.INDEX_FILES.values())}")
+        masked = ["mask" in s for s in meta["shards"]]
+        if any(masked) and not all(masked):
+            self._damaged(f"{fmt.META_FILE} gives a loss mask to some shards only")
+        self.has_mask = all(masked)
+        if self.has_mask != (meta["version"] == fmt.MASKED_VERSION):
+            self._damaged(
+                f"{fmt.META_FILE} is version {meta['version']} but its shards {'have' if any(masked) else 'lack'} masks"
+            )
+        masks = [s["mask"]["file"] for s in meta["shards"]] if self.has_mask else []
         root = self.path.resolve()
-        for name in [*(s["file"] for s in meta["shards"]), *index, meta["tokenizer"]["file"]]:
+        for name in [*(s["file"] for s in meta["shards"]), *index, *masks, meta["tokenizer"]["file"]]:
             path = Path(name) if isinstance(name, str) else None
             if path is None or path.is_absolute() or ".." in path.parts or not name:
                 self._damaged(f"{fmt.META_FILE} names the file {name!r}, which is not a plain name inside the dataset")
@@ -125,9 +143,10 @@ class PreparedDataset:
         if not isinstance(chunk, int) or chunk < 1:
             self._damaged(f"{fmt.META_FILE} says chunk_tokens {chunk!r}")
         for shard in self.meta["shards"]:
-            chunks = shard.get("chunks")
-            if not isinstance(chunks, list) or len(chunks) != -(-shard["tokens"] // chunk):
-                self._damaged(f"{fmt.META_FILE} has no chunk checksum list of {self.path / shard['file']}'s size")
+            for entry in (shard, shard["mask"]) if self.has_mask else (shard,):
+                chunks = entry.get("chunks")
+                if not isinstance(chunks, list) or len(chunks) != -(-shard["tokens"] // chunk):
+                    self._damaged(f"{fmt.META_FILE} has no chunk checksum list of {self.path / entry['file']}'s size")
         return chunk
 
     def _check_files(self) -> None:
@@ -144,6 +163,8 @@ class PreparedDataset:
                     f"{self.path / shard['file']} has {size:,} bytes, but {fmt.META_FILE} says {shard['tokens']:,} "
                     f"{self.dtype} tokens ({shard['tokens'] * self.dtype.itemsize:,} bytes)"
                 )
+            if self.has_mask and (self.path / shard["mask"]["file"]).stat().st_size != shard["tokens"]:
+                self._damaged(f"{self.path / shard['mask']['file']} does not hold one byte per token of its shard")
             total += shard["tokens"]
         if total != meta["tokens"]:
             self._damaged(f"its shards hold {total:,} tokens, but {fmt.META_FILE} says {meta['tokens']:,}")
@@ -181,20 +202,30 @@ class PreparedDataset:
             self.check_chunks(int(shard), base + start, base + stop)
         return self._shards[shard][base + start : base + stop]
 
+    def read_mask(self, doc: int, start: int, stop: int) -> np.ndarray:
+        """uint8 [stop - start]: the loss mask of tokens `start:stop` of document `doc` (a masked dataset's)."""
+        shard = self._doc_shard[doc]
+        base = int(self.offsets[doc]) - int(self._shard_starts[shard])
+        index = len(self._shards) + int(shard)  # its checksums follow the shards'
+        if self._unchecked[index] and stop > start:
+            self.check_chunks(index, base + start, base + stop)
+        return self._masks[shard][base + start : base + stop]
+
     def check_chunks(self, shard: int, start: int, stop: int) -> None:
-        """Check the crc32 of each chunk of shard `shard` that tokens `start:stop` touch and that was not checked
-        yet: a mismatch is one line naming the shard and the offset. Nothing for a dataset without checksums."""
+        """Check the crc32 of each chunk of shard `shard` (a mask file: the shard count + its shard) that tokens
+        `start:stop` touch and that was not checked yet: a mismatch is one line naming the file and the offset.
+        Nothing for a dataset without checksums."""
         if not self._chunk_tokens:
             return
         size, checked = self._chunk_tokens, self._checked[shard]
-        entry = self.meta["shards"][shard]
+        entry, array = self._entries[shard], self._arrays[shard]
         for c in range(start // size, (stop - 1) // size + 1):
             if checked[c]:
                 continue
-            if zlib.crc32(self._shards[shard][c * size : (c + 1) * size]) != entry["chunks"][c]:
+            if zlib.crc32(array[c * size : (c + 1) * size]) != entry["chunks"][c]:
                 self._damaged(
                     f"{self.path / entry['file']} is damaged at token offset {c * size:,} (byte "
-                    f"{c * size * self.dtype.itemsize:,}): chunk {c} does not match its crc32 in {fmt.META_FILE}"
+                    f"{c * size * array.dtype.itemsize:,}): chunk {c} does not match its crc32 in {fmt.META_FILE}"
                 )
             checked[c] = 1
             self._unchecked[shard] -= 1
@@ -211,6 +242,14 @@ class PreparedDataset:
                 self._checked[k] = bytearray(len(self._checked[k]))
                 self._unchecked[k] = len(self._checked[k])
                 self.check_chunks(k, 0, entry["tokens"])
+            hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
+            if hashes[-1] != entry["sha256"]:
+                self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")
+        for k, (shard, entry) in enumerate((s, s["mask"]) for s in shards if self.has_mask):
+            index = len(shards) + k  # every chunk's crc32 first, as for the shards
+            self._checked[index] = bytearray(len(self._checked[index]))
+            self._unchecked[index] = len(self._checked[index])
+            self.check_chunks(index, 0, shard["tokens"])
             hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
             if hashes[-1] != entry["sha256"]:
                 self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")

@@ -28,7 +28,10 @@ class DatasetWriter:
     document spans shards), in the directory of an entered `Staging`. A context manager: it closes its files; leaving
     the `Staging` without `finish` removes what was written."""
 
-    def __init__(self, staging: Staging, tokenizer: Tokenizer, dtype: str = "auto", shard_tokens: int = 1 << 28):
+    def __init__(
+        self, staging: Staging, tokenizer: Tokenizer, dtype: str = "auto", shard_tokens: int = 1 << 28,
+        masked: bool = False,
+    ):  # fmt: skip
         if shard_tokens < 1:
             raise SpmdkitError(f"--shard-tokens {shard_tokens} must be positive")
         # auto: uint16 when every id fits (vocab <= 65,536), else uint32
@@ -51,6 +54,8 @@ class DatasetWriter:
         self._index["offsets"].write(np.zeros(1, np.int64).tobytes())
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
+        self.masked = masked  # a uint8 loss mask per token beside each shard (`format.mask_file`)
+        self._mask_file: Any = None
         self._open_doc: list[int] | None = None  # [start in shard, tokens, text bytes, key] of a document in pieces
         self.tokens = self.documents = self.text_bytes = 0
         self.max_token_id = -1
@@ -59,7 +64,7 @@ class DatasetWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for f in (self._file, *self._index.values()):
+        for f in (self._file, self._mask_file, *self._index.values()):
             if f is not None:
                 f.close()
 
@@ -73,6 +78,8 @@ class DatasetWriter:
         name = fmt.shard_file(len(self.shards))
         self._file = open(self.tmp / name, "wb")
         self.shards.append({"file": name, "documents": 0, "tokens": 0})
+        if self.masked:
+            self._mask_file = open(self.tmp / fmt.mask_file(len(self.shards) - 1), "wb")
 
     def _close_shard(self) -> None:
         if self._file is not None:
@@ -81,10 +88,19 @@ class DatasetWriter:
             shard = self.shards[-1]
             path = str(self.tmp / shard["file"])
             shard["sha256"], shard["chunks"] = fmt.chunk_crcs(path, self.itemsize, self.chunk_tokens)
+            if self._mask_file is not None:
+                self._mask_file.close()
+                self._mask_file = None
+                name = fmt.mask_file(len(self.shards) - 1)
+                sha256, chunks = fmt.chunk_crcs(str(self.tmp / name), 1, self.chunk_tokens)
+                shard["mask"] = {"file": name, "sha256": sha256, "chunks": chunks}
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         if len(tokens):
             self._file.write(tokens.tobytes())
+            if self._mask_file is not None:
+                assert mask is not None and len(mask) == len(tokens), "a masked dataset needs a mask for each token"
+                self._mask_file.write(np.asarray(mask, np.uint8).tobytes())
             self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def _move_open_document(self, start: int) -> None:
@@ -106,9 +122,13 @@ class DatasetWriter:
 
     # -- documents -------------------------------------------------------------------------------------------
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: np.ndarray, keys: np.ndarray) -> None:
+    def add(
+        self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: np.ndarray, keys: np.ndarray,
+        masks: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         """Append whole documents: `tokens` [sum(lengths)] (each document with its BOS/EOS), `lengths`, `text_bytes`
-        (UTF-8 bytes of each text) and `keys` (uint32 crc32 of each name), all [documents]."""
+        (UTF-8 bytes of each text) and `keys` (uint32 crc32 of each name), all [documents]; a masked writer's
+        `masks` uint8 [sum(lengths)] (1: the token is a target the loss scores)."""
         assert self._open_doc is None, "a document in pieces is still open"
         lengths = np.asarray(lengths, np.int64)
         data = np.asarray(tokens).astype(self.dtype, copy=False)
@@ -126,7 +146,7 @@ class DatasetWriter:
                 continue
             fit = max(fit, 1)
             stop = int(ends[done_docs + fit - 1])
-            self._write(data[done_tokens:stop])
+            self._write(data[done_tokens:stop], None if masks is None else masks[done_tokens:stop])
             shard["documents"] += fit
             shard["tokens"] += stop - done_tokens
             done_docs, done_tokens = done_docs + fit, stop
@@ -146,6 +166,7 @@ class DatasetWriter:
     ) -> None:
         """Append pieces of documents, in order: piece i has `lengths[i]` tokens (BOS only on a document's first
         piece, EOS only on its last); `firsts`/`lasts` say which pieces start/end a document."""
+        assert not self.masked, "a masked dataset takes whole documents (`add`)"
         whole = np.asarray(firsts, bool) & np.asarray(lasts, bool)
         ends = np.cumsum(lengths)
         starts = ends - lengths
@@ -197,9 +218,10 @@ class DatasetWriter:
             raw.unlink()
         self.tokenizer.save(self.tmp)
         hashes = [s["sha256"] for s in self.shards] + [index[k]["sha256"] for k in fmt.INDEX_FILES]
+        hashes += [s["mask"]["sha256"] for s in self.shards if "mask" in s]  # after the rest: old hashes unchanged
         meta = {
             "format": fmt.FORMAT,
-            "version": fmt.VERSION,
+            "version": fmt.MASKED_VERSION if self.masked else fmt.VERSION,
             "tokenizer": self.tokenizer.describe(),
             "dtype": self.dtype,
             "documents": self.documents,
