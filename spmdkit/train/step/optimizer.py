@@ -31,6 +31,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.models.matrices import matrix_axes
 from spmdkit.train.config import OptimizerConfig
+from spmdkit.train.optimizer_config import MUON_LR_SCALE
 
 
 def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -102,8 +103,9 @@ def muon(
     config: OptimizerConfig, lr: optax.Schedule, dims: Dimensions, adamw: optax.GradientTransformation
 ) -> optax.GradientTransformation:
     """Muon for the matrices `dims` names, `adamw` for the rest (`optax.contrib.muon`'s chain for the former, with
-    its own lr, `muon_lr` on lr's schedule, and the decay applied to every matrix)."""
-    muon_lr = lr if config.muon_lr is None else (lambda step: lr(step) * (config.muon_lr / config.lr))
+    its own lr, `muon_lr` (unset: MUON_LR_SCALE x lr) on lr's schedule, and the decay applied to every matrix)."""
+    scale = MUON_LR_SCALE if config.muon_lr is None else config.muon_lr / config.lr
+    muon_lr = lambda step: lr(step) * scale  # noqa: E731
 
     def on(tree: Any, leaf: Callable[[Any], Any]) -> Any:  # a tree of `leaf(dims[path])`; skips MaskedNodes
         return jax.tree_util.tree_map_with_path(lambda p, _: leaf(dims[_key(p)]), tree, is_leaf=_is_variable)
