@@ -152,6 +152,5 @@ def test_tiny_learns_at_least_as_well_as_with_adamw(tmp_path, steps):
         config = _config(tmp_path / name, name, steps=steps, batch_size=8, seq_len=32, log_every=steps)
         config = TrainConfig(**{**config.__dict__, "mesh": MeshSettings(mesh="data=8")})
         losses[name] = Trainer(config, log=lambda _: None).run().losses[steps]
-    print(losses)
     assert losses["muon"] <= 1.03 * losses["adamw"], losses
     assert jnp.isfinite(losses["muon"])
