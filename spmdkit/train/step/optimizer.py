@@ -69,9 +69,11 @@ def make_optimizer(
     if config.name == "muon":
         if model is None:
             raise SpmdkitError("make_optimizer: Muon needs the model (which weights are matrices): pass model=")
-        adamw = muon(config, lr, matrix_dimensions(model), adamw)
+        tx_params = muon(config, lr, matrix_dimensions(model), adamw)
+    else:
+        tx_params = adamw
     tx = optax.chain(
-        optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm), adamw
+        optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm), tx_params
     )
     # The loop, not optax, decides when too many bad steps end the run: never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
