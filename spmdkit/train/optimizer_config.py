@@ -80,7 +80,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         check_types(self, "optimizer")
         lr, warmup = self.lr, self.warmup_steps
-        for name, value in (("lr", lr), ("muon_lr", self.muon_lr)):
+        for name, value in (("learning rate", lr), ("--optimizer.muon-lr", self.muon_lr)):
             require(value is None or (math.isfinite(value) and value > 0), f"{name} {value} must be a positive number")
         require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
         require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
