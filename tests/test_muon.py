@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.plan.layout import Layout
 from spmdkit.plan.memory import optimizer_bytes
@@ -93,7 +92,7 @@ def _steps(mesh_text, devices=None, steps=3):
 
 def test_fsdp_and_tensor_parallel_give_the_one_device_numbers():
     one, params_one, _, state = _steps("fsdp=1", jax.devices()[:1])
-    sharded, params_sharded, compiled, sharded_state = _steps("fsdp=4,tensor=2")
+    sharded, params_sharded, _, sharded_state = _steps("fsdp=4,tensor=2")
     assert one[-1] < one[0]
     np.testing.assert_allclose(sharded, one, rtol=1e-5)
     for got, want in zip(params_sharded, params_one, strict=True):
@@ -107,8 +106,6 @@ def test_fsdp_and_tensor_parallel_give_the_one_device_numbers():
     layout = Layout.of(CONFIG, Strategy("fsdp=1", muon=True), 1, 8, 32)
     assert optimizer_bytes(layout) == moments
     assert optimizer_bytes(Layout.of(CONFIG, Strategy("fsdp=1"), 1, 8, 32)) > moments
-    report = collective_report(compiled.as_text())
-    assert report  # Newton-Schulz on FSDP x TP shards communicates (the reply of #39 reads the collectives)
 
 
 STEPS = 20  # the straight runs' steps; the interrupted one stops after STOP and resumes
