@@ -62,6 +62,13 @@ def parser() -> ArgumentParser:
     add("--microbatches", type=int, help="gradient-accumulation / pipeline microbatches (default: search)")
     add("--fp8", action="store_true", help="the blocks' matmuls in FP8 at the FP8 peak (train's --model.fp8)")
     add("--optimizer-offload", action="store_true", help="optimizer state in host memory (train's --optimizer.offload)")
+    add(
+        "--optimizer-name",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="the optimizer whose state is counted "
+        "(train's --optimizer.name; muon: one moment for hidden matrices, AdamW's two for the rest)",
+    )
     add("--pipeline-schedule", help=f"{', '.join(SCHEDULES)} (default: search 1f1b and interleaved)")
     add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
     add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
@@ -145,12 +152,14 @@ def main(argv: Sequence[str]) -> int:
     fitting, smallest = search(
         model, meshes, dev, batch, args.seq_len, zero=args.zero, sequence_parallel=args.sequence_parallel,
         remat=args.remat, microbatches=args.microbatches, schedule=args.pipeline_schedule,
-        virtual_stages=args.virtual_stages, offload=args.optimizer_offload, efficiency=args.efficiency,
+        virtual_stages=args.virtual_stages, offload=args.optimizer_offload, muon=args.optimizer_name == "muon",
+        efficiency=args.efficiency,
     )  # fmt: skip
     if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
         given = Strategy(
             mesh_text(meshes[0]), 3 if args.zero is None else args.zero, bool(args.sequence_parallel),
             args.microbatches, args.pipeline_schedule or "1f1b", args.virtual_stages or 1, args.optimizer_offload,
+            muon=args.optimizer_name == "muon",
         )  # fmt: skip
         estimate(model, given, device=dev, batch_size=batch, seq_len=args.seq_len)
     if not fitting and not (args.mesh and smallest):

@@ -24,6 +24,7 @@ import math
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.matrices import matrix_axes
 from spmdkit.parallel.capacity import capacity
 from spmdkit.parallel.pipeline.schedule import check_arguments, check_layers, check_pipelinable
 from spmdkit.plan.devices import parse_mesh
@@ -123,6 +124,7 @@ class Sharded:
     grads: tuple[str, ...]
     divisor: dict[str, tuple[int, int]]
     routed: bool = False
+    matrix: bool = False  # a hidden matrix (`spmdkit.models.matrices`): Muon keeps one moment for it, not two
 
     @property
     def stacked(self) -> bool:
@@ -173,7 +175,8 @@ def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) 
             for k, v in axes.items()
         }
         kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
-        out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names))
+        matrix = matrix_axes(name, names) is not None
+        out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names, matrix=matrix))
     return tuple(out)
 
 

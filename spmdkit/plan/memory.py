@@ -4,7 +4,7 @@ Pure arithmetic (no JAX). Notation as in `spmdkit.plan.estimate`; here E, H, K, 
 parallelism (the residual stream's sequence is split over tensor) else 1, t_m = t / M the tokens of one
 microbatch on a device, L_s the layers of a pipeline stage, S the sequence length, V the vocabulary.
 
-Persistent through the step: parameters (p = 4 bytes, split as the rules split them), AdamW's two moments, the
+Persistent through the step: parameters (p = 4 bytes, split as the rules split them), the optimizer moments (AdamW:
 residuals the forward keeps for the backward, L_s t_m x kept bytes per token and layer (`activation_bytes`; the
 pipeline adds its stashes, `estimate`'s docstring), without remat the compute-dtype cast of every layer's weights
 as stored (a/4 of the stage's local layer parameters; the backward's matmuls read them), and under ZeRO-3 over
@@ -259,8 +259,9 @@ def _loss_phase(s: Layout) -> dict[str, float]:
 
 
 def optimizer_bytes(s: Layout) -> float:
-    """Per device: AdamW's two float32 moments, sharded as the optimizer table says (ZeRO >= 1 over fsdp)."""
-    return 2 * sum(s.local(p, "optimizer") for p in s.params)
+    """Per device: AdamW's two float32 moments, sharded as the optimizer table says (ZeRO >= 1 over fsdp); with
+    Muon one (its momentum) for each hidden matrix (`Sharded.matrix`), AdamW's two for the rest."""
+    return sum((1 if s.muon and p.matrix else 2) * s.local(p, "optimizer") for p in s.params)
 
 
 def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[str, float]:

@@ -49,7 +49,7 @@ def candidate_meshes(
 
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
               sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
-              virtual_stages: int | None, offload: bool) -> list[list[Layout]]:  # fmt: skip
+              virtual_stages: int | None, offload: bool, muon: bool) -> list[list[Layout]]:  # fmt: skip
     """Layouts to try on `mesh`: per (ZeRO stage, context algorithm, pipeline schedule), every remat policy (least
     recompute first) with every microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp x context
     > 1 (the state axes); SP wherever tensor > 1; 1F1B and interleaved (v=2) pipelines; accumulation steps (powers
@@ -72,7 +72,7 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
         else:
             counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
         counts = [c for c in counts if c <= LIMITS["--microbatches"][0]] or counts[:1]
-        layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len)
+        layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len, muon=muon)
         policies = [remat] if remat else REMAT_ORDER
         out.append(
             [layout(M, sched, v, offload, cp, u, model=model.replace(remat=r)) for r in policies for M in counts]
@@ -105,6 +105,7 @@ def search(
     schedule: str | None = None,
     virtual_stages: int | None = None,
     offload: bool = False,
+    muon: bool = False,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
 ) -> tuple[list[Estimate], Estimate | None]:
@@ -113,9 +114,9 @@ def search(
     Per mesh and per (ZeRO stage, schedule) of `_variants`: the fastest remat policy and microbatch count that fit
     (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch).
     Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout keeps the optimizer state in
-    host memory (`--optimizer.offload`)."""
+    host memory (`--optimizer.offload`); `muon`: the optimizer is Muon (`--optimizer.name muon`)."""
     fitting, smallest = [], (math.inf, None)
-    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload)
+    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload, muon)
     for mesh in meshes:
         for layouts in _variants(model, mesh, batch_size, seq_len, *settings):
             fit = []

@@ -19,8 +19,9 @@ class Strategy:
     """The mesh (axis sizes, "data=2,fsdp=-1": -1 takes the remaining devices), the ZeRO stage over fsdp, sequence
     parallelism over tensor, the microbatches of a step (gradient accumulation, or a pipeline's microbatches when
     pipeline > 1; None: 1, or the planner's and the trainer's default for a pipeline), the pipeline schedule and its
-    virtual stages, the optimizer state kept in host memory between steps, and the algorithm over a context axis
-    ("auto", "ring", "ulysses", "2d" with `ulysses` devices per group: `spmdkit.models.attention_choice`)."""
+    virtual stages, the optimizer state kept in host memory between steps, the algorithm over a context axis
+    ("auto", "ring", "ulysses", "2d" with `ulysses` devices per group: `spmdkit.models.attention_choice`), and
+    whether the optimizer is Muon (one moment for the hidden matrices) rather than AdamW (two for every weight)."""
 
     mesh: str = "fsdp=-1"
     zero: int = 3
@@ -31,6 +32,7 @@ class Strategy:
     offload: bool = False
     context_parallel: str = "auto"
     ulysses: int = 1  # 2D context parallelism (context_parallel "2d"): devices per Ulysses group
+    muon: bool = False  # --optimizer.name muon
 
     def flags(self) -> str:
         """The `spmdkit train` flags of this strategy: the mesh, the ZeRO stage, and what differs from the defaults
@@ -43,7 +45,7 @@ class Strategy:
         out += [f"--virtual-stages {self.virtual_stages}"] * (self.virtual_stages != 1)
         out += [f"--context-parallel {self.context_parallel}"] * (self.context_parallel != "auto")
         out += [f"--ulysses {self.ulysses}"] * (self.ulysses > 1)
-        return " ".join(out + ["--optimizer.offload"] * self.offload)
+        return " ".join(out + ["--optimizer.offload"] * self.offload + ["--optimizer.name muon"] * self.muon)
 
 
 def mesh_text(sizes: Mapping[str, int]) -> str:

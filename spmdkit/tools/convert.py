@@ -99,7 +99,7 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
             config = apply_overrides(config, {"mesh": {"mesh": mesh, "dcn": None}})  # this process lays it out
             new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
             rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
-            tx = make_optimizer(config.optimizer, config.run.steps)
+            tx = make_optimizer(config.optimizer, config.run.steps, config.model.build())
             _, abstract, shardings = abstract_train_state(config.model.build(), tx, new_mesh, rules, config.run.seed)
             state = source.restore(step, abstract, shardings)
         staging = staging_for(out, "resharding")

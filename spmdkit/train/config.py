@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tomllib
 import typing
 from pathlib import Path
@@ -31,71 +30,12 @@ from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.resolve import build_model, resolved_settings
 from spmdkit.plan.limits import check_sizes
 from spmdkit.sharding.strategy import Schedule
+from spmdkit.train.optimizer_config import OptimizerConfig
 
 __all__ = [
     "CheckpointSettings", "DataConfig", "HealthSettings", "MeshSettings", "ModelSettings", "OptimizerConfig",
     "RunSettings", "TrainConfig", "apply_overrides", "checkpoint_directory", "config_from_json", "config_from_toml",
 ]  # fmt: skip
-
-
-# Learning-rate defaults: training from scratch, and fine-tuning weights given by --init-from (a small peak lr and
-# no warmup from 0, which would spend the first steps not learning).
-SCRATCH_LR, SCRATCH_WARMUP = 3e-3, 10
-FINE_TUNE_LR, FINE_TUNE_WARMUP = 1e-5, 0
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW. `lr` is the peak: it warms up linearly over `warmup_steps`, then decays by cosine to
-    `lr * final_lr_fraction` at `decay_steps`. Unset `lr` / `warmup_steps` take the defaults for training from
-    scratch (3e-3, 10) or for fine-tuning `--init-from` weights (1e-5, 0: step 1 already learns)."""
-
-    lr: Annotated[
-        float | None, arg("peak learning rate (None: 3e-3, or 1e-5 fine-tuning --init-from weights)", "--lr")
-    ] = None
-    warmup_steps: Annotated[
-        int | None,
-        arg("linear warmup steps from 0 to lr (0: start at lr; None: 10, or 0 fine-tuning)", "--warmup-steps"),
-    ] = None
-    decay_steps: Annotated[int | None, arg("steps of the cosine decay (None: the run's steps)")] = None
-    final_lr_fraction: Annotated[float, arg("the decay ends at lr x this")] = 0.1
-    b1: Annotated[float, arg("AdamW beta1")] = 0.9
-    b2: Annotated[float, arg("AdamW beta2")] = 0.95
-    eps: Annotated[float, arg("AdamW epsilon")] = 1e-8
-    weight_decay: Annotated[
-        float, arg("AdamW weight decay (not applied to norm scales and biases)", "--weight-decay")
-    ] = 0.1
-    clip_norm: Annotated[float | None, arg("clip gradients to this global norm (None: no clipping)", "--clip-norm")] = (
-        1.0
-    )
-    max_bad_steps: Annotated[int, arg("stop after this many consecutive NaN/Inf steps", "--max-bad-steps")] = 5
-    offload: Annotated[
-        bool, arg("keep the AdamW moments in pinned host memory between steps (moved to the device for the update)")
-    ] = False
-
-    def __post_init__(self) -> None:
-        check_types(self, "optimizer")
-        lr, warmup = self.lr, self.warmup_steps
-        require(lr is None or (math.isfinite(lr) and lr > 0), f"learning rate {lr} must be a positive number")
-        require(warmup is None or warmup >= 0, f"warmup steps {warmup} must be >= 0")
-        require(self.decay_steps is None or self.decay_steps >= 1, f"decay_steps {self.decay_steps} must be >= 1")
-        require(0 <= self.final_lr_fraction <= 1, f"final_lr_fraction {self.final_lr_fraction} must be in [0, 1]")
-        for name in ("b1", "b2"):
-            require(0 <= getattr(self, name) < 1, f"AdamW {name}={getattr(self, name)} must be in [0, 1)")
-        require(self.eps > 0, f"AdamW eps={self.eps} must be positive")
-        require(self.weight_decay >= 0, f"--weight-decay {self.weight_decay} must be >= 0")
-        require(self.clip_norm is None or self.clip_norm > 0, f"--clip-norm {self.clip_norm} must be positive")
-        require(self.max_bad_steps >= 1, f"--max-bad-steps {self.max_bad_steps} must be at least 1")
-
-    def for_run(self, fine_tuning: bool = False) -> OptimizerConfig:
-        """This config with an unset `lr` / `warmup_steps` given the defaults for training from scratch or for
-        fine-tuning (`--init-from`)."""
-        lr, warmup = (FINE_TUNE_LR, FINE_TUNE_WARMUP) if fine_tuning else (SCRATCH_LR, SCRATCH_WARMUP)
-        return dataclasses.replace(
-            self,
-            lr=lr if self.lr is None else self.lr,
-            warmup_steps=warmup if self.warmup_steps is None else self.warmup_steps,
-        )
 
 
 def _model_fields() -> list[tuple[str, Any, Any]]:

@@ -1,8 +1,15 @@
-"""The optimizer: optax AdamW with warmup + cosine decay, global-norm clipping, a decay mask, NaN skipping.
+"""The optimizer: optax AdamW (or Muon) with warmup + cosine decay, global-norm clipping, a decay mask, NaN skipping.
 
 All of it is optax: `warmup_cosine_decay_schedule`, `clip_by_global_norm`, `adamw(mask=...)`, and
 `apply_if_finite`, which leaves parameters and moments unchanged on a step whose gradients hold NaN or Inf
 and counts consecutive bad steps (the loop stops the run after `max_bad_steps` of them).
+
+Muon (`--optimizer.name muon`) partitions the parameters (`optax.partition`): the hidden matrices
+(`spmdkit.models.matrices.matrix_axes`: attention, MLP, expert and router weights, each matrix of a `layers` /
+`experts` stack alone) get `optax.contrib.scale_by_muon` (Nesterov momentum, orthogonalised by Newton-Schulz), scaled
+to a shape-independent RMS, decayed and scaled by the lr, as `optax.contrib.muon` chains them; the embedding, head,
+norm scales and biases get the same AdamW as an AdamW run (its decay mask included). One momentum per matrix: the
+state is the parameters' shape, sharded as they are (`nnx.Optimizer` gives the moments the parameters' axis names).
 
 With `offload` the optimizer's arrays (the AdamW moments, sharded as `rules.optimizer` says) live in pinned host
 memory between steps (`spmdkit.train.step.state`); `host_offloaded` moves them to the device for the update and back.
@@ -10,14 +17,21 @@ memory between steps (`spmdkit.train.step.state`); `host_offloaded` moves them t
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.models.matrices import matrix_axes
 from spmdkit.train.config import OptimizerConfig
+from spmdkit.train.optimizer_config import MUON_LR_SCALE
 
 
 def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -42,23 +56,91 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """clip -> AdamW(schedule, masked decay), wrapped so non-finite gradients skip the update."""
+def make_optimizer(
+    config: OptimizerConfig, total_steps: int, model: TransformerConfig | None = None
+) -> optax.GradientTransformation:
+    """clip -> AdamW(schedule, masked decay) (or Muon for `model`'s hidden matrices and that AdamW for the rest),
+    wrapped so non-finite gradients skip the update."""
     config = config.for_run()
+    lr = schedule(config, total_steps)
+    adamw = optax.adamw(
+        lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay, mask=decay_mask
+    )
+    if config.name == "muon":
+        if model is None:
+            raise SpmdkitError("make_optimizer: Muon needs the model (which weights are matrices): pass model=")
+        tx_params = muon(config, lr, matrix_dimensions(model), adamw)
+    else:
+        tx_params = adamw
     tx = optax.chain(
-        optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(
-            schedule(config, total_steps),
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            mask=decay_mask,
-        ),
+        optax.identity() if config.clip_norm is None else optax.clip_by_global_norm(config.clip_norm), tx_params
     )
     # The loop, not optax, decides when too many bad steps end the run: never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
     return host_offloaded(tx) if config.offload else tx
+
+
+Dimensions = dict[tuple[str, ...], MuonDimensionNumbers | None]  # parameter path -> its matrices' axes (None: AdamW)
+_is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+
+
+def _key(path: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def matrix_dimensions(model: TransformerConfig) -> Dimensions:
+    """Each parameter of `model` (by its path in the state) -> the input and output axes of the matrices Muon
+    orthogonalises in it, or None for AdamW's; read from the logical axis names of an abstract model (nothing is
+    allocated)."""
+    params = nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))), nnx.Param)
+    out: Dimensions = {}
+    for path, variable in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable):
+        names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
+        axes = matrix_axes(".".join(_key(path)), names)
+        out[_key(path)] = None if axes is None else MuonDimensionNumbers(*axes)
+    return out
+
+
+def muon(
+    config: OptimizerConfig, lr: optax.Schedule, dims: Dimensions, adamw: optax.GradientTransformation
+) -> optax.GradientTransformation:
+    """Muon for the matrices `dims` names, `adamw` for the rest (`optax.contrib.muon`'s chain for the former, with
+    its own lr, `muon_lr` (unset: MUON_LR_SCALE x lr) on lr's schedule, and the decay applied to every matrix)."""
+    scale = MUON_LR_SCALE if config.muon_lr is None else config.muon_lr / config.lr
+    muon_lr = lambda step: lr(step) * scale  # noqa: E731
+
+    def on(tree: Any, leaf: Callable[[Any], Any]) -> Any:  # a tree of `leaf(dims[path])`; skips MaskedNodes
+        return jax.tree_util.tree_map_with_path(lambda p, _: leaf(dims[_key(p)]), tree, is_leaf=_is_variable)
+
+    def dim_numbers(tree: Any) -> Any:
+        return on(tree, lambda d: d)
+
+    matrices = optax.chain(
+        scale_by_muon(ns_steps=config.muon_ns_steps, beta=config.muon_beta, nesterov=config.muon_nesterov,
+                      weight_dimension_numbers=dim_numbers),
+        _scale_by_shape(dim_numbers, config.muon_rms),
+        optax.add_decayed_weights(config.weight_decay),
+        optax.scale_by_learning_rate(muon_lr),
+    )  # fmt: skip
+    labels = lambda tree: on(tree, lambda d: "adamw" if d is None else "muon")  # noqa: E731
+    return optax.partition({"muon": matrices, "adamw": adamw}, labels)
+
+
+def _scale_by_shape(dim_numbers: Callable[[Any], Any], rms: float | None) -> optax.GradientTransformation:
+    """Each orthogonalised update (singular values ~1) times sqrt(max(fan_in, fan_out)) x `rms` (an RMS of about
+    `rms` whatever the shape: Moonlight's match to AdamW), or with `rms` None sqrt(max(1, fan_out / fan_in))
+    (Keller Jordan's); as optax.contrib.muon's `consistent_rms`."""
+
+    def scale(update: jax.Array, dims: MuonDimensionNumbers) -> jax.Array:
+        fan_in, fan_out = (math.prod(update.shape[i] for i in axes) for axes in dims)
+        return update * (
+            math.sqrt(max(fan_in, fan_out)) * rms if rms is not None else math.sqrt(max(1, fan_out / fan_in))
+        )
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return jax.tree.map(scale, updates, dim_numbers(updates)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def host_offloaded(tx: optax.GradientTransformation) -> optax.GradientTransformation:

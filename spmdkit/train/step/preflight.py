@@ -57,8 +57,20 @@ def function_settings(config: TrainConfig) -> list[tuple[str, str, str]]:
         flag
         for section in ("model", "optimizer")
         for flag in _flags(section, [f.name for f in dataclasses.fields(getattr(config, section))])
-        if flag[1] not in _HOW[section]
+        if flag[1] not in _HOW[section] and (section, flag[1]) != ("optimizer", "name")  # `_check_optimizer`'s
     ]
+
+
+def _check_optimizer(config: TrainConfig, step: int, saved: dict[str, Any], directory: Path) -> None:
+    """Refuse a resume with another optimizer (AdamW <-> Muon): the saved state holds the other one's moments, no
+    `--allow-config-change` can carry them over (a saved config without the setting is an AdamW run's)."""
+    theirs, ours = saved.get("optimizer", {}).get("name", "adamw"), config.optimizer.name
+    if theirs != ours:
+        raise SpmdkitError(
+            f"checkpoint step {step} in {directory} holds {theirs}'s optimizer state, this run asks for {ours}: pass "
+            f"--optimizer.name {theirs} to continue it, or a fresh --checkpoint-dir with --init-from {directory} to "
+            f"start {ours} from its weights"
+        )
 
 
 def _allowed(config: TrainConfig) -> set[tuple[str, str]]:
@@ -94,6 +106,7 @@ def check_resume(
     data read yet), are not checked, nor a setting the saved config lacks (an earlier spmdkit's)."""
     if saved is None or step == 0:
         return {}
+    _check_optimizer(config, step, saved, directory)
     for section, key, flag in [] if config.checkpoint.allow_data_change else data_settings(config):
         ours, theirs = getattr(getattr(config, section), key), saved.get(section, {}).get(key)
         if theirs != ours:

@@ -115,7 +115,7 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
     return Layout(
         mesh_text(mesh.shape), settings.zero, settings.sequence_parallel, microbatches(config, mesh),
         settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, settings.context_parallel,
-        settings.ulysses or 1, model=model,
+        settings.ulysses or 1, config.optimizer.name == "muon", model=model,
         batch_size=run.batch_size, seq_len=run.seq_len,
     )  # fmt: skip
 
@@ -196,6 +196,6 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     if mesh.shape["pipeline"] > 1:
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
-    tx = make_optimizer(config.optimizer, run.steps)
+    tx = make_optimizer(config.optimizer, run.steps, model)
     model = model.replace(attention=kernel)  # decided once, here: the model runs what its config says
     return TrainProgram(config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps))
