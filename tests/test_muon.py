@@ -53,7 +53,7 @@ def test_the_update_is_optax_muon_per_matrix_and_adamw_for_the_rest():
             out.append(u)
         return out
 
-    muon = optax.contrib.muon(0.04, beta=0.95, weight_decay=0.1, consistent_rms=0.2, nesterov=True)
+    muon = optax.contrib.muon(0.01, beta=0.95, weight_decay=0.1, consistent_rms=0.2, nesterov=True)
     blocks = lambda t: t["blocks"]  # noqa: E731
     for layer in (0, CONFIG.layers - 1):
         q = reference(muon, lambda t, i=layer: blocks(t)["attention"]["q"][i].reshape(CONFIG.embed, -1))
@@ -117,7 +117,8 @@ def _config(run_dir, name="muon") -> TrainConfig:
     return TrainConfig(
         model=ModelSettings(dtype="float32"),
         mesh=MeshSettings(mesh="fsdp=4,tensor=2"),
-        optimizer=OptimizerConfig(name=name),
+        # Muon at 4 x AdamW's lr, tiny's best (the default, lr itself, is Moonlight's rule for any width)
+        optimizer=OptimizerConfig(name=name, muon_lr=4 * 3e-3 if name == "muon" else None),
         run=RunSettings(run_dir=str(run_dir), steps=STEPS, batch_size=8, seq_len=32, log_every=1, eval_every=0,
                         progress=False),
     )  # fmt: skip
@@ -132,7 +133,7 @@ def straight(tmp_path_factory):
 
 def test_tiny_learns_at_least_as_well_as_with_adamw(straight):
     """The same seed and batches: Muon's loss at the last step is within 3% of AdamW's or lower (300 steps of the
-    session's `tiny` run, measured once: AdamW 2.009, Muon 1.776)."""
+    session's `tiny` run, measured once: AdamW 2.009, Muon 1.776 at 4 x lr and 2.049 at the default lr)."""
     adamw, muon = straight["adamw"].losses, straight["muon"].losses
     assert muon[STEPS] <= 1.03 * adamw[STEPS], (muon[STEPS], adamw[STEPS])
     assert muon[STEPS] < 0.6 * muon[1]  # it learned
