@@ -16,10 +16,11 @@ copy, a collective. Tuples, bitcasts, parameters and control flow launch nothing
   multiplied, a pipeline's branches as its schedule runs them); a collective's is its wire time from
   `link_seconds`, and only a synchronous one adds to the step (XLA:GPU overlaps the async ones with compute).
 
-Kinds (`KINDS`): by what the kernel holds first (a collective; cuDNN attention; a dot: `gemm`; only data
-movement: `cast/copy`), then by the Python function that made it, innermost first: the HLO's stack frames where
-JAX recorded them, else the metadata's `op_name` (`_RULES`); work inside the model's forward or backward that no
-rule names is `norm/elementwise` (activations, residual adds), anything else `other`.
+Kinds (`KINDS`): by what the kernel holds first (a collective; cuDNN attention; a dot: `gemm`, or `attention`
+where an attention function made it; only data movement: `cast/copy`), then by the Python function that made it,
+innermost first: the HLO's stack frames where JAX recorded them, else the metadata's `op_name` (`_RULES`); work
+inside the model's forward or backward that no rule names is `norm/elementwise` (activations, residual adds),
+anything else `other`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from spmdkit.inspect.hlo import (
 KINDS = ("gemm", "attention", "norm/elementwise", "loss", "optimizer", "cast/copy", "collective", "other")
 # Innermost first, each frame ("path/file.py:function") or else the op_name is matched against these in order
 _RULES = (
-    ("attention", re.compile(r"models/attention\.py:|kernels/\w*attention|dot_product_attention|ulysses|ring_")),
+    ("attention", re.compile(r"models/attention\.py:|kernels/\w*attention|dot_product_attention|ulysses|ring_atten")),
     ("loss", re.compile(r"models/loss\.py:|cross_entropy|log_softmax|logsumexp")),
     ("optimizer", re.compile(r"optax/|Optimizer\.update|apply_if_finite|bias_correction|update_moment|scale_by")),
     ("norm/elementwise", re.compile(r"norm|rotary|rope", re.IGNORECASE)),
@@ -181,13 +182,16 @@ def _classify(ins: _Instr, body: list[_Instr], frames: _Frames) -> tuple[str, st
         return "collective", base
     if "__cudnn$fmha" in ins.attrs:
         return "attention", "cuDNN fused attention"
-    if any(i.opcode in ("dot", "convolution") for i in body) or "__cublas" in ins.attrs or ins.opcode == "dot":
-        return "gemm", "dot"
-    if all(i.opcode in _MOVES for i in (body or [ins])):
-        return "cast/copy", "data movement only"
     frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
     op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', ins.attrs)) else ""
-    for where in [*(frames.stack(int(frame.group(1))) if frame else []), op_name]:
+    stack = [*(frames.stack(int(frame.group(1))) if frame else []), op_name]
+    if any(i.opcode in ("dot", "convolution") for i in body) or "__cublas" in ins.attrs or ins.opcode == "dot":
+        # the attention kernels' own matmuls (blockwise, ring, the reference's einsums) are attention
+        attention = next((where for where in stack if _RULES[0][1].search(where)), None)
+        return ("attention", attention) if attention else ("gemm", "dot")
+    if all(i.opcode in _MOVES for i in (body or [ins])):
+        return "cast/copy", "data movement only"
+    for where in stack:
         for kind, rule in _RULES:
             if rule.search(where):
                 return kind, where
