@@ -81,9 +81,9 @@ for run in sorted(p for p in out.iterdir() if (p / "run" / "metrics.jsonl").exis
     rows = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     timed = next((r for r in rows if r.get("step") == 20), rows[-1])
     kinds = json.loads((run / "kinds.json").read_text())["roofline"] if (run / "kinds.json").exists() else {}
-    mfu = f"{kinds['mfu']:.1%}" if kinds.get("mfu") else "-"
-    print(f"| {run.name} | {timed['step_time_s']:.3f} | {timed['tokens_per_sec']:,.0f} | {timed['mfu']:.1%} | "
-          f"{kinds.get('step_seconds', 0):.3f} | {mfu} |")
+    mfu, predicted = (f"{r['mfu']:.1%}" if r.get("mfu") else "-" for r in (timed, kinds))
+    print(f"| {run.name} | {timed['step_time_s']:.3f} | {timed['tokens_per_sec']:,.0f} | {mfu} | "
+          f"{kinds.get('step_seconds', 0):.3f} | {predicted} |")
 for run in sorted(out.glob("*/kinds.md")):
     print(f"\n### {run.parent.name}: kernel time per kind (trace of steps 21-22) beside the roofline\n")
     print(run.read_text())

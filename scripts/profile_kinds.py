@@ -91,9 +91,9 @@ def table(measured: dict[str, float], predicted: dict[str, dict[str, float]]) ->
             continue
         got, bound = measured.get(kind, 0.0), predicted.get(kind, {}).get("seconds", 0.0)
         ratio = f"{got / bound:.2f}" if bound else "-"
-        lines.append(f"| {kind} | {got * 1e3:.1f} | {bound * 1e3:.1f} | {ratio} |")
+        lines.append(f"| {kind} | {got * 1e3:.2f} | {bound * 1e3:.2f} | {ratio} |")
     got, bound = sum(measured.values()), sum(t["seconds"] for t in predicted.values())
-    lines.append(f"| **all kernels** | {got * 1e3:.1f} | {bound * 1e3:.1f} | {got / bound if bound else 0:.2f} |")
+    lines.append(f"| **all kernels** | {got * 1e3:.2f} | {bound * 1e3:.2f} | {got / bound if bound else 0:.2f} |")
     return "\n".join(lines)
 
 

@@ -97,17 +97,17 @@ class Roofline:
         return sum(k.seconds for k in self.kernels if k.exposed)
 
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """{kind: {kernels, runs, flops, bytes, seconds}} per call, in `KINDS` order (kinds with kernels only)."""
-        totals = {kind: dict.fromkeys(("kernels", "runs", "flops", "bytes", "seconds"), 0.0) for kind in KINDS}
+        """{kind: {kernels, runs, flops, bytes, seconds, hidden_seconds}} per call, in `KINDS` order (kinds with
+        kernels only); `hidden_seconds`: the async collectives' time, overlapped with compute."""
+        keys = ("kernels", "runs", "flops", "bytes", "seconds", "hidden_seconds")
+        totals = {kind: dict.fromkeys(keys, 0.0) for kind in KINDS}
         for k in self.kernels:
             t = totals[k.kind]
             t["kernels"] += 1
             t["runs"] += k.runs
             t["flops"] += k.flops * k.runs
             t["bytes"] += k.bytes * k.runs
-            t["seconds"] += k.seconds if k.exposed else 0.0
-            t.setdefault("hidden_seconds", 0.0)
-            t["hidden_seconds"] += 0.0 if k.exposed else k.seconds
+            t["seconds" if k.exposed else "hidden_seconds"] += k.seconds
         return {kind: t for kind, t in totals.items() if t["kernels"]}
 
     def report(self, model_flops: float | None = None) -> dict[str, Any]:
@@ -260,6 +260,12 @@ class _Program:
             return type_bytes(self.module.types.get(ins.operands[1], ""))
         return type_bytes(ins.type)
 
+    def wrapped(self, ins: _Instr) -> _Instr:
+        """The instruction an `async-start` runs (the root of the computation it calls), named after the start."""
+        called = _CALLS.search(ins.attrs)
+        root = self.by_name.get(self.roots.get(called.group(1), "")) if called else None
+        return dataclasses.replace(root, name=ins.name) if root else ins
+
     def kernel_cost(self, ins: _Instr) -> tuple[int, int, list[_Instr]]:
         """(FLOPs, HBM bytes, fused body) of one run of kernel `ins`."""
         called = _CALLS.search(ins.attrs) if ins.opcode in ("fusion", "fusion-start") else None
@@ -289,15 +295,18 @@ def _kernels(
     for comp in program.scheduled():
         times = float(runs.get(comp, 0))
         for ins in program.module.by_comp[comp]:
-            if ins.opcode in _FREE or ins.opcode.endswith("-done") or not times:
+            if ins.opcode in _FREE or ins.opcode.endswith(("-done", "-update")) or not times:
                 continue
+            asynchronous = ins.opcode.endswith("-start") and not _MADE_SYNC.search(ins.attrs)
+            if ins.opcode == "async-start":  # a wrapped instruction (a collective, a fusion) on another stream
+                ins = program.wrapped(ins)
             flops, moved, body = program.kernel_cost(ins)
             kind, source = _classify(ins, body, program.frames)
             if kind == "collective":
                 operand = sum(type_bytes(program.module.types.get(o, "")) for o in ins.operands)
                 base, group = ins.opcode.removesuffix("-start"), _group_size(ins.attrs)
                 wire = link_seconds(base, group, operand) if link_seconds else 0.0
-                exposed = not ins.opcode.endswith("-start") or bool(_MADE_SYNC.search(ins.attrs))
+                exposed = not asynchronous
                 out.append(Kernel(ins.name, ins.opcode, kind, 0, moved, times, times * wire, "link", source, exposed))
                 continue
             compute, memory = flops / peak_flops, moved / hbm_bw
