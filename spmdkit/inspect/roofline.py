@@ -10,11 +10,12 @@ copy, a collective. Tuples, bitcasts, parameters and control flow launch nothing
 - HBM bytes: what the kernel reads plus what it writes, the estimate XLA's HloCostAnalysis makes for a fusion:
   every operand read once, every result written once; a fusion operand only read through (dynamic-)slices costs
   the slices, a buffer updated in place (`dynamic-update-slice`, a scan stacking its residuals) costs the update,
-  not the buffer. Caches are ignored (an operand read twice by one kernel counts once, data reused across kernels
-  counts again), so memory-bound kernels are bounded from below, never from above;
+  not the buffer. Caches are ignored: an operand counts once per kernel however often the kernel reads it, and
+  again in every kernel that reads it (an L2 hit between two kernels is charged as DRAM traffic);
 - time: max(FLOPs / peak FLOP/s, bytes / HBM bytes/s), times how often it runs per call (loop trip counts
-  multiplied, a pipeline's branches as its schedule runs them); a collective's is its wire time from
-  `link_seconds`, and only a synchronous one adds to the step (XLA:GPU overlaps the async ones with compute).
+  multiplied, a loop's condition counted once, a pipeline's branches as its schedule runs them); a collective's
+  is its wire time from `link_seconds`, and only a synchronous one adds to the step (XLA:GPU overlaps the async
+  ones with compute).
 
 Kinds (`KINDS`): by what the kernel holds first (a collective; cuDNN attention; a dot: `gemm`, or `attention`
 where an attention function made it; only data movement: `cast/copy`), then by the Python function that made it,
@@ -48,7 +49,7 @@ from spmdkit.inspect.hlo import (
 KINDS = ("gemm", "attention", "norm/elementwise", "loss", "optimizer", "cast/copy", "collective", "other")
 # Innermost first, each frame ("path/file.py:function") or else the op_name is matched against these in order
 _RULES = (
-    ("attention", re.compile(r"models/attention\.py:|kernels/\w*attention|dot_product_attention|ulysses|ring_atten")),
+    ("attention", re.compile(r"/attention\.py:|kernels/\w*attention|dot_product_attention|ulysses|ring_atten")),
     ("loss", re.compile(r"models/loss\.py:|cross_entropy|log_softmax|logsumexp")),
     ("optimizer", re.compile(r"optax/|Optimizer\.update|apply_if_finite|bias_correction|update_moment|scale_by")),
     ("norm/elementwise", re.compile(r"norm|rotary|rope", re.IGNORECASE)),
