@@ -20,7 +20,9 @@ from support import error_lines, in_parallel, run_spmdkit
 
 from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
+from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
+from spmdkit.parallel.pipeline.schedule import TICK_SCOPE
 from spmdkit.sharding.strategy import Strategy
 from spmdkit.targets import TARGETS, gpu_target, require_aot, target_devices
 from spmdkit.targets.flags import gpu_compiler_options
@@ -30,6 +32,7 @@ from spmdkit.tools.gpu_compile import (
     format_report,
     lower_train_step,
     memory_bytes,
+    roofline_report,
 )
 from spmdkit.tools.strategies import STRATEGIES as TABLE
 from spmdkit.train.config import TrainConfig
@@ -76,7 +79,7 @@ MOE_DROPLESS = f"{SMALL} --model tiny-moe --moe-dispatch dropless --mesh tensor=
 LLAMA3_8B = "--model llama3-8b --mesh fsdp=8 --seq-len 8192 --batch-size 8 --model.remat full"
 LLAMA3_8B_128K = "--model llama3-8b --mesh context=8 --seq-len 131072 --batch-size 1 --model.remat full"
 COMMANDS = {
-    "llama3_8b": f"{LLAMA3_8B} --json",
+    "llama3_8b": f"{LLAMA3_8B} --json --roofline",
     "llama3_8b_128k": f"{LLAMA3_8B_128K} --json",
     "llama3_70b": "--model llama3-70b --mesh fsdp=8 --seq-len 512 --batch-size 8 --json",
     "json": f"{SMALL} --mesh fsdp=4,tensor=2 --json",
@@ -145,6 +148,23 @@ def test_every_strategy_compiles_for_h100_with_its_async_collectives(name, h100)
     if program.attention.endswith("cudnn"):
         assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
     assert 0 < memory["total"] < gpu_target("h100").hbm_bytes
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_strategy_has_a_roofline_by_kind(name, h100):
+    """`spmdkit compile --roofline` of every strategy: GEMMs, the attention and the collectives each a kind of their
+    own, the kinds' FLOPs those `hlo_flops` counts (a pipeline: its busiest stage's at most), a step time and an
+    MFU below 1 at the H100's peaks."""
+    program, text, _ = compile_flags(STRATEGIES[name][0], h100, key=name)
+    run = program.config.run
+    model = program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len / 8
+    report = roofline_report(text, "h100", 8, program.pipeline, model)
+    kinds = report["kinds"]
+    assert {"gemm", "attention", "collective"} <= set(kinds), kinds
+    assert report["step_seconds"] > 0 and 0 < report["mfu"] < 1
+    branches = {TICK_SCOPE: program.pipeline.branch_runs()} if program.pipeline else None
+    counted, flops = kinds["gemm"]["flops"] + kinds["attention"]["flops"], hlo_flops(text, branches=branches)
+    assert counted <= flops["busiest"] if program.pipeline else counted == flops["total"]
 
 
 def test_auto_attention_is_cudnn_on_h100_and_ulysses_or_ring_under_context(h100):
@@ -315,4 +335,7 @@ def test_llama3_8b_on_8_h100_fits_with_cudnn_and_the_planner_within_10_percent(h
     flag is left out, and the planner's bytes are XLA's within 10%."""
     report = compile_run("llama3_8b")
     assert report["fits"] and report["attention_kernel"] == "cudnn" and report["flags_left_out"] == []
+    roofline = report["roofline"]  # --roofline: the kinds, a step at the peaks, MFU against the model's FLOPs
+    assert {"gemm", "attention", "collective", "optimizer"} <= set(roofline["kinds"])
+    assert 0.3 < roofline["mfu"] < 1 and roofline["step_seconds"] > 0
     assert 0.9 < report["planner_ratio"] < 1.1, (report["planner_ratio"], report["planner_memory"])

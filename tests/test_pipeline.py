@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.flops import hlo_flops
+from spmdkit.inspect.hlo import collective_report
+from spmdkit.inspect.roofline import roofline
 from spmdkit.parallel.pipeline import schedule as ps
 from spmdkit.parallel.pipeline.program import (
     deinterleave_layers,
@@ -354,6 +356,26 @@ def test_flops_count_the_branches_the_schedule_runs(kind, mesh_text):
     flops = hlo_flops(compiled, branches={ps.TICK_SCOPE: sched.branch_runs()})
     assert (flops["matmul"], flops["busiest"]) == (sum(stages) / len(stages), max(stages))
     assert hlo_flops(compiled)["matmul"] > 2 * max(stages)  # every branch of the tick's switch, every tick
+
+
+def test_roofline_and_collectives_count_what_the_schedule_runs():
+    """A 1F1B pipeline's executed FLOPs per device are the model's (3 x the forward of the device's share of the
+    tokens, counted from the toy model's shapes) times its remat factor (4/3: the backward recomputes the chunk
+    forward), well within 1.5x of it (every branch on every tick: 8 ticks x 4 branches); the roofline's kernels
+    hold the busiest stage's FLOPs; collectives inside the tick's switch count as the schedule runs them."""
+    compiled, _, sched = compiled_step(MESHES[1], "1f1b", 8)
+    branches = {ps.TICK_SCOPE: sched.branch_runs()}
+    sizes, m = make_mesh(MESHES[1]).shape, 8
+    forward = m * ROWS * SEQ * (LAYERS * 2 * 2 * DIM * 2 * DIM + 2 * DIM * VOCAB)  # every microbatch, one device
+    model = 3 * forward / (sizes["pipeline"] * sizes["tensor"] * sizes["fsdp"])  # per device
+    executed = hlo_flops(compiled, branches=branches)
+    assert model <= executed["matmul"] <= 1.5 * model * 4 / 3
+    assert hlo_flops(compiled)["matmul"] > 1.5 * model * 4 / 3  # every branch counted: the bound fails
+    found = roofline(compiled, 1e12, 1e12, branches=branches)
+    assert sum(k.flops * k.runs for k in found.kernels) == executed["busiest"]
+    assert {"gemm", "collective"} <= set(found.by_kind())
+    weighted, every = collective_report(compiled, branches), collective_report(compiled)
+    assert weighted.count("all-reduce", executed=True) < every.count("all-reduce", executed=True)
 
 
 def test_flops_of_the_toy_model_under_fsdp():

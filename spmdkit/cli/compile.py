@@ -27,7 +27,8 @@ def parser() -> ArgumentParser:
     """The target's flags; every other flag is `spmdkit train`'s."""
     parser = ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} [--target TARGET] [--devices N] [--devices-per-host N] [--json] [spmdkit train flags ...]",
+        usage=f"{PROG} [--target TARGET] [--devices N] [--devices-per-host N] [--json] [--roofline] "
+        "[spmdkit train flags ...]",
         description="Compile the exact training step of a `spmdkit train` command line for N GPUs of the target, "
         "on this machine without a GPU (XLA's deviceless ahead-of-time compilation; needs pip install "
         "'spmdkit[gpu-aot]'), and print per-device memory against the GPU's HBM and whether it fits, the attention "
@@ -44,6 +45,12 @@ def parser() -> ArgumentParser:
         "--decode", action="store_true",
         help="compile the decode step of spmdkit generate instead (--batch-size rows, a cache of --seq-len "
         "positions; the inference mesh: tensor and data only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--roofline", action="store_true",
+        help="also list the compiled program's kernels by kind (GEMMs, attention, norms and elementwise, the loss, "
+        "the optimizer, casts and copies, collectives) with their FLOPs, HBM bytes and time at the target's peak "
+        "FLOP/s and HBM bandwidth, their sum as a predicted step time and MFU (--json: a \"roofline\" key)",
     )  # fmt: skip
     parser.add_argument("--config", help="defaults from a TOML file, as spmdkit train --config")
     return parser
@@ -70,7 +77,7 @@ def main(argv: Sequence[str]) -> int:
     from spmdkit.tools.gpu_compile import compile_for_target, decode_report, format_report, not_fit_line
 
     build = decode_report if args.decode else compile_for_target
-    report = build(config, args.target, args.devices, args.devices_per_host)
+    report = build(config, args.target, args.devices, args.devices_per_host, with_roofline=args.roofline)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if not report["fits"]:
         print(f"spmdkit: {not_fit_line(report)}", file=sys.stderr)

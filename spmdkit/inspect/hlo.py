@@ -6,7 +6,8 @@ instructions there are, how many times they execute per call, and the bytes they
 
 Loops matter: a scan over layers compiles to one `while` whose body holds one layer's collectives; they run
 `known_trip_count` times. Executed counts and bytes multiply through nested loops; instructions in a
-`conditional` count once per branch (an upper bound: only one branch runs).
+`conditional` count once per branch (an upper bound: only one branch runs), unless the caller says how often each
+branch runs (`branches`: a pipeline's schedule).
 
 Byte counts are the operand bytes (what a device contributes): for all-reduce, the buffer reduced; for
 all-gather, the local shard; for reduce-scatter, the full local buffer; for collective-permute, what is sent.
@@ -261,11 +262,21 @@ def _text(compiled_or_text: Any) -> str:
     return compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
 
 
-def _parse(compiled_or_text: Any) -> tuple[_Module, dict[str, int]]:
+def _parse(
+    compiled_or_text: Any, branches: Mapping[str, Sequence[Sequence[int]]] | None = None
+) -> tuple[_Module, dict[str, int]]:
     """The instructions of a `jax.stages.Compiled` (or its `.as_text()`), and how many times each computation runs
-    per call (`_executions`)."""
+    per call (`_executions`); with `branches` {named scope: `[groups, branches]` runs} (a pipeline's schedule, a
+    group per stage), the mean over the groups, rounded."""
     computations, entry = _split_computations(_text(compiled_or_text))
-    return _Module(computations), _executions(computations, entry) if entry else {}
+    if not entry:
+        return _Module(computations), {}
+    groups = len(next(iter(branches.values()))) if branches else 1
+    runs: dict[str, Fraction] = collections.defaultdict(Fraction)
+    for g in range(groups):
+        for comp, n in _executions(computations, entry, {k: v[g] for k, v in (branches or {}).items()}).items():
+            runs[comp] += Fraction(n) / groups
+    return _Module(computations), {comp: round(n) for comp, n in runs.items()}
 
 
 def _executions(
@@ -297,9 +308,13 @@ def _executions(
 _MADE_SYNC = re.compile(r'"is_sync":\s*true')
 
 
-def collective_report(compiled_or_text: Any) -> CollectiveReport:
-    """Parse a `jax.stages.Compiled` (or its `.as_text()`) into a `CollectiveReport`."""
-    module, runs = _parse(compiled_or_text)
+def collective_report(
+    compiled_or_text: Any, branches: Mapping[str, Sequence[Sequence[int]]] | None = None
+) -> CollectiveReport:
+    """Parse a `jax.stages.Compiled` (or its `.as_text()`) into a `CollectiveReport`. A conditional's branches run
+    as often as the conditional, except where `branches` says how often each runs (as `hlo_flops`'s: a pipeline's
+    `Schedule.branch_runs()` under `TICK_SCOPE`; executions are then the mean over its device groups)."""
+    module, runs = _parse(compiled_or_text, branches)
     found = []
     for comp, instrs in module.by_comp.items():
         for ins in instrs:
@@ -308,7 +323,7 @@ def collective_report(compiled_or_text: Any) -> CollectiveReport:
                 continue
             group, made_sync = _group_size(ins.attrs), _MADE_SYNC.search(ins.attrs) is not None
             common = dict(
-                name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1) or 1,
+                name=ins.name, computation=comp, group_size=group, executions=runs.get(comp, 1),
                 asynchronous=ins.opcode.endswith("-start") and not made_sync, nothing_to_overlap=made_sync,
             )  # fmt: skip
             operand_types = [module.types.get(o, "") for o in ins.operands]

@@ -24,9 +24,10 @@ from spmdkit.distributed.platform import cuda_plugin
 from spmdkit.inspect.flops import hlo_flops
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.inspect.levers import expert_gemms, fp8_gemms, windowed_einsums
+from spmdkit.inspect.roofline import kind_table, roofline
 from spmdkit.parallel.experts import EXPERT_OPS
 from spmdkit.parallel.pipeline.schedule import TICK_SCOPE, Schedule
-from spmdkit.plan.devices import make_device
+from spmdkit.plan.devices import make_device, wire_bytes
 from spmdkit.plan.estimate import REMAT_ORDER, evaluate  # least recompute first: tried after the run's own
 from spmdkit.sharding.mesh_config import format_sizes
 from spmdkit.sharding.strategy import Strategy, mesh_text
@@ -206,7 +207,8 @@ def base_report(
         "host_bytes": memory["host"], "hbm_bytes": info.hbm_bytes, "usable_hbm_bytes": usable,
         "attention_kernel": attention_in_hlo(text, context), "attention_windows": attention_windows(text),
         "fp8_gemms": fp8_gemms(text), "windowed_einsums": windowed_einsums(text),
-        "collectives": collective_report(compiled).by_opcode(), "flops_per_device": hlo_flops(text, branches=branches),
+        "collectives": collective_report(text, branches).by_opcode(),
+        "flops_per_device": hlo_flops(text, branches=branches),
         "planner_bytes": total, "planner_memory": dict(planned),
         "planner_ratio": total / memory["total"] if memory["total"] else None,
         "remat_that_fits": None, "compile_seconds": round(seconds, 2),
@@ -215,18 +217,40 @@ def base_report(
     }  # fmt: skip
 
 
-def decode_report(config: TrainConfig, target: str, devices: int, per_host: int) -> dict[str, Any]:
+def roofline_report(
+    text: str, target: str, per_host: int, schedule: Schedule | None = None, model_flops: float | None = None
+) -> dict[str, Any]:
+    """`spmdkit.inspect.roofline` of the compiled program `text` at the target's peaks (the planner's device table:
+    bf16 dense FLOP/s, HBM bytes/s), each collective priced by its ring's wire bytes over NVLink (a group within
+    `per_host` devices) or the InfiniBand NIC, nominal; MFU against `model_flops` per device."""
+    device = make_device(target)
+
+    def link_seconds(opcode: str, group: int, operand: int) -> float:
+        link = device.intra_node_bw if group <= per_host else device.inter_node_bw
+        return wire_bytes(opcode, max(group, 2), operand) / link
+
+    branches = {TICK_SCOPE: schedule.branch_runs()} if schedule else None
+    return roofline(text, device.peak_flops, device.hbm_bw, link_seconds, branches).report(model_flops)
+
+
+def decode_report(
+    config: TrainConfig, target: str, devices: int, per_host: int, with_roofline: bool = False
+) -> dict[str, Any]:
     """`spmdkit compile --decode`: the report of `compile_decode` (the keys of `compile_for_target`'s)."""
     started = time.perf_counter()
     compiled, mesh, plan = compile_decode(config, target_devices(target, devices, per_host))
     seconds = time.perf_counter() - started
-    return {"program": "decode", **base_report(target, devices, per_host, config, mesh, compiled, seconds, plan)}
+    report = {"program": "decode", **base_report(target, devices, per_host, config, mesh, compiled, seconds, plan)}
+    if with_roofline:
+        report["roofline"] = roofline_report(compiled.as_text(), target, per_host)
+    return report
 
 
 def compile_for_target(
-    config: TrainConfig, target: str = "h100", devices: int = 8, per_host: int = 8
+    config: TrainConfig, target: str = "h100", devices: int = 8, per_host: int = 8, with_roofline: bool = False
 ) -> dict[str, Any]:
-    """Compile `config`'s train step for `devices` GPUs of `target` (`per_host` per host); the report as a dict."""
+    """Compile `config`'s train step for `devices` GPUs of `target` (`per_host` per host); the report as a dict
+    (`with_roofline`: its "roofline" too, `roofline_report`)."""
     gpus = target_devices(target, devices, per_host)
     program = build_program(config, gpus)
     started = time.perf_counter()
@@ -251,6 +275,8 @@ def compile_for_target(
         flags_left_out=dropped,  # spmdkit's XLA:GPU flags this jaxlib does not have
         moe_gemm=moe_gemm(text, program, devices),
     )  # fmt: skip
+    if with_roofline:
+        report["roofline"] = roofline_report(text, target, per_host, program.pipeline, model_flops / devices)
     return report
 
 
@@ -294,6 +320,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"MoE GEMMs    {g['kind']}: {g['ratio']:.2f} x the routed FLOPs ({g['flops'] / 1e12:.3f} TFLOP per device; "
             "grouped: one grouped GEMM per weight, dense: matmuls over every expert slot)",
         )
+    if r.get("roofline"):
+        lines += ["roofline     per device per call, each kernel at the peak FLOP/s or HBM bandwidth (whichever "
+                  "binds):", *("  " + row for row in kind_table(r["roofline"]).splitlines())]  # fmt: skip
     if r["remat_that_fits"]:
         lines.append(f"hint         --model.remat {r['remat_that_fits']} fits this mesh (compiled)")
     elif r.get("planner_layout"):
