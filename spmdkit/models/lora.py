@@ -124,6 +124,18 @@ def has_adapters(model: nnx.Module) -> bool:
     return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
 
 
-def trainable(model: nnx.Module) -> type[nnx.Param]:
+def trained_variables(model: nnx.Module) -> type[nnx.Param]:
     """The variables that train: the adapters (`nnx.LoRAParam`) of a model that has them, else every `nnx.Param`."""
     return nnx.LoRAParam if has_adapters(model) else nnx.Param
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter's name (a path part, `q_lora_a`) is a LoRA adapter's."""
+    return "_lora_" in name
+
+
+def base_params(tree: dict) -> dict:
+    """A pure dict of the model's state (or its shardings) without the LoRA adapters: the base model's parameters."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: base_params(v) for k, v in tree.items() if not is_adapter(str(k))}

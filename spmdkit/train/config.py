@@ -26,6 +26,7 @@ from spmdkit.interop.sources import source_model
 from spmdkit.models.attention_choice import CONTEXT_PARALLEL_HELP, ContextParallel
 from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
 from spmdkit.models.fields import arg, check_types, field_docs, require
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.resolve import build_model, resolved_settings
@@ -339,6 +340,7 @@ class TrainConfig:
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
     health: HealthSettings = dataclasses.field(default_factory=HealthSettings)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

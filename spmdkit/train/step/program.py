@@ -22,6 +22,7 @@ from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora import check_lora
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.context.chunks import ring_balance
 from spmdkit.parallel.pipeline.schedule import Schedule
@@ -66,7 +67,8 @@ class TrainProgram:
     def abstract_state(self) -> TrainState:
         """The train state as `ShapeDtypeStruct`s carrying their shardings: nothing is allocated."""
         graphdef, abstract, shardings = abstract_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload
+            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload,
+            self.config.lora,
         )
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         shapes = jax.tree.map(
@@ -80,7 +82,8 @@ class TrainProgram:
         """The train state of this program, initialised on its devices (the moments in host memory under
         `--optimizer.offload`): what `abstract_state` describes."""
         return create_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload
+            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload,
+            self.config.lora,
         )
 
     def abstract_batch(self, keys: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -150,6 +153,22 @@ def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
 
 
+def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> None:
+    """Refuse, in one line each, what `--lora.rank` does not combine with yet."""
+    if not config.lora.enabled:
+        return
+    if not config.model.init_from:
+        raise SpmdkitError("--lora.rank trains adapters on frozen weights: give them with --init-from HF_DIR")
+    check_lora(model, config.lora)
+    for on, what in (
+        (mesh.shape["pipeline"] > 1, "a pipeline axis (its schedule computes every parameter's gradients)"),
+        (config.mesh.overlap_tp, "--overlap-tp (its collective matmuls bypass the adapted projections)"),
+        (config.optimizer.offload, "--optimizer.offload (the adapters' moments are small: keep them on the device)"),
+    ):
+        if on:
+            raise SpmdkitError(f"--lora does not run with {what} yet: drop one")
+
+
 def ulysses_factor(factor: int | None, sizes: Mapping[str, int], model: TransformerConfig) -> int:
     """2D context parallelism's Ulysses factor U (1 without it), checked: a divisor of context strictly between 1
     and context (U = context is --context-parallel ulysses, U = 1 the ring), dividing the heads per tensor rank."""
@@ -193,6 +212,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     check_layout(layout(config, mesh, model))
     run, pipeline = config.run, None
     check_levers(model, rules, mesh)
+    check_lora_run(config, mesh, model)
     if mesh.shape["pipeline"] > 1:
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
