@@ -67,9 +67,7 @@ def merged_params(params: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 def _without_adapters(tree: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: _without_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if "_lora_" not in str(k)
-    }
+    return {k: _without_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if "_lora_" not in str(k)}
 
 
 def peft_tensors(params: dict[str, Any], model: TransformerConfig, family: str) -> dict[str, np.ndarray]:

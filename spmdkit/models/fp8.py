@@ -64,7 +64,12 @@ class Fp8Scales(nnx.Module):
 
 
 def project(
-    equation: str, x: jax.Array, w: jax.Array | nnx.Variable, scales: Fp8Scales | None = None, *, dtype: str | None = None
+    equation: str,
+    x: jax.Array,
+    w: jax.Array | nnx.Variable,
+    scales: Fp8Scales | None = None,
+    *,
+    dtype: str | None = None,
 ) -> jax.Array:
     """`jnp.einsum(equation, x, w)` for a projection that contracts x's trailing dims with w's leading ones and
     keeps the rest in order (`bse,ehd->bshd`, `bshd,hde->bse`, `bse,em->bsm`, ...); with `scales`, in FP8.

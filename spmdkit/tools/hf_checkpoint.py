@@ -130,7 +130,7 @@ def _export_adapters(out: Path, params: dict, config: TrainConfig, base: dict | 
     """A LoRA run's adapters as a PEFT adapter directory `out`, for the family of the weights it was trained on
     (their imported config's `model_type`; Llama's names without one)."""
     if not config.lora.enabled:
-        raise SpmdkitError("--adapters: this run trained every parameter (no --lora.rank): export it without --adapters")
+        raise SpmdkitError("--adapters: this run trained every parameter (no --lora.rank): export without --adapters")
     family = (base or {}).get("model_type", "llama")
     if out.exists() and force:
         shutil.rmtree(out)

@@ -67,7 +67,12 @@ class TrainProgram:
     def abstract_state(self) -> TrainState:
         """The train state as `ShapeDtypeStruct`s carrying their shardings: nothing is allocated."""
         graphdef, abstract, shardings = abstract_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload,
+            self.model_config,
+            self.tx,
+            self.mesh,
+            self.rules,
+            self.config.run.seed,
+            self.config.optimizer.offload,
             self.config.lora,
         )
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -82,7 +87,12 @@ class TrainProgram:
         """The train state of this program, initialised on its devices (the moments in host memory under
         `--optimizer.offload`): what `abstract_state` describes."""
         return create_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload,
+            self.model_config,
+            self.tx,
+            self.mesh,
+            self.rules,
+            self.config.run.seed,
+            self.config.optimizer.offload,
             self.config.lora,
         )
 
