@@ -46,7 +46,7 @@ def run(hf_model, tmp_path_factory):
     from spmdkit.cli import main
 
     run_dir = tmp_path_factory.mktemp("run") / "run"
-    assert main(_args(hf_model, run_dir, "fsdp=4,tensor=2")) == 0
+    assert main(_args(hf_model, run_dir, "fsdp=4,tensor=2", "--checkpoint-every", "3")) == 0
     return run_dir
 
 
@@ -69,6 +69,30 @@ def test_only_adapters_train_and_the_base_keeps_its_bits(hf_model, run):
     assert np.abs(adapters["q_lora_b"]).max() > 0  # B starts at zero: it trained
     # [layers, embed, rank] and [layers, rank, heads, head_dim]: A over the input dims, B over the output dims
     assert adapters["q_lora_a"].shape == (2, 96, 4) and adapters["q_lora_b"].shape == (2, 4, 6, 16)
+
+
+def test_resume_is_bit_identical_and_checks_the_base(hf_model, run, tmp_path, capsys):
+    import shutil
+
+    from spmdkit.checkpoint.params import read_params as read_step
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / str(STEPS))  # the copy resumes from step 3
+    code, out, err = run_cli(capsys, *_args(hf_model, copy, "fsdp=4,tensor=2", "--checkpoint-every", "3"))
+    assert code == 0 and "resumed from step 3" in out, err
+    _, saved, ours = read_step(run, step=STEPS)
+    _, _, resumed = read_step(copy, step=STEPS)
+    assert len(saved["lora"]["base_checksum"]) == 32
+    import jax
+
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, ours, resumed)))
+    # another base under the same run: one line, nothing trained
+    other = tmp_path / "other"
+    shutil.copytree(hf_model, other)
+    (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
+    code, _, err = run_cli(capsys, *_args(other, copy, "fsdp=4,tensor=2"))
+    assert code == 2 and "other base weights" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_optimizer_state_is_two_moments_of_the_adapters(run, hf_model):

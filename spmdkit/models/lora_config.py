@@ -33,6 +33,10 @@ class LoraConfig:
     targets: Annotated[
         str, arg("comma-separated projections that get adapters: any of q,k,v,o (attention), gate,up,down (MLP)")
     ] = "q,k,v,o,gate,up,down"
+    base_checksum: Annotated[
+        str | None,
+        arg("checksum of the --init-from weights the adapters are trained on (the run records it; a resume checks it)"),
+    ] = None
 
     def __post_init__(self) -> None:
         check_types(self, "lora")

@@ -20,9 +20,11 @@ from jax.sharding import Mesh
 from spmdkit.data.packing.rows import FIELDS
 from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
+from spmdkit.interop.sources import weights_checksum
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.lora import check_lora
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.context.chunks import ring_balance
 from spmdkit.parallel.pipeline.schedule import Schedule
@@ -149,7 +151,23 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     vocabulary from the data, and the learning rate of a fresh run or of a fine-tuning one (`--init-from`)."""
     fine_tuning = bool(config.model.init_from)
     config = with_data_vocab(config)
-    return dataclasses.replace(config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning))
+    optimizer = config.optimizer.for_run(fine_tuning)
+    return dataclasses.replace(config, model=config.model.resolved(), optimizer=optimizer, lora=lora_base(config))
+
+
+def lora_base(config: TrainConfig) -> LoraConfig:
+    """The LoRA settings with the checksum of the `--init-from` weights they train on (`weights_checksum`); a
+    checksum given beforehand must be theirs."""
+    lora, source = config.lora, config.model.init_from
+    if not lora.enabled or not source:
+        return lora
+    checksum = weights_checksum(source)
+    if lora.base_checksum not in (None, checksum):
+        raise SpmdkitError(
+            f"--init-from {source} is not the base these adapters were trained on (checksum {checksum}, expected "
+            f"{lora.base_checksum}): give the run's base weights"
+        )
+    return dataclasses.replace(lora, base_checksum=checksum)
 
 
 def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
