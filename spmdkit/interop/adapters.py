@@ -22,7 +22,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.interop.families import FAMILIES
 from spmdkit.interop.tensor_names import TensorMap, tensor_maps
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.lora_config import HF_MODULES, LoraConfig
+from spmdkit.models.lora_config import HF_MODULES, LoraConfig, is_adapter
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix before the transformers model's own names
@@ -67,7 +67,7 @@ def merged_params(params: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 def _without_adapters(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: _without_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if "_lora_" not in str(k)}
+    return {k: _without_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if not is_adapter(str(k))}
 
 
 def peft_tensors(params: dict[str, Any], model: TransformerConfig, family: str) -> dict[str, np.ndarray]:

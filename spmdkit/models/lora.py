@@ -36,7 +36,7 @@ from qwix._src.utils import flax_util  # how qwix finds the module a call runs i
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import fp8
-from spmdkit.models.lora_config import PROJECTIONS, LoraConfig
+from spmdkit.models.lora_config import PROJECTIONS, LoraConfig, is_adapter
 
 STACKS = ("blocks", "moe_blocks")  # `Transformer`'s stacked blocks
 PROJECT = "spmdkit.models.fp8.project"  # the function every projection of the blocks calls
@@ -127,11 +127,6 @@ def has_adapters(model: nnx.Module) -> bool:
 def trained_variables(model: nnx.Module) -> type[nnx.Param]:
     """The variables that train: the adapters (`nnx.LoRAParam`) of a model that has them, else every `nnx.Param`."""
     return nnx.LoRAParam if has_adapters(model) else nnx.Param
-
-
-def is_adapter(name: str) -> bool:
-    """Whether a parameter's name (a path part, `q_lora_a`) is a LoRA adapter's."""
-    return "_lora_" in name
 
 
 def base_params(tree: dict) -> dict:

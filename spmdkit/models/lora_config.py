@@ -22,6 +22,11 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
 HF_MODULES = {name: hf for name, (_, hf) in PROJECTIONS.items()}
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter's name (a path part `q_lora_a`, or a `/`-joined path) is a LoRA adapter's."""
+    return "_lora_" in name
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on the blocks' projections (rank 0: off). A targeted weight W stays frozen; the layer
