@@ -166,6 +166,10 @@ CASES = [
     ([*FRESH, "--init-from", "{D}/sharded", "--data", "synthetic"], 2, "missing shard {D}/sharded/model-00002-of"),
     ([*FRESH, "--init-from", "{D}/hf-quantized", "--data", "synthetic"], 2, "quantization_config is not supported"),
     ([*FRESH, "--init-from", "{D}/hf"], 2, "the stdlib source needs vocab_size >= 264"),
+    # -- train: --lora (adapters on frozen --init-from weights)
+    ([*FRESH, "--lora.rank", "4"], 2, "--lora.rank trains adapters on frozen weights: give them with --init-from"),
+    ([*FRESH, "--lora.rank", "4", "--lora.targets", "q,qkv"], 2, "--lora.targets 'q,qkv': qkv is not a projection"),
+    ([*FRESH, "--init-from", "{D}/hf", "--lora.rank", "4", "--overlap-tp"], 2, "--lora does not run with --overlap-tp"),
     # -- train: --data DIR (a prepared dataset)
     ([*FRESH, "--data", "{D}/texts"], 2, "{D}/texts is not a prepared dataset (it is a directory without dataset"),
     ([*FRESH, "--data", "{D}/empty"], 2, "{D}/empty is not a prepared dataset"),

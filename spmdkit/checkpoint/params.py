@@ -46,6 +46,7 @@ from spmdkit.checkpoint.integrity import (
 from spmdkit.checkpoint.steps import open_step, saved_config
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.fp8 import is_fp8_state
+from spmdkit.models.lora_config import is_adapter
 
 PureTree = dict[str, Any]
 
@@ -62,6 +63,11 @@ def _check_names(step: int, directory: Path, saved: dict[str, tuple], target: Pu
     """SpmdkitError naming the first parameter whose name or shape differs between the step and `target`."""
     wanted = {f"model/{name}": tuple(leaf.shape) for name, leaf in _flat(target).items()}
     found = {name: shape for name, (shape, _) in saved.items() if _is_param(name)}
+    if any(is_adapter(name) for name in found) and not any(is_adapter(name) for name in wanted):
+        raise SpmdkitError(
+            f"step {step} of {directory} holds LoRA adapters on a frozen base: merge them first with 'spmdkit ckpt "
+            f"export {directory} --out DIR' and use DIR"
+        )
     for name in sorted(wanted.keys() | found.keys()):
         if found.get(name) != wanted.get(name):
             there = "missing" if name not in found else f"{list(found[name])}"

@@ -40,6 +40,10 @@ def _export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force", action="store_true", help="replace OUT_DIR if it is an earlier export (never another directory)"
     )
+    p.add_argument(
+        "--adapters", action="store_true",
+        help="a LoRA run: write its adapters as a PEFT adapter directory (default: the model with them merged in)",
+    )  # fmt: skip
 
 
 def _import_hf(p: argparse.ArgumentParser) -> None:
@@ -79,7 +83,9 @@ def run_reshard(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from spmdkit.tools.hf_checkpoint import export_hf
 
-    out, step = export_hf(args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force)
+    out, step = export_hf(
+        args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force, args.adapters
+    )
     print(f"wrote step {step} of {args.directory} as a Hugging Face model in {out}")
     return 0
 

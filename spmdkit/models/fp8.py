@@ -63,12 +63,23 @@ class Fp8Scales(nnx.Module):
         )  # fmt: skip
 
 
-def project(equation: str, x: jax.Array, w: jax.Array, scales: Fp8Scales | None = None) -> jax.Array:
+def project(
+    equation: str,
+    x: jax.Array,
+    w: jax.Array | nnx.Variable,
+    scales: Fp8Scales | None = None,
+    *,
+    dtype: str | None = None,
+) -> jax.Array:
     """`jnp.einsum(equation, x, w)` for a projection that contracts x's trailing dims with w's leading ones and
     keeps the rest in order (`bse,ehd->bshd`, `bshd,hde->bse`, `bse,em->bsm`, ...); with `scales`, in FP8.
 
-    x: [..., contracted] in the compute dtype; w: [contracted, ...] already cast to it. The FP8 form is one
-    `dot_general` whose result is x's free dims then w's (the einsum's order, checked)."""
+    x: [..., contracted] in the compute dtype; w: [contracted, ...] already cast to it, or the weight's
+    `nnx.Param` itself, read and cast to `dtype` here. The model passes the parameter: what an interceptor of this
+    function (qwix's LoRA, `spmdkit.models.lora`) needs to know which weight a projection reads. The FP8 form is
+    one `dot_general` whose result is x's free dims then w's (the einsum's order, checked)."""
+    if isinstance(w, nnx.Variable):
+        w = w[...].astype(dtype or w.dtype)
     if scales is None:
         return jnp.einsum(equation, x, w)
     inputs, out = equation.split("->")

@@ -162,11 +162,11 @@ class Attention(nnx.Module):
         x = constrain(x, RESIDUAL if ring else HIDDEN)
 
         def projected(name: str, heads: str) -> jax.Array:
-            w = getattr(self, name)[...].astype(dt)
+            weight = getattr(self, name)
             if ring:
-                y = column_parallel(x, w, ("embed", heads, "head_dim"))
+                y = column_parallel(x, weight[...].astype(dt), ("embed", heads, "head_dim"))
             else:
-                y = project("bse,ehd->bshd", x, w, getattr(self, f"{name}_fp8", None))
+                y = project("bse,ehd->bshd", x, weight, getattr(self, f"{name}_fp8", None), dtype=dt)
             if c.qkv_bias:  # the bias comes before the rotation, as in Hugging Face's q_proj/k_proj
                 y = y + getattr(self, f"{name}_bias")[...].astype(dt)
             return named(constrain(y, ("batch", "seq", heads, None)), f"{name}_proj")
@@ -184,11 +184,10 @@ class Attention(nnx.Module):
         """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
         dt = self.config.dtype
         attended = named(constrain(attended, ("batch", "seq", "heads", None)), "context")
-        w = self.o[...].astype(dt)
         if not self.config.fp8 and ring_mesh() is not None:  # --overlap-tp: the sum reduce-scattered in a ring
-            y = row_parallel(attended, w, ("heads", "head_dim", "embed"))
+            y = row_parallel(attended, self.o[...].astype(dt), ("heads", "head_dim", "embed"))
         else:
-            y = project("bshd,hde->bse", attended, w, getattr(self, "o_fp8", None))
+            y = project("bshd,hde->bse", attended, self.o, getattr(self, "o_fp8", None), dtype=dt)
         if self.config.o_bias:
             y = y + self.o_bias[...].astype(dt)
         return named(constrain(y, RESIDUAL), "out_proj")
@@ -243,10 +242,10 @@ class MLP(nnx.Module):
         x = constrain(x, RESIDUAL if ring else HIDDEN)
 
         def projected(name: str, equation: str, names: tuple[str, str], h: jax.Array) -> jax.Array:
-            w = getattr(self, name)[...].astype(dt)
+            weight = getattr(self, name)
             if ring:
-                return (column_parallel if name != "down" else row_parallel)(h, w, names)
-            return project(equation, h, w, getattr(self, f"{name}_fp8", None))
+                return (column_parallel if name != "down" else row_parallel)(h, weight[...].astype(dt), names)
+            return project(equation, h, weight, getattr(self, f"{name}_fp8", None), dtype=dt)
 
         gate = projected("gate", "bse,em->bsm", ("embed", "mlp"), x)
         up = projected("up", "bse,em->bsm", ("embed", "mlp"), x)

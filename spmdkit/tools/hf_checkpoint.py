@@ -23,6 +23,7 @@ from spmdkit.checkpoint.manager import NonFiniteState
 from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
+from spmdkit.interop.adapters import merged_params, write_peft_adapter
 from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import (
     CONFIG,
@@ -96,9 +97,11 @@ def export_hf(
     step: int | None = None,
     max_shard_size: str | int = "5GB",
     force: bool = False,
+    adapters: bool = False,
 ) -> tuple[Path, int]:
     """The Hugging Face model directory `out` from `step` (default: the newest) of a checkpoint or run directory;
-    returns (out, the step)."""
+    returns (out, the step). A LoRA run's adapters are merged into the weights (W + alpha / rank x A B); with
+    `adapters`, `out` is a PEFT adapter directory of them instead (`spmdkit.interop.adapters`)."""
     out_path = check_output(out, run_inputs(directory))
     check_target(out_path, force)  # before the checkpoint is read: --force replaces an earlier export only
     check_creatable(out_path)
@@ -110,6 +113,10 @@ def export_hf(
             json.loads((hf_dir / name).read_text()) if hf_dir is not None and (hf_dir / name).is_file() else None
             for name in (CONFIG, GENERATION_CONFIG)
         )
+        if adapters:
+            return _export_adapters(out_path, params, config, base, force), step
+        if config.lora.enabled:
+            params = merged_params(params, config.lora.scale)
         tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
         written = save_hf(
             model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
@@ -117,3 +124,15 @@ def export_hf(
             base_generation=generation, origin={"source": str(Path(directory).expanduser().absolute()), "step": step},
         )  # fmt: skip
         return written, step
+
+
+def _export_adapters(out: Path, params: dict, config: TrainConfig, base: dict | None, force: bool) -> Path:
+    """A LoRA run's adapters as a PEFT adapter directory `out`, for the family of the weights it was trained on
+    (their imported config's `model_type`; Llama's names without one)."""
+    if not config.lora.enabled:
+        raise SpmdkitError("--adapters: this run trained every parameter (no --lora.rank): export without --adapters")
+    family = (base or {}).get("model_type", "llama")
+    if out.exists() and force:
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return write_peft_adapter(out, params, config.model.build(), family, config.lora, config.model.init_from)

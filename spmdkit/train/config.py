@@ -1,13 +1,11 @@
-"""The run's configuration: frozen dataclasses, one per section, each field with its help and short flags.
-
-This module imports no JAX (nor does tyro): the CLI reads it to print defaults, and `spmdkit plan` must start fast.
-
-Sections: `model` (a preset or a model path, `init_from`, the numerics, and any field of `TransformerConfig` to
-override the shape), `mesh` (layout and ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`, `health`. A TOML file
-(`--config`, `config_from_toml`) has one table per section; keys are the field names. "Unset" is `None` (e.g.
-`decay_steps`: the run's steps). The resolved config is saved as JSON into every run directory and every checkpoint.
-Each field is `Annotated` with a `tyro.conf.arg`: its one-line help and the short flags the command line also accepts
-(`--steps` for `run.steps`; `field_docs` reads them); `spmdkit.cli.train` hands `TrainConfig` to `tyro.cli` as is.
+"""The run's configuration: frozen dataclasses, one per section, each field with its help and short flags. No JAX
+(nor tyro) is imported here: the CLI reads it to print defaults, and `spmdkit plan` must start fast. Sections:
+`model` (a preset or model path, `init_from`, the numerics, any `TransformerConfig` field to override the shape),
+`mesh` (layout, ZeRO stage), `optimizer`, `data`, `run`, `checkpoint`, `health`, `lora`. A TOML file (`--config`,
+`config_from_toml`) has one table per section, keyed by field name; "unset" is `None` (`decay_steps`: the run's
+steps). The resolved config is saved as JSON into every run directory and checkpoint. Each field is `Annotated` with
+a `tyro.conf.arg` (its one-line help and the short flags the command line also accepts, `--steps` for `run.steps`;
+`field_docs` reads them); `spmdkit.cli.train` hands `TrainConfig` to `tyro.cli` as is.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from spmdkit.interop.sources import source_model
 from spmdkit.models.attention_choice import CONTEXT_PARALLEL_HELP, ContextParallel
 from spmdkit.models.config import Attention, Dtype, Remat, TransformerConfig
 from spmdkit.models.fields import arg, check_types, field_docs, require
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.resolve import build_model, resolved_settings
@@ -279,6 +278,7 @@ class TrainConfig:
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
     health: HealthSettings = dataclasses.field(default_factory=HealthSettings)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

@@ -218,8 +218,9 @@ class Trainer:
 
         from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
         from spmdkit.interop.loading import load_params
+        from spmdkit.models.lora import base_params
 
-        shardings = nnx.to_pure_dict(self.state.shardings[0])
+        shardings = base_params(nnx.to_pure_dict(self.state.shardings[0]))  # LoRA adapters stay fresh
         params = load_params(source, self.model_config, shardings, self.model_config.param_dtype)
         nnx.replace_by_pure_dict(self.state.state[0], params)
         hf_files = find_hf_files(source)

@@ -96,6 +96,26 @@ def check_config_changes(config: TrainConfig) -> None:
     _allowed(config)
 
 
+def check_lora_base(config: TrainConfig, step: int, saved: dict[str, Any], directory: Path) -> None:
+    """Refuse to resume a LoRA run's `step` on other adapters' settings or another base than it trained on (the
+    saved `lora.base_checksum` of its `--init-from` weights)."""
+    theirs, ours = saved.get("lora") or {}, dataclasses.asdict(config.lora)
+    if theirs.get("rank", 0) == ours["rank"] == 0:
+        return
+    for key in ("rank", "alpha", "targets"):
+        if theirs.get(key, 0 if key == "rank" else None) != ours[key]:
+            raise SpmdkitError(
+                f"checkpoint step {step} in {directory} was saved with --lora.{key} {theirs.get(key)}, this run has "
+                f"{ours[key]}: pass the saved value to continue it, or a fresh --checkpoint-dir"
+            )
+    if theirs.get("base_checksum") != ours["base_checksum"]:
+        raise SpmdkitError(
+            f"checkpoint step {step} in {directory} trained adapters on other base weights (--init-from "
+            f"{saved.get('model', {}).get('init_from')}, checksum {theirs.get('base_checksum')}) than this run's "
+            f"--init-from {config.model.init_from} (checksum {ours['base_checksum']}): give the run's base weights"
+        )
+
+
 def check_resume(
     config: TrainConfig, step: int, saved: dict[str, Any] | None, directory: Path
 ) -> dict[str, tuple[Any, Any]]:
@@ -107,6 +127,7 @@ def check_resume(
     if saved is None or step == 0:
         return {}
     _check_optimizer(config, step, saved, directory)
+    check_lora_base(config, step, saved, directory)
     for section, key, flag in [] if config.checkpoint.allow_data_change else data_settings(config):
         ours, theirs = getattr(getattr(config, section), key), saved.get(section, {}).get(key)
         if theirs != ours:

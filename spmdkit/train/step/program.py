@@ -20,8 +20,11 @@ from jax.sharding import Mesh
 from spmdkit.data.packing.rows import FIELDS
 from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
+from spmdkit.interop.sources import weights_checksum
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora import check_lora
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.context.chunks import ring_balance
 from spmdkit.parallel.pipeline.schedule import Schedule
@@ -66,7 +69,13 @@ class TrainProgram:
     def abstract_state(self) -> TrainState:
         """The train state as `ShapeDtypeStruct`s carrying their shardings: nothing is allocated."""
         graphdef, abstract, shardings = abstract_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload
+            self.model_config,
+            self.tx,
+            self.mesh,
+            self.rules,
+            self.config.run.seed,
+            self.config.optimizer.offload,
+            self.config.lora,
         )
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         shapes = jax.tree.map(
@@ -80,7 +89,13 @@ class TrainProgram:
         """The train state of this program, initialised on its devices (the moments in host memory under
         `--optimizer.offload`): what `abstract_state` describes."""
         return create_train_state(
-            self.model_config, self.tx, self.mesh, self.rules, self.config.run.seed, self.config.optimizer.offload
+            self.model_config,
+            self.tx,
+            self.mesh,
+            self.rules,
+            self.config.run.seed,
+            self.config.optimizer.offload,
+            self.config.lora,
         )
 
     def abstract_batch(self, keys: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -136,7 +151,23 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     vocabulary from the data, and the learning rate of a fresh run or of a fine-tuning one (`--init-from`)."""
     fine_tuning = bool(config.model.init_from)
     config = with_data_vocab(config)
-    return dataclasses.replace(config, model=config.model.resolved(), optimizer=config.optimizer.for_run(fine_tuning))
+    optimizer = config.optimizer.for_run(fine_tuning)
+    return dataclasses.replace(config, model=config.model.resolved(), optimizer=optimizer, lora=lora_base(config))
+
+
+def lora_base(config: TrainConfig) -> LoraConfig:
+    """The LoRA settings with the checksum of the `--init-from` weights they train on (`weights_checksum`); a
+    checksum given beforehand must be theirs."""
+    lora, source = config.lora, config.model.init_from
+    if not lora.enabled or not source:
+        return lora
+    checksum = weights_checksum(source)
+    if lora.base_checksum not in (None, checksum):
+        raise SpmdkitError(
+            f"--init-from {source} is not the base these adapters were trained on (checksum {checksum}, expected "
+            f"{lora.base_checksum}): give the run's base weights"
+        )
+    return dataclasses.replace(lora, base_checksum=checksum)
 
 
 def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
@@ -148,6 +179,22 @@ def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
         raise SpmdkitError("--overlap-tp's collective matmuls do not run inside pipeline stages yet: drop one")
     if model.fp8 and mesh.shape["pipeline"] > 1:  # the pipeline's own backward has no path for the FP8 scales
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
+
+
+def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> None:
+    """Refuse, in one line each, what `--lora.rank` does not combine with yet."""
+    if not config.lora.enabled:
+        return
+    if not config.model.init_from:
+        raise SpmdkitError("--lora.rank trains adapters on frozen weights: give them with --init-from HF_DIR")
+    check_lora(model, config.lora)
+    for on, what in (
+        (mesh.shape["pipeline"] > 1, "a pipeline axis (its schedule computes every parameter's gradients)"),
+        (config.mesh.overlap_tp, "--overlap-tp (its collective matmuls bypass the adapted projections)"),
+        (config.optimizer.offload, "--optimizer.offload (the adapters' moments are small: keep them on the device)"),
+    ):
+        if on:
+            raise SpmdkitError(f"--lora does not run with {what} yet: drop one")
 
 
 def ulysses_factor(factor: int | None, sizes: Mapping[str, int], model: TransformerConfig) -> int:
@@ -193,6 +240,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     check_layout(layout(config, mesh, model))
     run, pipeline = config.run, None
     check_levers(model, rules, mesh)
+    check_lora_run(config, mesh, model)
     if mesh.shape["pipeline"] > 1:
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)

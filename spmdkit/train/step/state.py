@@ -19,6 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.models.lora import add_adapters, trained_variables
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.sharding.partition import abstract_state, state_shardings
 from spmdkit.sharding.rules import Rules
 
@@ -36,13 +38,17 @@ class TrainState:
 
 
 def train_state_maker(
-    config: TransformerConfig, tx: optax.GradientTransformation, seed: int = 0
+    config: TransformerConfig, tx: optax.GradientTransformation, seed: int = 0, lora: LoraConfig | None = None
 ) -> Callable[[], tuple[Transformer, nnx.Optimizer]]:
-    """A function that builds (model, optimizer): what `abstract_state` traces and `create_train_state` runs."""
+    """A function that builds (model, optimizer): what `abstract_state` traces and `create_train_state` runs. With
+    `lora` enabled the model carries qwix's adapters (`spmdkit.models.lora`) and the optimizer holds state for them
+    only: the base parameters are frozen (no gradients, no moments)."""
 
     def make() -> tuple[Transformer, nnx.Optimizer]:
         model = Transformer(config, rngs=nnx.Rngs(seed))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+        if lora is not None and lora.enabled:
+            model = add_adapters(model, lora, nnx.Rngs(seed + 1))
+        return model, nnx.Optimizer(model, tx, wrt=trained_variables(model))
 
     return make
 
@@ -74,17 +80,19 @@ def abstract_train_state(
     rules: Rules,
     seed: int = 0,
     offload: bool = False,
+    lora: LoraConfig | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State, Any]:
     """(graphdef, abstract state, shardings) of model + optimizer on `mesh` (the moments on the host with
     `offload`); nothing is allocated."""
-    graphdef, abstract = abstract_state(train_state_maker(config, tx, seed))
+    graphdef, abstract = abstract_state(train_state_maker(config, tx, seed, lora))
     return graphdef, abstract, train_state_shardings(abstract, mesh, rules, offload)
 
 
 def gradient_shardings(graphdef: nnx.GraphDef, abstract: nnx.State, mesh: Mesh, rules: Rules) -> Any:
-    """Shardings of the parameters' gradients: the optimizer's table under ZeRO-2 (reduce-scattered), else the
-    parameters'."""
-    param_abstract = nnx.state(nnx.merge(graphdef, abstract)[0], nnx.Param)
+    """Shardings of the trained parameters' gradients (every parameter's, or the LoRA adapters'): the optimizer's
+    table under ZeRO-2 (reduce-scattered), else the parameters'."""
+    model = nnx.merge(graphdef, abstract)[0]
+    param_abstract = nnx.state(model, trained_variables(model))
     grad_table = rules.optimizer if rules.gradients_like_optimizer else rules.params
     return state_shardings(param_abstract, mesh, grad_table)
 
@@ -96,11 +104,12 @@ def create_train_state(
     rules: Rules,
     seed: int = 0,
     offload: bool = False,
+    lora: LoraConfig | None = None,
 ) -> TrainState:
     """Initialise model + optimizer inside `jax.jit` with sharded outputs (no full copy on any device; with
-    `offload` the moments are written to pinned host memory)."""
-    make = train_state_maker(config, tx, seed)
-    graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed, offload)
+    `offload` the moments are written to pinned host memory; with `lora`, qwix's adapters on the model)."""
+    make = train_state_maker(config, tx, seed, lora)
+    graphdef, abstract, shardings = abstract_train_state(config, tx, mesh, rules, seed, offload, lora)
     grad_shardings = gradient_shardings(graphdef, abstract, mesh, rules)
 
     def create() -> nnx.State:

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdkit.data.bits import bits_per_byte, target_bytes
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.fp8 import Fp8Meta
+from spmdkit.models.lora import trained_variables
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
@@ -121,10 +122,13 @@ def loss_and_grads(
     there, so autodiff inserts no per-microbatch all-reduce) and one `psum` after the loop reduces them. The
     other axes (tensor, context, fsdp under ZeRO-3) stay automatic.
     """
-    graphdef, params, meta, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
+    # The trained parameters: every `nnx.Param`, or only the LoRA adapters (the frozen base goes with `rest`).
+    graphdef, params, meta, rest = nnx.split(model, trained_variables(model), Fp8Meta, ...)
 
     def objective_of(trainable: Trainable, mb: Batch, denominator: jax.Array) -> tuple[jax.Array, dict]:
-        return objective(nnx.merge(graphdef, *trainable, rest), mb, denominator)
+        # `rest`'s Variables are rebuilt here, in this trace: the frozen LoRA base enters the blocks' `nnx.scan`,
+        # which refuses a Variable made at the outer (jit) trace level.
+        return objective(nnx.merge(graphdef, *trainable, jax.tree.map(lambda x: x, rest)), mb, denominator)
 
     grad_fn = jax.value_and_grad(objective_of, has_aux=True)
     total = scored_tokens(batch)  # of the whole batch: every piece divides by its share of it

@@ -1,0 +1,114 @@
+"""LoRA adapters out in PEFT's format, and merged into the base weights.
+
+A run with `--lora.rank` saves qwix's adapters beside the frozen base (`spmdkit.models.lora`): for a projection W
+(`blocks/attention/q` [layers, embed, heads, head_dim]) the stacked A `q_lora_a` [layers, *in, rank] and B
+`q_lora_b` [layers, rank, *out], and the layer computes x W + (alpha / rank) x A B. PEFT's LoRA computes
+W x + (lora_alpha / r) B(A(x)) on the Hugging Face module (`q_proj.weight` [out, in]) with `lora_A.weight` [r, in]
+and `lora_B.weight` [out, r]. So PEFT's A is ours flattened to [in, rank] and transposed, its B ours flattened to
+[rank, out] and transposed, where in and out flatten in the order `spmdkit.interop.tensor_names` flattens the base
+weight (q's out is heads x head_dim, o's in is heads x head_dim): the names and the layers come from its
+`TensorMap`s, the one table of how spmdkit's parameters are named in Hugging Face's files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spmdkit.errors import SpmdkitError
+from spmdkit.interop.families import FAMILIES
+from spmdkit.interop.tensor_names import TensorMap, tensor_maps
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora_config import HF_MODULES, LoraConfig, is_adapter
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix before the transformers model's own names
+
+
+def adapter_pairs(params: dict[str, Any]) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """(base weight's path, A, B) of every adapter in a pure dict of parameters (nested dicts)."""
+    found = []
+
+    def walk(tree: dict[str, Any], path: tuple[str, ...]) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, (*path, str(key)))
+            elif str(key).endswith("_lora_a"):
+                name = str(key)[: -len("_lora_a")]
+                found.append(((*path, name), value, tree[f"{name}_lora_b"]))
+
+    walk(params, ())
+    return found
+
+
+def _delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A [layers, *in, r] and B [layers, r, *out] -> A B [layers, *in, *out] in float32."""
+    layers, rank = a.shape[0], a.shape[-1]
+    product = np.matmul(a.reshape(layers, -1, rank).astype(np.float32), b.reshape(layers, rank, -1).astype(np.float32))
+    return product.reshape(a.shape[:-1] + b.shape[2:])
+
+
+def merged_params(params: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The base parameters with every adapter merged in (W + scale x A B, computed in float32, stored in W's
+    dtype) and the adapters dropped: what a plain export of a LoRA run writes."""
+    merged = _without_adapters(params)
+    for path, a, b in adapter_pairs(params):
+        parent = merged
+        for key in path[:-1]:
+            parent = parent[key]
+        w = np.asarray(parent[path[-1]])
+        parent[path[-1]] = (w.astype(np.float32) + np.float32(scale) * _delta(np.asarray(a), np.asarray(b))).astype(
+            w.dtype
+        )
+    return merged
+
+
+def _without_adapters(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: _without_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if not is_adapter(str(k))}
+
+
+def peft_tensors(params: dict[str, Any], model: TransformerConfig, family: str) -> dict[str, np.ndarray]:
+    """PEFT's `adapter_model.safetensors` tensors: `base_model.model.<HF module>.lora_A.weight` [r, in] and
+    `.lora_B.weight` [out, r] of every layer, from a pure dict of a LoRA run's parameters (float32 as stored)."""
+    if FAMILIES[family].fused:
+        raise SpmdkitError(f"--adapters: {family} fuses its projections (qkv_proj, gate_up_proj): PEFT adapters of "
+                           "fused modules are not written yet; export the merged model instead")  # fmt: skip
+    maps: dict[tuple[str, ...], TensorMap] = {m.path: m for m in tensor_maps(model, family)}
+    tensors = {}
+    for path, a, b in adapter_pairs(params):
+        base = maps[path]
+        a, b = np.asarray(a), np.asarray(b)
+        rank = a.shape[-1]
+        for entry in range(len(base.layers)):
+            name = PEFT_PREFIX + base.hf_name(entry).removesuffix(".weight")
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[entry].reshape(-1, rank).T)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[entry].reshape(rank, -1).T)
+    return tensors
+
+
+def peft_config(lora: LoraConfig, base_model: str | None) -> dict[str, Any]:
+    """PEFT's `adapter_config.json` for `lora` (`peft.LoraConfig`'s keys)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "target_modules": sorted(HF_MODULES[t] for t in lora.target_names), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "base_model_name_or_path": base_model,
+    }  # fmt: skip
+
+
+def write_peft_adapter(
+    out: Path, params: dict[str, Any], model: TransformerConfig, family: str, lora: LoraConfig, base: str | None
+) -> Path:
+    """A PEFT adapter directory in `out` (already created, empty): `adapter_config.json` and
+    `adapter_model.safetensors`, that `peft.PeftModel.from_pretrained(base_model, out)` loads."""
+    from safetensors.numpy import save_file
+
+    tensors = peft_tensors(params, model, family)
+    if not tensors:
+        raise SpmdkitError("--adapters: this checkpoint holds no LoRA adapters (train with --lora.rank R)")
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base), indent=2) + "\n")
+    return out
