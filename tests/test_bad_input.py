@@ -170,6 +170,11 @@ CASES = [
     ([*FRESH, "--lora.rank", "4"], 2, "--lora.rank trains adapters on frozen weights: give them with --init-from"),
     ([*FRESH, "--lora.rank", "4", "--lora.targets", "q,qkv"], 2, "--lora.targets 'q,qkv': qkv is not a projection"),
     ([*FRESH, "--init-from", "{D}/hf", "--lora.rank", "4", "--overlap-tp"], 2, "--lora does not run with --overlap-tp"),
+    (
+        [*FRESH, "--init-from", "{D}/hf", "--lora.rank", "4", "--optimizer.name", "muon"],
+        2,
+        "--lora does not run with --optimizer.name muon",
+    ),
     # -- train: --data DIR (a prepared dataset)
     ([*FRESH, "--data", "{D}/texts"], 2, "{D}/texts is not a prepared dataset (it is a directory without dataset"),
     ([*FRESH, "--data", "{D}/empty"], 2, "{D}/empty is not a prepared dataset"),

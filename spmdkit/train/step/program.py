@@ -192,6 +192,7 @@ def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig) ->
         (mesh.shape["pipeline"] > 1, "a pipeline axis (its schedule computes every parameter's gradients)"),
         (config.mesh.overlap_tp, "--overlap-tp (its collective matmuls bypass the adapted projections)"),
         (config.optimizer.offload, "--optimizer.offload (the adapters' moments are small: keep them on the device)"),
+        (config.optimizer.name == "muon", "--optimizer.name muon (it is set up for the base's matrices)"),
     ):
         if on:
             raise SpmdkitError(f"--lora does not run with {what} yet: drop one")
