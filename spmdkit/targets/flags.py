@@ -57,8 +57,10 @@ OVERLAP_TP_FLAGS = (
 # Compile options for a compile-only GPU target alone. No GPU is there to time the autotuner's candidates, so it
 # compiles the candidate fusion emitters of every fusion and keeps none: the program is the same (its instructions,
 # schedule and buffers; only empty emitter configs differ) at 2-6x the compile time without it. Not with
-# `--overlap-tp`: the windowed einsum's partial GEMMs need the autotuner's configs ("Failed to get configs").
+# `--overlap-tp`: the windowed einsum's partial GEMMs need the autotuner's configs ("Failed to get configs"), nor on
+# jaxlib 0.11, whose XLA then finds no default Triton config for some GEMM fusions ("No supported config found").
 DEVICELESS_OPTIONS: dict[str, bool | int | str] = {"xla_gpu_autotune_level": 0}
+DEVICELESS_SINCE = (0, 12)  # the first jaxlib that compiles every program of the suite without the autotuner
 # How XLA names a flag it refuses: an unknown name, or a value it cannot parse (a value of a flag with its own
 # parser, such as the pipelining modes, is refused without a name: `check_env_flags` then bisects).
 _UNKNOWN_ENV = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)$", re.M)
@@ -78,8 +80,13 @@ def flag_name(flag: str) -> str:
 
 def gpu_compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool | int | str]:
     """`--name=value` flags as `jit(...).lower(...).compile(compiler_options=...)` takes them, for a compile-only
-    GPU target (`DEVICELESS_OPTIONS` added, but with the windowed einsum's flags)."""
-    options: dict[str, bool | int | str] = {} if set(OVERLAP_TP_FLAGS) & set(flags) else dict(DEVICELESS_OPTIONS)
+    GPU target (`DEVICELESS_OPTIONS` added from jaxlib `DEVICELESS_SINCE` on, but with the windowed einsum's
+    flags)."""
+    import jaxlib  # here, not above: commands that never compile read this module too
+
+    recent = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= DEVICELESS_SINCE
+    windowed = set(OVERLAP_TP_FLAGS) & set(flags)
+    options: dict[str, bool | int | str] = dict(DEVICELESS_OPTIONS) if recent and not windowed else {}
     for flag in flags:
         name, _, value = flag.removeprefix("--").partition("=")
         if name in ENUM_OPTIONS:
