@@ -66,17 +66,15 @@ class TrainProgram:
         """The batch's arrays as the data gives them (packed documents add `segment_ids` and `loss_mask`)."""
         return FIELDS[resolve_source(self.config.data).packing]
 
+    def _state_args(self) -> tuple[Any, ...]:
+        """What `abstract_train_state` and `create_train_state` take: model, optimizer, mesh, rules, seed, offload,
+        LoRA."""
+        config = self.config
+        return self.model_config, self.tx, self.mesh, self.rules, config.run.seed, config.optimizer.offload, config.lora
+
     def abstract_state(self) -> TrainState:
         """The train state as `ShapeDtypeStruct`s carrying their shardings: nothing is allocated."""
-        graphdef, abstract, shardings = abstract_train_state(
-            self.model_config,
-            self.tx,
-            self.mesh,
-            self.rules,
-            self.config.run.seed,
-            self.config.optimizer.offload,
-            self.config.lora,
-        )
+        graphdef, abstract, shardings = abstract_train_state(*self._state_args())
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         shapes = jax.tree.map(
             lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
@@ -88,15 +86,7 @@ class TrainProgram:
     def create_state(self) -> TrainState:
         """The train state of this program, initialised on its devices (the moments in host memory under
         `--optimizer.offload`): what `abstract_state` describes."""
-        return create_train_state(
-            self.model_config,
-            self.tx,
-            self.mesh,
-            self.rules,
-            self.config.run.seed,
-            self.config.optimizer.offload,
-            self.config.lora,
-        )
+        return create_train_state(*self._state_args())
 
     def abstract_batch(self, keys: Sequence[str]) -> dict[str, jax.ShapeDtypeStruct]:
         """int32 [batch, seq] `ShapeDtypeStruct`s named by `keys`, sharded as the step takes them."""
