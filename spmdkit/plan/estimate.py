@@ -70,6 +70,7 @@ from collections.abc import Callable, Mapping
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
@@ -265,6 +266,7 @@ def estimate(
     seq_len: int = 4096,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
+    lora: LoraConfig | None = None,
 ) -> Estimate:
     """Memory, traffic, bubble, step time and MFU of one layout; the model's `dtype` and `remat` are used.
 
@@ -272,7 +274,7 @@ def estimate(
     or a string like "data=2,tensor=4" (`devices` fills a -1); `batch_size` in sequences (default: about 1M
     tokens, a multiple of data x fsdp); the strategy's microbatches default to 1, or with a pipeline to one sequence
     per data-parallel rank per microbatch (`Layout.of`); `efficiency`: achieved share of peak FLOP/s;
-    `comm_efficiency`: achieved share of link bandwidth.
+    `comm_efficiency`: achieved share of link bandwidth; `lora`: LoRA adapters train on the frozen model.
     """
     m = model_preset(model) if isinstance(model, str) else model
     dev = make_device(device) if isinstance(device, str) else device
@@ -280,7 +282,7 @@ def estimate(
         raise SpmdkitError(f"efficiencies must be in (0, 1], got {efficiency} and {comm_efficiency}")
     if not isinstance(layout, Strategy):
         layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
-    planned = Layout.of(m, layout, devices, batch_size, seq_len)
+    planned = Layout.of(m, layout, devices, batch_size, seq_len, lora)
     check_layout(planned)
     return evaluate(planned, dev, efficiency, comm_efficiency)
 
@@ -312,6 +314,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
     # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
     extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
+    extra += lora_flops(s) * s.batch_size * s.seq_len
     local = kernel.removeprefix("ulysses_")  # the kernel per device
     if local != "dot":
         extra += attention_forward / 2
@@ -345,6 +348,21 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         mfu=model_flops / (step * devices * mixed_peak(dev, m.fp8_flops_per_token() / m.flops_per_token(s.seq_len))),
         host_bytes=host + moments, offload_s=offload_s, attention=kernel, ulysses=s.ulysses,
     )  # fmt: skip
+
+
+def lora_flops(s: Layout) -> float:
+    """FLOPs per token that LoRA changes (0 without it): the frozen weights' gradients are not computed (-2 per
+    matrix weight: the embedding lookup, norms and biases never cost any), each adapter weight costs 6."""
+    if s.lora is None or not s.lora.enabled:
+        return 0.0
+    vector = ("norm", "bias")
+    tied = s.model.tie_embeddings  # a tied table is the LM head's matrix
+    frozen = sum(
+        p.nbytes / p.element_bytes for p in s.params
+        if not p.trained and (p.name != "embedding" or tied) and not p.name.endswith(vector)
+    )  # fmt: skip
+    adapters = sum(p.nbytes / p.element_bytes for p in s.params if p.trained)
+    return 6 * adapters - 2 * frozen
 
 
 @functools.cache

@@ -9,6 +9,12 @@ experts], expert gate/up [experts, embed, mlp] and down [experts, mlp, embed], a
 `shared_expert`); the biases and q/k norms the config asks for sit beside their weights (`attention.q_bias`,
 `attention.q_norm`, `mlp.down_bias`).
 
+LoRA (`--lora.rank`, `spmdkit.models.lora`): each targeted projection W [layers, *in, *out] of a stack gets, beside
+it, A `W_lora_a` [layers, *in, rank] (W's input names, the rank dim None) and B `W_lora_b` [layers, rank, *out] (its
+output names), stored in the parameter dtype; only they train (gradients and AdamW moments). The frozen base keeps
+no gradient and no moment, and is stored as `BASE_BYTES` says of its storage (`base_storage`: the parameter dtype, or
+a QLoRA quantization).
+
 MoE dispatch (`spmdkit.parallel.experts`): a sequence of S tokens sends at most C = min(S, ceil(capacity_factor x
 S x top_k / E)) tokens to each of the E experts, so the experts compute E x C slots per sequence (padding
 included) instead of top_k x S tokens. Dropless runs the same program with C = S whenever the batch is split
@@ -24,6 +30,7 @@ import math
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora_config import PROJECTIONS, LoraConfig
 from spmdkit.models.matrices import matrix_axes
 from spmdkit.parallel.capacity import capacity
 from spmdkit.parallel.pipeline.schedule import check_arguments, check_layers, check_pipelinable
@@ -34,6 +41,10 @@ from spmdkit.sharding.strategy import Strategy, mesh_text
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BATCH_AXES = make_rules().params["batch"]  # every axis the sequences are split over
 UNSTACKED = ("embedding", "final_norm", "lm_head")
+# Bytes per element of a frozen LoRA base as stored, by its storage (`base_storage`): the parameter dtypes, and
+# QLoRA's quantized weights (their per-channel or per-block scales left out: a few bytes per row or block).
+BASE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "nf4": 0.5}
+IN_DIMS = {"o": 2}  # a projection's input dims (A's): o [heads, head_dim, embed] contracts two, the others one
 
 Param = tuple[str, tuple[int, ...], tuple[str | None, ...]]
 
@@ -111,6 +122,30 @@ def parameters(m: TransformerConfig) -> list[Param]:
     return [*out, ("final_norm", (E,), ("norm",)), *head]
 
 
+def base_storage(m: TransformerConfig, lora: LoraConfig | None) -> str:
+    """How a LoRA run stores its frozen base: QLoRA's quantization (`lora.quantize`, where the config has it) or the
+    parameter dtype; the key of `BASE_BYTES`."""
+    quantize = getattr(lora, "quantize", None)  # the QLoRA hook: `--lora.quantize int8|nf4`
+    return quantize if quantize and quantize != "none" else m.param_dtype
+
+
+def adapters(m: TransformerConfig, lora: LoraConfig) -> list[Param]:
+    """(model path, shape, logical names) of the LoRA adapters qwix adds (module docstring), stacked as their
+    weights; the stacks' blocks in `parameters` order, each target in `lora.target_names` order."""
+    shapes = {name: (shape, names) for name, shape, names in parameters(m)}
+    out: list[Param] = []
+    for stack in ("blocks", "moe_blocks"):
+        for target in lora.target_names:
+            found = shapes.get(f"{stack}.{PROJECTIONS[target][0]}.{target}")
+            if found is None:  # an MoE block's routed MLP has no dense gate/up/down (check_lora refuses MoE)
+                continue
+            (count, *shape), (_, *names) = found
+            k, r, path = IN_DIMS.get(target, 1), lora.rank, f"{stack}.{PROJECTIONS[target][0]}.{target}"
+            out.append((f"{path}_lora_a", (count, *shape[:k], r), ("layers", *names[:k], None)))
+            out.append((f"{path}_lora_b", (count, r, *shape[k:]), ("layers", None, *names[k:])))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
@@ -125,6 +160,8 @@ class Sharded:
     divisor: dict[str, tuple[int, int]]
     routed: bool = False
     matrix: bool = False  # a hidden matrix (`spmdkit.models.matrices`): Muon keeps one moment for it, not two
+    trained: bool = True  # False: a LoRA run's frozen base (no gradient, no optimizer state)
+    element_bytes: float = 4.0  # as stored (`nbytes` / elements): float32, or the frozen base's `BASE_BYTES`
 
     @property
     def stacked(self) -> bool:
@@ -145,15 +182,22 @@ def state_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @functools.cache
-def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) -> tuple[Sharded, ...]:
+def sharded(
+    m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int, lora: LoraConfig | None = None
+) -> tuple[Sharded, ...]:
     """Every parameter under the rules, as `logical_to_spec` lays it out: each dim takes the mesh axes of its
     logical name that are > 1 and not yet used by the array; kv_heads replicate when the axes do not divide them.
     Each kind of tensor has its rule table: the value, its optimizer moments, its gradient (ZeRO-2 lays gradients
-    out like the optimizer state)."""
+    out like the optimizer state). With `lora` enabled the model's own parameters are a frozen base (`BASE_BYTES`
+    per element) and its adapters follow them (trained, in the parameter dtype)."""
     sizes, out, rules = dict(mesh), [], make_rules(zero)
     grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
     tables = {"params": rules.params, "optimizer": rules.optimizer, "grads": grads}
-    for name, shape, names in parameters(m):
+    tuned = lora is not None and lora.enabled
+    frozen = BASE_BYTES[base_storage(m, lora)] if tuned else 4.0
+    inventory = [(p, frozen, not tuned) for p in parameters(m)]
+    inventory += [(p, float(DTYPE_BYTES[m.param_dtype]), True) for p in (adapters(m, lora) if tuned else [])]
+    for (name, shape, names), element, trained in inventory:
         axes = {}
         for kind, table in tables.items():
             axes[kind] = []
@@ -176,7 +220,9 @@ def sharded(m: TransformerConfig, mesh: tuple[tuple[str, int], ...], zero: int) 
         }
         kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
         matrix = matrix_axes(name, names) is not None
-        out.append(Sharded(name, 4 * math.prod(shape), *kinds, divisor, routed="experts" in names, matrix=matrix))
+        out.append(
+            Sharded(name, element * math.prod(shape), *kinds, divisor, "experts" in names, matrix, trained, element)
+        )
     return tuple(out)
 
 
@@ -189,10 +235,17 @@ class Layout(Strategy):
     model: TransformerConfig
     batch_size: int
     seq_len: int
+    lora: LoraConfig | None = None  # enabled: the model is a frozen base under trained adapters
 
     @classmethod
     def of(
-        cls, model: TransformerConfig, strategy: Strategy, devices: int | None, batch_size: int | None, seq_len: int
+        cls,
+        model: TransformerConfig,
+        strategy: Strategy,
+        devices: int | None,
+        batch_size: int | None,
+        seq_len: int,
+        lora: LoraConfig | None = None,
     ) -> Layout:
         """`strategy`'s mesh resolved for `devices` (which fill a -1); `batch_size` None: about 1M tokens, a
         multiple of the batch axes; microbatches None: 1, or one sequence per batch shard per pipeline microbatch."""
@@ -201,7 +254,7 @@ class Layout(Strategy):
         batch_size = batch_size or replicas * max(1, round(2**20 / seq_len / replicas))
         settings = {**dataclasses.asdict(strategy), "mesh": mesh_text(sizes)}
         settings["microbatches"] = strategy.microbatches or (batch_size // replicas if sizes["pipeline"] > 1 else 1)
-        return cls(**settings, model=model, batch_size=batch_size, seq_len=seq_len)
+        return cls(**settings, model=model, batch_size=batch_size, seq_len=seq_len, lora=lora)
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:
@@ -212,12 +265,15 @@ class Layout(Strategy):
 
     def local(self, p: Sharded, kind: str, gathered: bool = False) -> float:
         """Bytes of `p` (value, optimizer moment or gradient) on a device; `gathered`: as if not split over the
-        state axes (fsdp, context)."""
+        state axes (fsdp, context). A frozen parameter has no gradient and no moments (0)."""
+        if kind != "params" and not p.trained:
+            return 0.0
         return p.nbytes / p.divisor[kind][gathered]
 
     @functools.cached_property
     def params(self) -> tuple[Sharded, ...]:
-        return sharded(self.model, tuple(self.sizes.items()), self.zero)
+        lora = self.lora if self.lora is not None and self.lora.enabled else None
+        return sharded(self.model, tuple(self.sizes.items()), self.zero, lora)
 
     @property
     def a(self) -> int:

@@ -51,9 +51,10 @@ from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.block_plan import BlockPlan
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.models.config import TransformerConfig, loss_chunks
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.remat import RematPolicy
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
-from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout
+from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
@@ -180,12 +181,34 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     return kept, (none if policy.recomputes else 0.0)
 
 
-def _layer_bytes(s: Layout, gathered: bool) -> float:
-    """float32 bytes of the largest layer (dense or MoE) on a device, as the math sees it (`gathered`: whole over
-    fsdp) or as stored."""
+def lora_activation_bytes(m: TransformerConfig, lora: LoraConfig, T: int) -> tuple[float, float]:
+    """What LoRA adds to `activation_bytes` per token and layer (kept, kept without remat): each targeted
+    projection's x A [rank] (dB reads it), a r per target, kept under none and the dots policies; the dots
+    policies also keep the adapters' product x A B beside x W where the backward reads their sum (q, k, v, gate,
+    up: its output width on a device). Full remat and the named policies keep neither (they recompute them)."""
+    a, d = DTYPE_BYTES[m.dtype], m.head_dim
+    K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
+    widths = {"q": m.heads / T * d, "k": K * d, "v": K * d, "gate": m.mlp / T, "up": m.mlp / T}
+    ranks = a * lora.rank * len(lora.target_names)
+    policy = m.remat_policy
+    if policy.named or policy.full:
+        return 0.0, ranks
+    products = a * sum(widths.get(t, 0.0) for t in lora.target_names) if policy.kind.startswith("dots") else 0.0
+    return ranks + products, ranks
+
+
+def _layer_bytes(s: Layout, kind: str) -> float:
+    """Bytes of the largest layer (dense or MoE) on a device, whole over fsdp: its weights cast to the compute
+    dtype (`kind` "compute": what ZeRO-3 gathers) or its float32 gradient ("grads": none for a frozen base)."""
     counts = {"blocks": s.model.layers - s.model.moe_layers, "moe_blocks": s.model.moe_layers}
+
+    def local(p: Sharded) -> float:
+        if kind == "compute":
+            return s.local(p, "params", gathered=True) * s.a / p.element_bytes
+        return s.local(p, kind, gathered=True)
+
     return max(
-        sum(s.local(p, "params", gathered) for p in s.params if p.stack == stack) * s["pipeline"] / count
+        sum(local(p) for p in s.params if p.stack == stack) * s["pipeline"] / count
         for stack, count in counts.items()
         if count
     )
@@ -196,6 +219,9 @@ def _kept(s: Layout, platform: str | None, capability: int) -> tuple[float, floa
     m, T = s.model, s["tensor"]
     sp, C = s.sequence_parallel, s["context"]
     kept, recompute = activation_bytes(m, T, sp, C, s.seq_len, platform, capability, s.context_parallel)
+    if s.lora is not None and s.lora.enabled:
+        lora_kept, lora_none = lora_activation_bytes(m, s.lora, T)
+        kept, recompute = kept + lora_kept, max(0.0, recompute + lora_none - lora_kept)
     if m.moe_layers:  # per layer on average; the recomputed layer is the larger of the two kinds
         moe_kept, moe_recompute = moe_activation_bytes(m, T, s.slots / s.seq_len)
         kept, recompute = kept + moe_kept * m.moe_layers / m.layers, recompute + max(0.0, moe_recompute)
@@ -232,12 +258,13 @@ def _gradients(s: Layout) -> float:
     if s["pipeline"] == 1 and s.microbatches > 1:
         kind = "params" if manual_region(s) else "grads"
         vocab = s.model.vocab_size / (1 if s.sequence_parallel else s["tensor"])
-        return 3 * sum(s.local(p, kind) for p in s.params) + s.a * vocab * s.model.embed
+        embedding = next(p for p in s.params if p.name == "embedding").trained  # a LoRA base's is frozen
+        return 3 * sum(s.local(p, kind) for p in s.params if p.trained) + embedding * s.a * vocab * s.model.embed
     grads = sum(s.local(p, "grads") for p in s.params)
     if s["pipeline"] > 1 and s.schedule != "gpipe":  # 1F1B's tick loop carries a float32 accumulator of the stage's
         # layers laid out as their parameters (the loop is manual over the batch axes: ZeRO-2's split comes after
         # it), live beside the reduced gradient (XLA 0.11 on; measured on H100 compiles, docs/jax-limits.md)
-        grads += sum(s.local(p, "params") for p in s.params if p.stacked)
+        grads += sum(s.local(p, "params") for p in s.params if p.stacked and p.trained)
     return grads
 
 
@@ -249,11 +276,11 @@ def _loss_phase(s: Layout) -> dict[str, float]:
     accumulating = s["pipeline"] == 1 and manual_region(s)  # the replica axes are manual around the loss
     manual = ({"data", "fsdp"} if s.zero < 3 else {"data"}) if accumulating else set()
     token_axes = [x for x in (*BATCH_AXES, "context") if s[x] > 1 and x not in manual]
-    whole = s.local(head, "params", gathered="fsdp" in token_axes)  # float32 [E, V/T] as the loss sees it
+    whole = s.local(head, "params", gathered="fsdp" in token_axes)  # [E, V/T] as stored, as the loss sees it
     mb = s.tokens / s.microbatches
     return {
-        "gradients": whole,
-        "compute_copies": whole * a / 4,
+        "gradients": whole * head.trained,  # float32; a LoRA base's head is frozen
+        "compute_copies": whole * a / head.element_bytes,
         "activations": mb * (m.vocab_size / T * 4 * 2 / chunks + m.embed * a + 4),
     }
 
@@ -270,15 +297,16 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     m, a, E, T = s.model, s.a, s.model.embed, s["tensor"]
     kept, recompute, kernel = _kept(s, platform, capability)
     mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] * s["context"] > 1
-    stacked = sum(s.local(p, "params") for p in s.params if p.stacked)
+    # the stacked weights cast to the compute dtype (those stored in it need no copy)
+    stacked = sum(s.local(p, "params") * a / p.element_bytes for p in s.params if p.stacked and p.element_bytes != a)
     persistent = {
         "parameters": sum(s.local(p, "params") for p in s.params),
         "optimizer": 0.0 if s.offload else optimizer_bytes(s),  # offloaded: host memory (Estimate.host_bytes)
-        "compute_copies": (stacked * a / 4 if not m.remat_policy.recomputes and a != 4 else 0.0) + _relayouts(s),
+        "compute_copies": (stacked if not m.remat_policy.recomputes else 0.0) + _relayouts(s),
         "activations": _residuals(s, kept),
     }
-    layer = _layer_bytes(s, gathered=True)
-    layers = 2 * layer * a / 4 if gathers else 0.0  # two gathered layers, cast before the all-gather
+    layer = _layer_bytes(s, "grads")
+    layers = 2 * _layer_bytes(s, "compute") if gathers else 0.0  # two gathered layers, cast before the all-gather
     tp = 2 * mb * E * a if T > 1 else 0.0
     scratch = attention_scratch(m, T, s.seq_len, mb / s.seq_len, kernel)
     C, U = s["context"], s.ulysses  # 2D: a ring of C / U positions over heads / (T U) heads

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.plan.devices import Device
 from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, planner_platform
 from spmdkit.plan.layout import Layout, check_layout
@@ -49,7 +50,8 @@ def candidate_meshes(
 
 def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, seq_len: int, zero: int | None,
               sequence_parallel: bool | None, remat: str | None, microbatches: int | None, schedule: str | None,
-              virtual_stages: int | None, offload: bool, muon: bool) -> list[list[Layout]]:  # fmt: skip
+              virtual_stages: int | None, offload: bool, muon: bool,
+              lora: LoraConfig | None = None) -> list[list[Layout]]:  # fmt: skip
     """Layouts to try on `mesh`: per (ZeRO stage, context algorithm, pipeline schedule), every remat policy (least
     recompute first) with every microbatch count. Settings left None are searched: ZeRO 2 and 3 where fsdp x context
     > 1 (the state axes); SP wherever tensor > 1; 1F1B and interleaved (v=2) pipelines; accumulation steps (powers
@@ -72,7 +74,9 @@ def _variants(model: TransformerConfig, mesh: dict[str, int], batch_size: int, s
         else:
             counts = [c for c in sorted({P, 2 * P, 4 * P, 8 * P, local_batch}) if local_batch % c == 0 and c >= P]
         counts = [c for c in counts if c <= LIMITS["--microbatches"][0]] or counts[:1]
-        layout = functools.partial(Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len, muon=muon)
+        layout = functools.partial(
+            Layout, mesh_text(mesh), z, sp, batch_size=batch_size, seq_len=seq_len, muon=muon, lora=lora
+        )
         policies = [remat] if remat else REMAT_ORDER
         out.append(
             [layout(M, sched, v, offload, cp, u, model=model.replace(remat=r)) for r in policies for M in counts]
@@ -106,6 +110,7 @@ def search(
     virtual_stages: int | None = None,
     offload: bool = False,
     muon: bool = False,
+    lora: LoraConfig | None = None,
     efficiency: float = 0.5,
     comm_efficiency: float = 0.8,
 ) -> tuple[list[Estimate], Estimate | None]:
@@ -114,9 +119,12 @@ def search(
     Per mesh and per (ZeRO stage, schedule) of `_variants`: the fastest remat policy and microbatch count that fit
     (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch).
     Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout keeps the optimizer state in
-    host memory (`--optimizer.offload`); `muon`: the optimizer is Muon (`--optimizer.name muon`)."""
+    host memory (`--optimizer.offload`); `muon`: the optimizer is Muon (`--optimizer.name muon`); `lora`: only LoRA
+    adapters train on a frozen base (`--lora.rank`), and no pipeline is tried (LoRA does not run with one)."""
     fitting, smallest = [], (math.inf, None)
-    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload, muon)
+    settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload, muon, lora)
+    if lora is not None and lora.enabled:
+        meshes = [mesh for mesh in meshes if mesh["pipeline"] == 1]
     for mesh in meshes:
         for layouts in _variants(model, mesh, batch_size, seq_len, *settings):
             fit = []

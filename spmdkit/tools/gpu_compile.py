@@ -105,7 +105,7 @@ def remat_that_fits(config: TrainConfig, devices: list[Any], usable: int, state_
     for policy in lighter:
         trial = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
         options = gpu_compiler_options(run_flags(config.mesh.overlap_tp))
-        compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices)), options)
+        compiled, _ = compile_with_options(lower_train_step(build_program(trial, devices, abstract=True)), options)
         if memory_bytes(compiled)["total"] <= usable:
             return policy
     return None
@@ -252,7 +252,7 @@ def compile_for_target(
     """Compile `config`'s train step for `devices` GPUs of `target` (`per_host` per host); the report as a dict
     (`with_roofline`: its "roofline" too, `roofline_report`)."""
     gpus = target_devices(target, devices, per_host)
-    program = build_program(config, gpus)
+    program = build_program(config, gpus, abstract=True)
     started = time.perf_counter()
     options = gpu_compiler_options(run_flags(config.mesh.overlap_tp))  # --overlap-tp: windowed einsum flags too
     compiled, dropped = compile_with_options(lower_train_step(program), options)

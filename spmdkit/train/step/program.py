@@ -121,7 +121,7 @@ def layout(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> Layout:
         mesh_text(mesh.shape), settings.zero, settings.sequence_parallel, microbatches(config, mesh),
         settings.pipeline_schedule, settings.virtual_stages, config.optimizer.offload, settings.context_parallel,
         settings.ulysses or 1, config.optimizer.name == "muon", model=model,
-        batch_size=run.batch_size, seq_len=run.seq_len,
+        batch_size=run.batch_size, seq_len=run.seq_len, lora=config.lora if config.lora.enabled else None,
     )  # fmt: skip
 
 
@@ -171,11 +171,12 @@ def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
 
 
-def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> None:
-    """Refuse, in one line each, what `--lora.rank` does not combine with yet."""
+def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig, abstract: bool = False) -> None:
+    """Refuse, in one line each, what `--lora.rank` does not combine with yet; `abstract`: the program is only
+    compiled (`spmdkit compile`), on a base of shapes, so it needs no `--init-from` weights."""
     if not config.lora.enabled:
         return
-    if not config.model.init_from:
+    if not config.model.init_from and not abstract:
         raise SpmdkitError("--lora.rank trains adapters on frozen weights: give them with --init-from HF_DIR")
     check_lora(model, config.lora)
     for on, what in (
@@ -207,10 +208,11 @@ def ulysses_factor(factor: int | None, sizes: Mapping[str, int], model: Transfor
     return factor
 
 
-def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> TrainProgram:
+def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abstract: bool = False) -> TrainProgram:
     """The program of `config` on `devices` (default: every device of every process). Everything the mesh, model
     and batch must agree on is checked here, before any array exists; an explicit attention kernel that cannot run
-    on these devices is an error now."""
+    on these devices is an error now. `abstract`: only its `abstract_state` will be used (`spmdkit compile`), so
+    LoRA's frozen base needs no weights."""
     config = resolve_config(config)
     mesh = make_mesh(MeshConfig.parse(config.mesh.mesh, config.mesh.dcn), devices)
     model = config.model.build()
@@ -231,7 +233,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None) -> 
     check_layout(layout(config, mesh, model))
     run, pipeline = config.run, None
     check_levers(model, rules, mesh)
-    check_lora_run(config, mesh, model)
+    check_lora_run(config, mesh, model, abstract)
     if mesh.shape["pipeline"] > 1:
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
