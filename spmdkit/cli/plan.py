@@ -13,6 +13,8 @@ from pathlib import Path
 from spmdkit.cli.args import ArgumentParser, flag_values
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import source_model
+from spmdkit.models.config import TransformerConfig
+from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS
 from spmdkit.models.resolve import build_model
 from spmdkit.parallel.pipeline.schedule import KINDS as SCHEDULES
@@ -69,6 +71,12 @@ def parser() -> ArgumentParser:
         help="the optimizer whose state is counted "
         "(train's --optimizer.name; muon: one moment for hidden matrices, AdamW's two for the rest)",
     )
+    add(
+        "--lora-rank", type=int, default=0,
+        help="LoRA rank (train's --lora.rank): only the adapters train, so gradients and optimizer state are theirs "
+        "alone; the frozen base is counted as stored (default: 0, every parameter trains)",
+    )  # fmt: skip
+    add("--lora-targets", default=LoraConfig.targets, help="projections with adapters (train's --lora.targets)")
     add("--pipeline-schedule", help=f"{', '.join(SCHEDULES)} (default: search 1f1b and interleaved)")
     add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
     add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
@@ -109,6 +117,21 @@ def _check_args(args: argparse.Namespace) -> None:
             raise SpmdkitError(f"--plot {args.plot}: directory {plot.parent} is not writable")
 
 
+def lora_of(args: argparse.Namespace, model: TransformerConfig) -> LoraConfig | None:
+    """The LoRA settings of `--lora-rank` / `--lora-targets` (None without them), refused in one line where
+    train refuses them (`spmdkit.models.lora.check_lora`)."""
+    if not args.lora_rank:
+        return None
+    lora = LoraConfig(rank=args.lora_rank, targets=args.lora_targets)
+    if model.experts:
+        raise SpmdkitError("--lora-rank on a mixture-of-experts model is not supported yet: drop --lora-rank")
+    if model.fp8:
+        raise SpmdkitError("--lora-rank with --fp8: the adapters do not wrap the FP8 matmuls yet; drop one")
+    if args.inference:
+        raise SpmdkitError("--lora-rank plans training: drop it with --inference (merge the adapters to serve)")
+    return lora
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(list(argv))
 
@@ -140,6 +163,7 @@ def main(argv: Sequence[str]) -> int:
     )
     dev = make_device(args.device_type, **flag_values(args, *DEVICE_FLAGS))
     _check_args(args)
+    lora = lora_of(args, model)
     if args.inference:
         return inference(args, dev)
     if args.mesh:
@@ -153,7 +177,7 @@ def main(argv: Sequence[str]) -> int:
         model, meshes, dev, batch, args.seq_len, zero=args.zero, sequence_parallel=args.sequence_parallel,
         remat=args.remat, microbatches=args.microbatches, schedule=args.pipeline_schedule,
         virtual_stages=args.virtual_stages, offload=args.optimizer_offload, muon=args.optimizer_name == "muon",
-        efficiency=args.efficiency,
+        lora=lora, efficiency=args.efficiency,
     )  # fmt: skip
     if args.mesh and smallest is None:  # no setting could run on this mesh: raise its own error
         given = Strategy(
@@ -161,7 +185,7 @@ def main(argv: Sequence[str]) -> int:
             args.microbatches, args.pipeline_schedule or "1f1b", args.virtual_stages or 1, args.optimizer_offload,
             muon=args.optimizer_name == "muon",
         )  # fmt: skip
-        estimate(model, given, device=dev, batch_size=batch, seq_len=args.seq_len)
+        estimate(model, given, device=dev, batch_size=batch, seq_len=args.seq_len, lora=lora)
     if not fitting and not (args.mesh and smallest):
         raise SpmdkitError(
             f"no layout of {args.devices} x {dev.name} fits {args.model} with batch {batch} x {args.seq_len}"
@@ -176,7 +200,8 @@ def main(argv: Sequence[str]) -> int:
         report = {"recommended": best.to_dict(), "explanation": why, "candidates": [e.to_dict() for e in shown]}
         print(json.dumps(report, indent=1))
     else:
-        title = f"spmdkit plan: {args.model} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node)"
+        tuned = f" LoRA rank {lora.rank}" if lora else ""
+        title = f"spmdkit plan: {args.model}{tuned} on {args.devices} x {dev.name} ({dev.gpus_per_node} per node)"
         print(f"{title}, batch {batch} x {args.seq_len} tokens, {args.dtype}; {len(fitting)} layouts on {len(meshes)}"
               " meshes fit")  # fmt: skip
         print(format_table(shown))

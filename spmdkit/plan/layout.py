@@ -349,4 +349,8 @@ def check_layout(s: Layout) -> None:
         raise SpmdkitError("dense MoE dispatch (the reference) is not expert-parallel: use capacity or dropless")
     if P > 1:
         check_pipelinable(m.moe_layers, C)
+    if P > 1 and s.lora is not None and s.lora.enabled:
+        raise SpmdkitError(
+            "--lora does not run with a pipeline axis (its schedule computes every parameter's gradients) yet: drop one"
+        )
     s.params  # noqa: B018  (raises if an axis does not divide a parameter)

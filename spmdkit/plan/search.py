@@ -120,11 +120,9 @@ def search(
     (full remat without accumulation can beat lighter remat that needs it: FSDP gathers again per microbatch).
     Layouts spmdkit cannot run (indivisible sizes) are skipped. `offload`: every layout keeps the optimizer state in
     host memory (`--optimizer.offload`); `muon`: the optimizer is Muon (`--optimizer.name muon`); `lora`: only LoRA
-    adapters train on a frozen base (`--lora.rank`), and no pipeline is tried (LoRA does not run with one)."""
+    adapters train on a frozen base (`--lora.rank`)."""
     fitting, smallest = [], (math.inf, None)
     settings = (zero, sequence_parallel, remat, microbatches, schedule, virtual_stages, offload, muon, lora)
-    if lora is not None and lora.enabled:
-        meshes = [mesh for mesh in meshes if mesh["pipeline"] == 1]
     for mesh in meshes:
         for layouts in _variants(model, mesh, batch_size, seq_len, *settings):
             fit = []

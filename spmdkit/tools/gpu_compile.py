@@ -119,7 +119,9 @@ def planner_layout(program: TrainProgram, target: str, devices: int, per_host: i
     # the attention *setting* (auto: ring where a candidate has a context axis), not the kernel of this mesh
     model = program.model_config.replace(attention=program.config.model.attention)
     meshes = list(candidate_meshes(model, devices, per_host, run.batch_size, run.seq_len))
-    fitting, _ = search(model, meshes, make_device(target, gpus_per_node=per_host), run.batch_size, run.seq_len)
+    lora = program.config.lora if program.config.lora.enabled else None
+    device = make_device(target, gpus_per_node=per_host)
+    fitting, _ = search(model, meshes, device, run.batch_size, run.seq_len, lora=lora)
     if not fitting:
         return None
     best = fitting[0]
