@@ -71,12 +71,7 @@ def parser() -> ArgumentParser:
         help="the optimizer whose state is counted "
         "(train's --optimizer.name; muon: one moment for hidden matrices, AdamW's two for the rest)",
     )
-    add(
-        "--lora-rank", type=int, default=0,
-        help="LoRA rank (train's --lora.rank): only the adapters train, so gradients and optimizer state are theirs "
-        "alone; the frozen base is counted as stored (default: 0, every parameter trains)",
-    )  # fmt: skip
-    add("--lora-targets", default=LoraConfig.targets, help="projections with adapters (train's --lora.targets)")
+    add_lora_flags(parser)
     add("--pipeline-schedule", help=f"{', '.join(SCHEDULES)} (default: search 1f1b and interleaved)")
     add("--virtual-stages", type=int, help="virtual stages per device for the interleaved schedule")
     add("--efficiency", type=float, default=0.5, help="achieved share of peak FLOP/s (default: 0.5)")
@@ -91,6 +86,17 @@ def parser() -> ArgumentParser:
     add("--json", action="store_true", help="print JSON instead of text")
     add("--plot", metavar="FILE.png", help="write memory and step-time bars of the listed layouts")
     return parser
+
+
+def add_lora_flags(parser: ArgumentParser) -> None:
+    """`--lora-rank` and `--lora-targets`: plan a LoRA run (train's `--lora.rank`, `--lora.targets`)."""
+    add = parser.add_argument
+    add(
+        "--lora-rank", type=int, default=0,
+        help="LoRA rank (train's --lora.rank): only the adapters train, so gradients and optimizer state are theirs "
+        "alone; the frozen base is counted as stored (default: 0, every parameter trains)",
+    )  # fmt: skip
+    add("--lora-targets", default=LoraConfig.targets, help="projections with adapters (train's --lora.targets)")
 
 
 def _check_args(args: argparse.Namespace) -> None:

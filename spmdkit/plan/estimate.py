@@ -312,9 +312,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     repeated = {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}
     extra = padding + repeated.get(m.remat_policy.kind, 0.0)
     extra += named_recompute_flops(m, s.seq_len) * s.batch_size * s.seq_len  # spmdkit.plan.remat_cost
-    # The loss recomputes its logits in the backward; the O(seq) attention kernels recompute q k^T there.
-    extra += 2 * m.embed * m.vocab_size * s.batch_size * s.seq_len
-    extra += lora_flops(s) * s.batch_size * s.seq_len
+    # The loss recomputes its logits in the backward, the O(seq) attention kernels q k^T; LoRA: `lora_flops`.
+    extra += (2 * m.embed * m.vocab_size + lora_flops(s)) * s.batch_size * s.seq_len
     local = kernel.removeprefix("ulysses_")  # the kernel per device
     if local != "dot":
         extra += attention_forward / 2
