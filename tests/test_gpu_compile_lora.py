@@ -50,3 +50,10 @@ def test_train_still_needs_the_base_weights():
     """Only a compile takes an abstract base: `spmdkit train`'s program refuses LoRA without `--init-from`."""
     with pytest.raises(SpmdkitError, match="--init-from"):
         build_program(parse_flags(FLAGS.split(), TrainConfig()), target_devices("h100", 4, 4))
+
+
+def test_compile_decode_refuses_adapters_in_one_line():
+    from spmdkit.cli.compile import parse
+
+    with pytest.raises(SpmdkitError, match="--decode compiles generation, which runs merged weights"):
+        parse("--decode --model tiny --lora.rank 4".split())

@@ -35,7 +35,8 @@ def parser() -> ArgumentParser:
         "kernel and the collectives in the compiled program, its FLOPs (loops multiplied, a pipeline's branches as "
         "its schedule runs them) and the planner's prediction; a layout that does not fit exits 1 and names a remat "
         "policy that does, if one does. Every flag of spmdkit train is accepted (--model, --mesh, --seq-len, "
-        "--batch-size, --model.remat, --config, ...).",
+        "--batch-size, --model.remat, --config, ...); LoRA (--lora.rank) compiles on a base of shapes, without "
+        "--init-from weights.",
     )
     parser.add_argument("--target", default="h100", help=f"the GPU: {', '.join(TARGETS)} (default h100)")
     parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (default 8)")
@@ -61,7 +62,10 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, object]:
     known, rest = parser().parse_known_args(list(argv))
     if "--cpu-devices" in rest or any(a.startswith("--cpu-devices=") for a in rest):
         raise SpmdkitError("spmdkit compile compiles for --target GPUs: drop --cpu-devices")
-    return parse_flags(rest, config_from_toml(known.config) if known.config else TrainConfig()), known
+    config = parse_flags(rest, config_from_toml(known.config) if known.config else TrainConfig())
+    if known.decode and config.lora.enabled:  # generation runs a merged model: the adapters would be left out
+        raise SpmdkitError("--decode compiles generation, which runs merged weights: drop --lora.rank")
+    return config, known
 
 
 def main(argv: Sequence[str]) -> int:
