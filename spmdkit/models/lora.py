@@ -1,4 +1,5 @@
-"""Low-rank adapters on the model's projections, added by qwix (`qwix.LoraProvider`, `qwix.apply_lora_to_model`).
+"""Low-rank adapters on the model's projections, added by qwix (`qwix.LoraProvider`, `qwix.apply_lora_to_model`),
+over a frozen base held in the parameter dtype or, for QLoRA, quantized.
 
 qwix adds LoRA by intercepting the calls a module makes while one of its methods runs: where a rule matches the
 module's path, a projection y = x W gets + (alpha / rank) x x A B, and qwix creates A and B as `nnx.LoRAParam`s
@@ -21,6 +22,17 @@ qwix's own LoRA einsum does not work on spmdkit's projections as they were writt
   time under the same `nnx.vmap` that stacks the blocks (`_adapt_stack`): qwix runs each block once on a dummy
   input and the adapters come out stacked on the `layers` dim like every other parameter. Each block's class is
   qwix's intercepting subclass, so the scan's body runs the adapters.
+
+QLoRA (`--lora.quantize int8|nf4`) is qwix's own: the rule gets a `weight_qtype`, as `LoraRule(weight_qtype=...)`
+does for qwix's PTQ provider, and on that first pass every projection of the blocks (targeted or not) is quantized
+by qwix's `create_quantized_param`, which replaces the weight in its module by a `WithAux` of a `QArray`: for q
+[embed, heads, head_dim] qvalue [embed, heads, head_dim] (int8, or nf4 codes) and a scale [1, heads, head_dim] in
+the parameter dtype (one per output channel; nf4 one per 64 inputs where the contracted dim divides by 64), both
+`nnx.Param`s with W's logical names (the scale's size-1 dims named None), stacked on `layers` like the rest. The
+train state holds them instead of W (`{"array": {"qvalue", "scale"}}` in its pure dict); the projection
+dequantizes in the compute dtype (qwix's einsum). `quantize_base` quantizes the `--init-from` weights the same
+way; `dequantized` gives back the base the adapters trained on (the merged export). nf4 codes are held as int4
+(code - 8): the checkpoints' TensorStore zarr3 has int4 but no uint4.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def is_adapter(name: str) -> bool:
 class LoraConfig:
     """Low-rank adapters on the blocks' projections (rank 0: off). A targeted weight W stays frozen; the layer
     computes x W + (alpha / rank) x A B with A [in, rank] (he-uniform) and B [rank, out] (zeros), as PEFT's LoRA
-    does (`lora_alpha / r`), so that a fresh adapter leaves the model unchanged. Only A and B train."""
+    does (`lora_alpha / r`), so that a fresh adapter leaves the model unchanged. Only A and B train. With
+    `quantize` (QLoRA) every projection W of the blocks is held quantized and dequantized where it is used."""
 
     rank: Annotated[int, arg("LoRA rank r of every adapter (0: no LoRA, every parameter trains)")] = 0
     alpha: Annotated[float, arg("LoRA alpha: the adapters' output is scaled by alpha / rank")] = 16.0
