@@ -51,9 +51,15 @@ def _delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return product.reshape(a.shape[:-1] + b.shape[2:])
 
 
-def merged_params(params: dict[str, Any], scale: float) -> dict[str, Any]:
+def merged_params(params: dict[str, Any], scale: float, quantize: str = "none") -> dict[str, Any]:
     """The base parameters with every adapter merged in (W + scale x A B, computed in float32, stored in W's
-    dtype) and the adapters dropped: what a plain export of a LoRA run writes."""
+    dtype) and the adapters dropped: what a plain export of a LoRA run writes. A QLoRA run's (`quantize` int8 or
+    nf4) W is its quantized base dequantized (`spmdkit.models.lora.dequantized`): the weights the adapters were
+    trained on, so the export computes what the run computed."""
+    if quantize != "none":
+        from spmdkit.models.lora import dequantized  # jax and qwix: only for a QLoRA run
+
+        params = dequantized(params, quantize)
     merged = _without_adapters(params)
     for path, a, b in adapter_pairs(params):
         parent = merged

@@ -10,7 +10,7 @@ lists.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Literal
 
 from spmdkit.models.fields import arg, check_types, require
 
@@ -20,6 +20,7 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
     "o": ("attention", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj"),
 }  # fmt: skip
 HF_MODULES = {name: hf for name, (_, hf) in PROJECTIONS.items()}
+Quantize = Literal["none", "int8", "nf4"]
 
 
 def is_adapter(name: str) -> bool:
@@ -31,13 +32,21 @@ def is_adapter(name: str) -> bool:
 class LoraConfig:
     """Low-rank adapters on the blocks' projections (rank 0: off). A targeted weight W stays frozen; the layer
     computes x W + (alpha / rank) x A B with A [in, rank] (he-uniform) and B [rank, out] (zeros), as PEFT's LoRA
-    does (`lora_alpha / r`), so that a fresh adapter leaves the model unchanged. Only A and B train."""
+    does (`lora_alpha / r`), so that a fresh adapter leaves the model unchanged. Only A and B train. With
+    `quantize` (QLoRA) every projection W of the blocks is held quantized and dequantized where it is used."""
 
     rank: Annotated[int, arg("LoRA rank r of every adapter (0: no LoRA, every parameter trains)")] = 0
     alpha: Annotated[float, arg("LoRA alpha: the adapters' output is scaled by alpha / rank")] = 16.0
     targets: Annotated[
         str, arg("comma-separated projections that get adapters: any of q,k,v,o (attention), gate,up,down (MLP)")
     ] = "q,k,v,o,gate,up,down"
+    quantize: Annotated[
+        Quantize,
+        arg(
+            "QLoRA: hold the blocks' frozen projections quantized, int8 (per output channel) or nf4 (4-bit "
+            "NormalFloat, a scale per 64 weights); none: in the parameter dtype"
+        ),
+    ] = "none"
     base_checksum: Annotated[
         str | None,
         arg("checksum of the --init-from weights the adapters are trained on (the run records it; a resume checks it)"),
@@ -47,6 +56,10 @@ class LoraConfig:
         check_types(self, "lora")
         require(self.rank >= 0, f"--lora.rank {self.rank} must be >= 0 (0: no LoRA)")
         require(self.alpha > 0, f"--lora.alpha {self.alpha} must be positive")
+        require(
+            self.quantize == "none" or self.rank > 0,
+            f"--lora.quantize {self.quantize} quantizes the frozen base under LoRA adapters: give --lora.rank R too",
+        )
         unknown = [t for t in self.target_names if t not in PROJECTIONS]
         require(
             not unknown and bool(self.target_names),

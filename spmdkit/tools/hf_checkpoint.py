@@ -116,7 +116,7 @@ def export_hf(
         if adapters:
             return _export_adapters(out_path, params, config, base, force), step
         if config.lora.enabled:
-            params = merged_params(params, config.lora.scale)
+            params = merged_params(params, config.lora.scale, config.lora.quantize)
         tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
         written = save_hf(
             model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,

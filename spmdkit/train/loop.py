@@ -218,11 +218,12 @@ class Trainer:
 
         from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
         from spmdkit.interop.loading import load_params
-        from spmdkit.models.lora import base_params
+        from spmdkit.models.lora import base_params, quantize_base
 
-        shardings = base_params(nnx.to_pure_dict(self.state.shardings[0]))  # LoRA adapters stay fresh
-        params = load_params(source, self.model_config, shardings, self.model_config.param_dtype)
-        nnx.replace_by_pure_dict(self.state.state[0], params)
+        shardings = nnx.to_pure_dict(self.state.shardings[0])
+        params = load_params(source, self.model_config, base_params(shardings), self.model_config.param_dtype)
+        model = nnx.merge(self.state.graphdef, self.state.state)[0]  # QLoRA: the weights it holds quantized
+        nnx.replace_by_pure_dict(self.state.state[0], quantize_base(params, model, shardings))  # adapters: fresh
         hf_files = find_hf_files(source)
         if hf_files is not None and self.is_main:
             copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)

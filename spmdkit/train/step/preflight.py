@@ -102,8 +102,8 @@ def check_lora_base(config: TrainConfig, step: int, saved: dict[str, Any], direc
     theirs, ours = saved.get("lora") or {}, dataclasses.asdict(config.lora)
     if theirs.get("rank", 0) == ours["rank"] == 0:
         return
-    for key in ("rank", "alpha", "targets"):
-        if theirs.get(key, 0 if key == "rank" else None) != ours[key]:
+    for key in ("rank", "alpha", "targets", "quantize"):
+        if theirs.get(key, {"rank": 0, "quantize": "none"}.get(key)) != ours[key]:
             raise SpmdkitError(
                 f"checkpoint step {step} in {directory} was saved with --lora.{key} {theirs.get(key)}, this run has "
                 f"{ours[key]}: pass the saved value to continue it, or a fresh --checkpoint-dir"
