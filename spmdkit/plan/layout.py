@@ -42,8 +42,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BATCH_AXES = make_rules().params["batch"]  # every axis the sequences are split over
 UNSTACKED = ("embedding", "final_norm", "lm_head")
 # Bytes per element of a frozen LoRA base as stored, by its storage (`base_storage`): the parameter dtypes, and
-# QLoRA's quantized weights (their per-channel or per-block scales left out: a few bytes per row or block).
+# QLoRA's quantized projections (`spmdkit.models.lora`: int8 codes with one scale per output channel, nf4 codes
+# packed two to a byte with one scale per `NF4_BLOCK` inputs; `frozen_bytes` adds the scales).
 BASE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "nf4": 0.5}
+NF4_BLOCK = 64  # `spmdkit.models.lora.NF4_BLOCK` (the plan layer does not import the model's JAX code)
+QUANTIZED = {"attention.q", "attention.k", "attention.v", "attention.o", "mlp.gate", "mlp.up", "mlp.down"}
 IN_DIMS = {"o": 2}  # a projection's input dims (A's): o [heads, head_dim, embed] contracts two, the others one
 
 Param = tuple[str, tuple[int, ...], tuple[str | None, ...]]
@@ -125,8 +128,20 @@ def parameters(m: TransformerConfig) -> list[Param]:
 def base_storage(m: TransformerConfig, lora: LoraConfig | None) -> str:
     """How a LoRA run stores its frozen base: QLoRA's quantization (`lora.quantize`, where the config has it) or the
     parameter dtype; the key of `BASE_BYTES`."""
-    quantize = getattr(lora, "quantize", None)  # the QLoRA hook: `--lora.quantize int8|nf4`
-    return quantize if quantize and quantize != "none" else m.param_dtype
+    quantize = getattr(lora, "quantize", "none")
+    return quantize if quantize != "none" else m.param_dtype
+
+
+def frozen_bytes(m: TransformerConfig, lora: LoraConfig, name: str, shape: tuple[int, ...]) -> float:
+    """Bytes per element of the frozen base parameter `name` [layers, in..., out...]: QLoRA quantizes only the
+    blocks' projections (their scales, in the parameter dtype, spread over the weights they scale); the
+    embedding, norms, biases and head stay in the parameter dtype."""
+    storage, dtype_bytes = base_storage(m, lora), float(DTYPE_BYTES[m.param_dtype])
+    if storage == m.param_dtype or name.split(".", 1)[-1] not in QUANTIZED:
+        return dtype_bytes
+    if storage == "int8":  # one scale per output channel: the contracted (input) dims share it
+        return BASE_BYTES["int8"] + dtype_bytes / math.prod(shape[1:2] if not name.endswith(".o") else shape[1:3])
+    return BASE_BYTES["nf4"] + dtype_bytes / NF4_BLOCK
 
 
 def adapters(m: TransformerConfig, lora: LoraConfig) -> list[Param]:
@@ -194,8 +209,7 @@ def sharded(
     grads = rules.optimizer if rules.gradients_like_optimizer else rules.params
     tables = {"params": rules.params, "optimizer": rules.optimizer, "grads": grads}
     tuned = lora is not None and lora.enabled
-    frozen = BASE_BYTES[base_storage(m, lora)] if tuned else 4.0
-    inventory = [(p, frozen, not tuned) for p in parameters(m)]
+    inventory = [(p, frozen_bytes(m, lora, p[0], p[1]) if tuned else 4.0, not tuned) for p in parameters(m)]
     inventory += [(p, float(DTYPE_BYTES[m.param_dtype]), True) for p in (adapters(m, lora) if tuned else [])]
     for (name, shape, names), element, trained in inventory:
         axes = {}
