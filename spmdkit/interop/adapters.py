@@ -8,6 +8,11 @@ and `lora_B.weight` [out, r]. So PEFT's A is ours flattened to [in, rank] and tr
 [rank, out] and transposed, where in and out flatten in the order `spmdkit.interop.tensor_names` flattens the base
 weight (q's out is heads x head_dim, o's in is heads x head_dim): the names and the layers come from its
 `TensorMap`s, the one table of how spmdkit's parameters are named in Hugging Face's files.
+
+A LoRA run's checkpoint holds the adapters, not the frozen base (`spmdkit.checkpoint.tree`); its saved config
+names the base (`model.init_from`) and its checksum (`lora.base_checksum`). `lora_run_params` is how every reader of
+such a run (`load_model`: evaluation, generation, `--init-from`) gets its model: the base read again from that
+path, its checksum checked, and the adapters merged in; `ckpt export` does the same on the host (`base_weights`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.families import FAMILIES
+from spmdkit.interop.sources import weights_checksum
 from spmdkit.interop.tensor_names import TensorMap, tensor_maps
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.lora_config import HF_MODULES, LoraConfig, is_adapter
@@ -112,3 +120,76 @@ def write_peft_adapter(
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base), indent=2) + "\n")
     return out
+
+
+def check_base(run: str | Path, saved: dict[str, Any]) -> str:
+    """The base weights' path of the LoRA run `run` (`saved`: its saved config), checked to be the weights its
+    adapters were trained on (`lora.base_checksum`); SpmdkitError (one line) when they moved or changed."""
+    source, checksum = (saved.get("model") or {}).get("init_from"), (saved.get("lora") or {}).get("base_checksum")
+    if not source:
+        raise SpmdkitError(f"{run} is a LoRA run without the path of its base weights (no model.init_from saved)")
+    if not Path(source).expanduser().exists():
+        raise SpmdkitError(
+            f"{run} holds LoRA adapters of the base weights {source}, which are gone: put them back there (the "
+            "checkpoint holds the adapters only)"
+        )
+    found = weights_checksum(source)
+    if found != checksum:
+        raise SpmdkitError(
+            f"{run} trained its adapters on other base weights than {source} now holds (checksum {checksum}, found "
+            f"{found}): put the run's base weights back there"
+        )
+    return source
+
+
+def lora_run_params(
+    run: str | Path, saved: dict[str, Any], model: TransformerConfig, shardings: Any, dtype: str, step: int | None
+) -> dict[str, Any]:
+    """The merged parameters (W + alpha / rank x A B, as `merged_params`) of `step` of the LoRA run `run` (its
+    saved config `saved`), in `dtype`, laid out by `shardings` (a pure dict of the base parameters' shardings): the
+    base read from its recorded path (checksum checked: `check_base`) on the layout the shardings say, the adapters
+    from the checkpoint, each merged weight computed in float32 on the base weight's own layout."""
+    from spmdkit.checkpoint.params import read_params
+    from spmdkit.interop.loading import load_params
+
+    base = load_params(check_base(run, saved), model, shardings, dtype)
+    adapters = read_params(run, step=step)[2]  # small: whole on the host
+    scale = float(saved["lora"]["alpha"]) / int(saved["lora"]["rank"])
+    for path, a, b in adapter_pairs(adapters):
+        parent = base
+        for key in path[:-1]:
+            parent = parent[key]
+        w = parent[path[-1]]
+        merge = jax.jit(_merge_one, static_argnums=3, out_shardings=getattr(w, "sharding", None))
+        parent[path[-1]] = merge(w, a, b, scale)
+    return base
+
+
+def _merge_one(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """W [layers, *in, *out] + scale x A [layers, *in, r] B [layers, r, *out], in float32, in W's dtype."""
+    layers, rank = a.shape[0], a.shape[-1]
+    flat = jnp.matmul(a.reshape(layers, -1, rank).astype(jnp.float32), b.reshape(layers, rank, -1).astype(jnp.float32))
+    return (w.astype(jnp.float32) + jnp.float32(scale) * flat.reshape(w.shape)).astype(w.dtype)
+
+
+def base_weights(run: str | Path, saved: dict[str, Any], model: TransformerConfig, dtype: str | None) -> dict:
+    """The frozen base parameters of the LoRA run `run` (its saved config `saved`) as host numpy arrays, read from
+    its recorded path (checksum checked: `check_base`), in `dtype` (None: as stored)."""
+    from spmdkit.interop.loading import hf_params, load_params, param_sharding_tree, stored_dtype
+    from spmdkit.interop.safetensors_files import TensorFiles
+    from spmdkit.interop.sources import hf_family, source_kind
+
+    source = check_base(run, saved)
+    if source_kind(source) == "hf":
+        files = TensorFiles(source)
+        return hf_params(files, model, hf_family(source), None, dtype or stored_dtype(files))
+    host = param_sharding_tree(model, None, None)
+    return jax.tree.map(np.asarray, load_params(source, model, host, dtype or model.param_dtype))
+
+
+def with_adapters(base: dict[str, Any], adapters: dict[str, Any]) -> dict[str, Any]:
+    """One pure dict of parameters: `base`'s with `adapters`' leaves (`q_lora_a`, ...) added beside them."""
+    merged = dict(base)
+    for key, value in adapters.items():
+        merged[key] = with_adapters(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged

@@ -8,7 +8,9 @@ as a complete Hugging Face model directory.
   checkpoint is assembled in a temporary directory and renamed into place.
 - `export_hf`: the newest (or a given) step's parameters as `save_hf` writes them, with the imported config kept
   where it still holds, the token ids of the tokenizer the model came with (or the embedded byte data's), and
-  `max_position_embeddings` from the imported config or the run's sequence length.
+  `max_position_embeddings` from the imported config or the run's sequence length. A LoRA run's step holds the
+  adapters only: merged into its base (read from the run's `--init-from`, its checksum checked), or, with
+  `--adapters`, a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from spmdkit.checkpoint.manager import NonFiniteState
 from spmdkit.checkpoint.params import write_params
 from spmdkit.data.sources import BOS, EOS
 from spmdkit.errors import SpmdkitError
-from spmdkit.interop.adapters import merged_params, write_peft_adapter
+from spmdkit.interop.adapters import base_weights, merged_params, with_adapters, write_peft_adapter
 from spmdkit.interop.hf_config import read_hf_config
 from spmdkit.interop.hf_files import (
     CONFIG,
@@ -115,8 +117,9 @@ def export_hf(
         )
         if adapters:
             return _export_adapters(out_path, params, config, base, force), step
-        if config.lora.enabled:
-            params = merged_params(params, config.lora.scale)
+        if config.lora.enabled:  # its step holds the adapters: the base is read from the run's --init-from
+            frozen = base_weights(directory, json.loads(config.to_json()), model, model.param_dtype)
+            params = merged_params(with_adapters(frozen, params), config.lora.scale)
         tokens = special_token_ids(hf_dir) if hf_dir is not None else default_token_ids(config)
         written = save_hf(
             model, out_path, hf_dir, params=params, dtype=dtype, max_shard_size=max_shard_size, force=force,
