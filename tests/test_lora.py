@@ -197,3 +197,71 @@ def test_peft_loads_the_adapters_and_merges_them_as_the_plain_export(hf_model, r
     assert unloaded.keys() == exported.keys()
     for name, value in exported.items():
         np.testing.assert_allclose(value.numpy(), unloaded[name].numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(hf_model, tmp_path_factory):
+    """(a PEFT adapter directory written by peft on the base, with random non-zero A and B; that PeftModel)."""
+    import peft
+    import torch
+
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False)
+    model = peft.get_peft_model(load(hf_model), config)
+    directory = tmp_path_factory.mktemp("peft") / "adapter"
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_a_peft_adapter_imports_onto_its_base_and_exports_back(hf_model, peft_adapter, tmp_path, capsys):
+    import torch
+    from safetensors.numpy import load_file
+
+    import spmdkit
+
+    adapter, peft_model = peft_adapter
+    ckpt = tmp_path / "ckpt"
+    code, out, err = run_cli(capsys, "ckpt", "import-hf", str(hf_model), "--adapters", str(adapter), "--out", str(ckpt))
+    assert code == 0 and "LoRA rank 4" in out, err
+    tokens = np.arange(24).reshape(2, 12) * 41 % 1000
+    theirs = peft_model(torch.tensor(tokens)).logits.detach().numpy()
+    ours = np.asarray(spmdkit.load_model(ckpt)(tokens))
+    scale = np.abs(theirs).max()
+    assert np.abs(ours - theirs).max() <= 1e-4 * scale
+    assert np.abs(logits(load(hf_model), tokens) - theirs).max() > 1e-2 * scale  # A and B are not zero
+    code, _, err = run_cli(capsys, "ckpt", "export", str(ckpt), "--adapters", "--out", str(tmp_path / "back"))
+    assert code == 0, err
+    original, back = (load_file(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "back"))
+    assert original.keys() == back.keys() and len(original) == 2 * 7 * CONFIG.num_hidden_layers
+    assert all(np.array_equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"peft_type": "LOHA"}, "peft_type 'LOHA' is not read: only LORA adapters are"),
+        ({"use_dora": True}, "use_dora=True is not supported by spmdkit's LoRA"),
+        ({"use_rslora": True}, "use_rslora=True is not supported"),
+        ({"bias": "all"}, "bias='all' is not supported"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern={'q_proj': 8} is not supported"),
+        ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern={'q_proj': 8} is not supported"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules ['q_proj', 'lm_head'] are not among q_proj"),
+        ({"target_modules": ".*proj"}, "target_modules '.*proj' are not among"),
+        ({"r": 8}, "lora_A.weight is [4, 96], this base with r=8 needs [8, 96]: the adapter was trained on another"),
+    ],
+)  # fmt: skip
+def test_what_a_peft_adapter_import_refuses(hf_model, peft_adapter, tmp_path, capsys, change, message):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(peft_adapter[0], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text()) | change
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(
+        capsys, "ckpt", "import-hf", str(hf_model), "--adapters", str(adapter), "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()

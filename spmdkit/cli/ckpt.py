@@ -51,6 +51,10 @@ def _import_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="new (empty) checkpoint directory")
     p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as stored)")
     p.add_argument("--mesh", default="", help="mesh to lay the parameters out on (default: all on fsdp)")
+    p.add_argument(
+        "--adapters", metavar="PEFT_DIR",
+        help="a PEFT LoRA adapter directory trained on PATH: the checkpoint holds these adapters on the base PATH",
+    )  # fmt: skip
     add_cpu_devices(p)
 
 
@@ -91,7 +95,18 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
-    from spmdkit.tools.hf_checkpoint import import_hf
+    from spmdkit.errors import SpmdkitError
+    from spmdkit.tools.hf_checkpoint import import_hf, import_peft
+
+    if args.adapters:
+        if args.dtype or args.mesh:
+            raise SpmdkitError("--adapters imports the adapters only (the base stays where it is): drop --dtype/--mesh")
+        _, lora = import_peft(args.path, args.adapters, args.out)
+        print(
+            f"wrote checkpoint step 0 (LoRA rank {lora.rank} on {','.join(lora.target_names)} of the base "
+            f"{args.path}) in {args.out}; evaluate, generate or export it: spmdkit eval {args.out}"
+        )
+        return 0
 
     model = import_hf(args.path, args.out, args.dtype, args.mesh)
     print(

@@ -193,3 +193,77 @@ def with_adapters(base: dict[str, Any], adapters: dict[str, Any]) -> dict[str, A
     for key, value in adapters.items():
         merged[key] = with_adapters(merged.get(key, {}), value) if isinstance(value, dict) else value
     return merged
+
+
+# PEFT LoraConfig keys an adapter may set only to these values (anything else changes what the adapter computes)
+PLAIN_PEFT = {
+    "use_dora": (False, None), "use_rslora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
+    "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "modules_to_save": (None, []), "layers_to_transform":
+    (None, []), "layers_pattern": (None, []), "target_parameters": (None, []), "exclude_modules": (None, []),
+    "lora_bias": (False, None), "use_qalora": (False, None), "megatron_config": (None,), "trainable_token_indices":
+    (None, {}, []),
+}  # fmt: skip
+
+
+def read_peft_config(directory: Path) -> LoraConfig:
+    """The `LoraConfig` of a PEFT adapter directory's `adapter_config.json`; SpmdkitError (one line) for what
+    spmdkit's adapters do not compute: another PEFT type, targets other than the q/k/v/o/gate/up/down projections,
+    per-module ranks or alphas, DoRA, rsLoRA, biases, extra trained modules, a subset of the layers."""
+    from spmdkit.interop.hf_config import read_json
+
+    found = read_json(directory / ADAPTER_CONFIG, "a PEFT adapter directory holds its adapter_config.json")
+    where = f"{directory / ADAPTER_CONFIG}"
+    if found.get("peft_type") != "LORA":
+        raise SpmdkitError(f"{where}: peft_type {found.get('peft_type')!r} is not read: only LORA adapters are")
+    for key, plain in PLAIN_PEFT.items():
+        if found.get(key) not in plain:
+            raise SpmdkitError(f"{where}: {key}={found[key]!r} is not supported by spmdkit's LoRA: use an adapter "
+                               f"with {key}={plain[0]!r}")  # fmt: skip
+    modules = found.get("target_modules")
+    names = {hf: ours for ours, hf in HF_MODULES.items()}
+    if not isinstance(modules, list) or not modules or any(m not in names for m in modules):
+        raise SpmdkitError(
+            f"{where}: target_modules {modules!r} are not among {', '.join(names)}: spmdkit's adapters are on those "
+            "projections only (a list of their names; a regex is not read)"
+        )
+    rank, alpha = found.get("r"), found.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float) or alpha <= 0:
+        raise SpmdkitError(f"{where}: r={rank!r}, lora_alpha={alpha!r}: a positive integer rank and alpha are needed")
+    return LoraConfig(rank=rank, alpha=float(alpha), targets=",".join(names[m] for m in modules))
+
+
+def read_peft_adapter(directory: Path, shapes: dict[str, Any], model: TransformerConfig, family: str) -> dict:
+    """spmdkit's stacked adapters (a pure dict: `blocks/attention/q_lora_a` [layers, *in, r], ...) from a PEFT
+    adapter directory, the inverse of `peft_tensors`; `shapes`: the adapters' ShapeDtypeStructs (a pure dict, of the
+    model with its adapters added). SpmdkitError (one line) when a tensor is missing, extra or of another shape (an
+    adapter of another base)."""
+    from safetensors.numpy import load_file
+
+    if FAMILIES[family].fused:
+        raise SpmdkitError(f"{family} fuses its projections: PEFT adapters of fused modules are not read yet")
+    tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    maps = {m.path: m for m in tensor_maps(model, family)}
+    adapters: dict[str, Any] = {}
+    for path, a_like, b_like in adapter_pairs(shapes):
+        base = maps[path]
+        a = np.empty(a_like.shape, a_like.dtype)
+        b = np.empty(b_like.shape, b_like.dtype)
+        rank = a.shape[-1]
+        for entry in range(len(base.layers)):
+            name = PEFT_PREFIX + base.hf_name(entry).removesuffix(".weight")
+            for part, into, expected in (("A", a, (rank, a[0].size // rank)), ("B", b, (b[0].size // rank, rank))):
+                key = f"{name}.lora_{part}.weight"
+                value = tensors.pop(key, None)
+                if value is None or value.shape != expected:
+                    there = "missing" if value is None else f"{list(value.shape)}"
+                    raise SpmdkitError(f"{directory / ADAPTER_WEIGHTS}: {key} is {there}, this base with r={rank} "
+                                       f"needs {list(expected)}: the adapter was trained on another base")  # fmt: skip
+                into[entry] = value.T.reshape(into.shape[1:])  # A [r, in] -> [*in, r]; B [out, r] -> [r, *out]
+        node = adapters
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[f"{path[-1]}_lora_a"], node[f"{path[-1]}_lora_b"] = a, b
+    if tensors:
+        raise SpmdkitError(f"{directory / ADAPTER_WEIGHTS} holds {sorted(tensors)[0]}, which this base lacks (or a "
+                           "module spmdkit does not adapt): the adapter was trained on another base")  # fmt: skip
+    return adapters
