@@ -237,6 +237,17 @@ def test_a_peft_adapter_imports_onto_its_base_and_exports_back(hf_model, peft_ad
     original, back = (load_file(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "back"))
     assert original.keys() == back.keys() and len(original) == 2 * 7 * CONFIG.num_hidden_layers
     assert all(np.array_equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+    # training continues these adapters (on the recorded base): one step at a negligible rate leaves them in place
+    targets = ("--lora.targets", "q,k,v,o,gate,up,down")  # the flags given last win
+    args = [*_args(ckpt, tmp_path / "more", "fsdp=8")[:-2], *targets, "--steps", "1", "--lr", "1e-9"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    _, _, imported = read_params(ckpt)
+    _, _, continued = read_params(tmp_path / "more")
+    import jax
+
+    for (path, ours), theirs in zip(jax.tree_util.tree_leaves_with_path(continued), jax.tree.leaves(imported)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
 @pytest.mark.parametrize(

@@ -165,6 +165,37 @@ def lora_run_params(
     return base
 
 
+def lora_start(source: str | Path, lora: LoraConfig) -> tuple[str, dict[str, Any] | None]:
+    """Where a LoRA run (`lora`) with `--init-from source` reads its frozen base, and the adapters it starts from:
+    (source, None) for weights without adapters (the adapters start fresh); for a LoRA checkpoint (a LoRA run's, or
+    a PEFT adapter's imported by `ckpt import-hf --adapters`), its recorded base (checksum checked) and its newest
+    step's adapters (host arrays), so that training continues them. SpmdkitError (one line) when `lora`'s rank,
+    alpha or targets differ from the checkpoint's."""
+    from spmdkit.checkpoint.params import read_params
+    from spmdkit.interop.sources import saved_run_config, source_kind
+
+    if not lora.enabled or source_kind(source) != "spmdkit":
+        return str(source), None
+    saved = saved_run_config(source)[2]
+    theirs = saved.get("lora") or {}
+    if not theirs.get("rank"):
+        return str(source), None
+    ours = {"rank": lora.rank, "alpha": lora.alpha, "targets": set(lora.target_names)}
+    theirs = {**theirs, "targets": set(LoraConfig(targets=theirs.get("targets") or "q").target_names)}
+    for key in ("rank", "alpha", "targets"):
+        if theirs.get(key) != ours[key]:
+            raise SpmdkitError(
+                f"--init-from {source} holds LoRA adapters with --lora.{key} {_flag(theirs[key])}, this run has "
+                f"{_flag(ours[key])}: pass the same to continue them (or export the merged model and train on it)"
+            )
+    return check_base(source, saved), read_params(source)[2]
+
+
+def _flag(value: Any) -> str:
+    """A setting as its flag takes it ('q,v' for a set of targets)."""
+    return ",".join(t for t in HF_MODULES if t in value) if isinstance(value, set) else str(value)
+
+
 def _merge_one(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
     """W [layers, *in, *out] + scale x A [layers, *in, r] B [layers, r, *out], in float32, in W's dtype."""
     layers, rank = a.shape[0], a.shape[-1]
@@ -229,7 +260,8 @@ def read_peft_config(directory: Path) -> LoraConfig:
     rank, alpha = found.get("r"), found.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float) or alpha <= 0:
         raise SpmdkitError(f"{where}: r={rank!r}, lora_alpha={alpha!r}: a positive integer rank and alpha are needed")
-    return LoraConfig(rank=rank, alpha=float(alpha), targets=",".join(names[m] for m in modules))
+    targets = ",".join(t for t in HF_MODULES if HF_MODULES[t] in modules)  # in spmdkit's order
+    return LoraConfig(rank=rank, alpha=float(alpha), targets=targets)
 
 
 def read_peft_adapter(directory: Path, shapes: dict[str, Any], model: TransformerConfig, family: str) -> dict:

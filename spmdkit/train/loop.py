@@ -217,13 +217,21 @@ class Trainer:
             return
         from flax import nnx
 
+        from spmdkit.interop.adapters import lora_start
         from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
         from spmdkit.interop.loading import load_params
         from spmdkit.models.lora import base_params
 
-        shardings = base_params(nnx.to_pure_dict(self.state.shardings[0]))  # adapters: fresh, or the resumed ones
-        params = load_params(source, self.model_config, shardings, self.model_config.param_dtype)
+        all_shardings = nnx.to_pure_dict(self.state.shardings[0])
+        shardings = base_params(all_shardings)  # adapters: fresh, the resumed ones, or those of a LoRA checkpoint
+        base, adapters = lora_start(source, self.config.lora)
+        params = load_params(base, self.model_config, shardings, self.model_config.param_dtype)
         nnx.replace_by_pure_dict(self.state.state[0], params)
+        if adapters is not None and not self.start_step:
+            current = _like(adapters, nnx.to_pure_dict(self.state.state[0]))  # each in this run's dtype and layout
+            place = lambda a, s, c: jax.make_array_from_callback(c.shape, s, lambda i: np.asarray(a, c.dtype)[i])  # noqa: E731
+            placed = jax.tree.map(place, adapters, _like(adapters, all_shardings), current)
+            nnx.replace_by_pure_dict(self.state.state[0], placed)
         hf_files = find_hf_files(source)
         if hf_files is not None and self.is_main:
             copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
@@ -399,3 +407,8 @@ class Trainer:
 def train(config: TrainConfig) -> TrainResult:
     """Run training as configured and return its losses and final state."""
     return Trainer(config).run()
+
+
+def _like(tree: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """The part of `full` (a pure dict) at `tree`'s keys."""
+    return {k: _like(v, full[k]) if isinstance(v, dict) else full[k] for k, v in tree.items()}
