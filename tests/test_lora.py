@@ -18,7 +18,8 @@ from spmdkit.checkpoint.params import read_params
 from spmdkit.interop.tensor_names import tensor_maps
 from spmdkit.train.reporting.metrics import read_metrics
 
-STEPS = 5  # the acceptance says 50: 5 shows the same (adam moves every adapter each step) at 1/10 the time
+STEPS = 50  # the acceptance
+SAVED = STEPS - 2  # the step saved before the last, that a resume starts from
 TAMPERED = "model.layers.1.mlp.up_proj.weight"  # 96 x 192 float32: larger than the checksum reads whole
 CONFIG = LlamaConfig(
     vocab_size=1000, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
@@ -54,7 +55,7 @@ def trained(hf_model, tmp_path_factory):
     from spmdkit.train.loop import train
 
     run_dir = tmp_path_factory.mktemp("run") / "run"
-    result = train(parse(_args(hf_model, run_dir, "fsdp=4,tensor=2", "--checkpoint-every", "3")[1:])[0])
+    result = train(parse(_args(hf_model, run_dir, "fsdp=4,tensor=2", "--checkpoint-every", str(SAVED))[1:])[0])
     return run_dir, jax.tree.map(np.asarray, nnx.to_pure_dict(result.state.state[0]))
 
 
@@ -101,9 +102,9 @@ def test_resume_is_bit_identical_and_checks_the_base(hf_model, run, tmp_path, ca
 
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / str(STEPS))  # the copy resumes from step 3
-    code, out, err = run_cli(capsys, *_args(hf_model, copy, "fsdp=4,tensor=2", "--checkpoint-every", "3"))
-    assert code == 0 and "resumed from step 3" in out, err
+    shutil.rmtree(copy / "checkpoints" / str(STEPS))  # the copy resumes from step SAVED
+    code, out, err = run_cli(capsys, *_args(hf_model, copy, "fsdp=4,tensor=2", "--checkpoint-every", str(SAVED)))
+    assert code == 0 and f"resumed from step {SAVED}" in out, err
     assert "initialised the frozen base from" in out  # the checkpoint holds no base: it is read again
     _, saved, _ = read_step(run, step=STEPS)
     assert len(saved["lora"]["base_checksum"]) == 32
