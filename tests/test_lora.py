@@ -247,7 +247,10 @@ def test_a_peft_adapter_imports_onto_its_base_and_exports_back(hf_model, peft_ad
     _, _, continued = read_params(tmp_path / "more")
     import jax
 
-    for (path, ours), theirs in zip(jax.tree_util.tree_leaves_with_path(continued), jax.tree.leaves(imported)):
+    assert jax.tree.structure(continued) == jax.tree.structure(imported)  # the adapters, nothing of the base
+    for (path, ours), theirs in zip(
+        jax.tree_util.tree_leaves_with_path(continued), jax.tree.leaves(imported), strict=True
+    ):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
