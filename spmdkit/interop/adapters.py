@@ -191,6 +191,37 @@ def lora_start(source: str | Path, lora: LoraConfig) -> tuple[str, dict[str, Any
     return check_base(source, saved), read_params(source)[2]
 
 
+def initial_params(
+    source: str | Path, lora: LoraConfig, model: TransformerConfig, shardings: dict, current: dict, adapters: bool
+) -> dict[str, Any]:
+    """What `--init-from source` puts into a run's model (a pure dict of its parameters, for
+    `nnx.replace_by_pure_dict`): the base parameters (a LoRA checkpoint's: its recorded base) in the model's
+    `param_dtype`, laid out by `shardings` (a pure dict of the model's parameters' shardings, adapters included);
+    with `adapters` (a run not resumed) and a LoRA checkpoint to continue (`lora_start`), its adapters too, in the
+    dtypes of `current` (the model's state, a pure dict), each device given its block."""
+    from spmdkit.interop.loading import load_params
+    from spmdkit.models.lora import base_params
+
+    base, saved = lora_start(source, lora)
+    params = load_params(base, model, base_params(shardings), model.param_dtype)
+    if saved is None or not adapters:
+        return params
+
+    def place(path: tuple[str, ...], value: Any) -> jax.Array:
+        sharding, like = (_at(tree, path) for tree in (shardings, current))
+        value = np.asarray(value, like.dtype)
+        return jax.make_array_from_callback(like.shape, sharding, lambda index: value[index])
+
+    placed = jax.tree_util.tree_map_with_path(lambda p, v: place(tuple(k.key for k in p), v), saved)
+    return with_adapters(params, placed)
+
+
+def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def _flag(value: Any) -> str:
     """A setting as its flag takes it ('q,v' for a set of targets)."""
     return ",".join(t for t in HF_MODULES if t in value) if isinstance(value, set) else str(value)

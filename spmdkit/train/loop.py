@@ -210,28 +210,18 @@ class Trainer:
         """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a
         Hugging Face model or an spmdkit checkpoint); the optimizer state stays fresh. The source's Hugging Face
         files (tokenizer, configs) are copied into the checkpoint directory, where export and generation find them.
-        A resumed run skips this (its checkpoint holds the weights), except a LoRA run's: its checkpoint holds the
-        adapters only, the frozen base is read again (its checksum was checked against the step's by the resume)."""
+        A resumed run skips this, except a LoRA run's: its checkpoint holds no base (`initial_params` reads it)."""
         source = self.config.model.init_from
         if not source or (self.start_step and not self.config.lora.enabled):
             return
         from flax import nnx
 
-        from spmdkit.interop.adapters import lora_start
+        from spmdkit.interop.adapters import initial_params
         from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
-        from spmdkit.interop.loading import load_params
-        from spmdkit.models.lora import base_params
 
-        all_shardings = nnx.to_pure_dict(self.state.shardings[0])
-        shardings = base_params(all_shardings)  # adapters: fresh, the resumed ones, or those of a LoRA checkpoint
-        base, adapters = lora_start(source, self.config.lora)
-        params = load_params(base, self.model_config, shardings, self.model_config.param_dtype)
+        shardings, current = (nnx.to_pure_dict(tree[0]) for tree in (self.state.shardings, self.state.state))
+        params = initial_params(source, self.config.lora, self.model_config, shardings, current, not self.start_step)
         nnx.replace_by_pure_dict(self.state.state[0], params)
-        if adapters is not None and not self.start_step:
-            current = _like(adapters, nnx.to_pure_dict(self.state.state[0]))  # each in this run's dtype and layout
-            place = lambda a, s, c: jax.make_array_from_callback(c.shape, s, lambda i: np.asarray(a, c.dtype)[i])  # noqa: E731
-            placed = jax.tree.map(place, adapters, _like(adapters, all_shardings), current)
-            nnx.replace_by_pure_dict(self.state.state[0], placed)
         hf_files = find_hf_files(source)
         if hf_files is not None and self.is_main:
             copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
@@ -407,8 +397,3 @@ class Trainer:
 def train(config: TrainConfig) -> TrainResult:
     """Run training as configured and return its losses and final state."""
     return Trainer(config).run()
-
-
-def _like(tree: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
-    """The part of `full` (a pure dict) at `tree`'s keys."""
-    return {k: _like(v, full[k]) if isinstance(v, dict) else full[k] for k, v in tree.items()}
