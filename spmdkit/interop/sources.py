@@ -96,7 +96,8 @@ def weights_checksum(path: str | Path) -> str:
     same samples of its bytes. So another checkpoint, another revision, a fine-tuned or re-quantized copy (where
     every tensor differs nearly everywhere), a changed tensor, dtype or shape, or a truncated or edited file end
     change the digest; an edit confined to bytes between the samples of a large tensor does not (the trade-off for
-    ~64 KiB read per tensor: a 70B model's ~700 tensors are ~50 MB, well under a second)."""
+    at most 64 KiB read per tensor: a 70B model's ~720 tensors are ~46 MB in ~12,000 reads, against 140 GB read in
+    full). A 0.94 GB file: 1.12 s before, 3 ms now (page cache warm)."""
     path = Path(path).expanduser().absolute()
     root = path if path.is_dir() else path.parent
     if source_kind(path) == "hf":
