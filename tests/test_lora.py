@@ -37,6 +37,15 @@ def _args(source, run_dir, mesh, *extra):
     ]  # fmt: skip
 
 
+def _scale_tensor(weights) -> None:
+    """Multiply the tensor TAMPERED of a safetensors file by 1.001 in place (the header as it was)."""
+    raw = bytearray(weights.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    start, stop = (8 + length + at for at in json.loads(raw[8 : 8 + length])[TAMPERED]["data_offsets"])
+    raw[start:stop] = (np.frombuffer(raw[start:stop], np.float32) * np.float32(1.001)).tobytes()
+    weights.write_bytes(bytes(raw))
+
+
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hf") / "model"
@@ -128,11 +137,8 @@ def test_resume_is_bit_identical_and_checks_the_base(hf_model, run, tmp_path, ca
     weights.write_bytes(original[:-4] + b"\0\0\0\0")
     code, _, err = run_cli(capsys, *_args(other, copy, "fsdp=4,tensor=2"))
     assert code == 2 and "other base weights" in err and len(err.strip().splitlines()) == 1, err
-    raw = bytearray(original)
-    length = int.from_bytes(raw[:8], "little")
-    start, stop = (8 + length + at for at in json.loads(raw[8 : 8 + length])[TAMPERED]["data_offsets"])
-    raw[start:stop] = (np.frombuffer(raw[start:stop], np.float32) * np.float32(1.001)).tobytes()
-    weights.write_bytes(bytes(raw))
+    weights.write_bytes(original)
+    _scale_tensor(weights)
     code, _, err = run_cli(capsys, *_args(other, copy, "fsdp=4,tensor=2"))
     assert code == 2 and "other base weights" in err and len(err.strip().splitlines()) == 1, err
 
@@ -280,3 +286,21 @@ def test_what_a_peft_adapter_import_refuses(hf_model, peft_adapter, tmp_path, ca
     )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_lora_checkpoint_whose_base_changed_or_went_is_refused(hf_model, peft_adapter, tmp_path, capsys):
+    import shutil
+
+    base, ckpt = tmp_path / "base", tmp_path / "ckpt"
+    shutil.copytree(hf_model, base)
+    code, _, err = run_cli(
+        capsys, "ckpt", "import-hf", str(base), "--adapters", str(peft_adapter[0]), "--out", str(ckpt)
+    )
+    assert code == 0, err
+    _scale_tensor(base / "model.safetensors")
+    for gone in (False, True):
+        if gone:
+            shutil.rmtree(base)
+        code, _, err = run_cli(capsys, "ckpt", "export", str(ckpt), "--out", str(tmp_path / f"out{gone}"))
+        expected = "which are gone: put them back there" if gone else "trained its adapters on other base weights"
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
