@@ -257,13 +257,15 @@ def with_adapters(base: dict[str, Any], adapters: dict[str, Any]) -> dict[str, A
     return merged
 
 
-# PEFT LoraConfig keys an adapter may set only to these values (anything else changes what the adapter computes)
+# PEFT LoraConfig keys an adapter may set only to these values (anything else changes what the adapter computes;
+# the initialisations, loftq_config, eva_config, ..., change nothing once trained: not checked)
 PLAIN_PEFT = {
     "use_dora": (False, None), "use_rslora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
     "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "modules_to_save": (None, []), "layers_to_transform":
     (None, []), "layers_pattern": (None, []), "target_parameters": (None, []), "exclude_modules": (None, []),
     "lora_bias": (False, None), "use_qalora": (False, None), "megatron_config": (None,), "trainable_token_indices":
-    (None, {}, []),
+    (None, {}, []), "layer_replication": (None, []), "alora_invocation_tokens": (None, []), "use_bdlora": (None, False),
+    "arrow_config": (None,), "kasa_config": (None,), "velora_config": (None,), "monteclora_config": (None,),
 }  # fmt: skip
 
 
