@@ -197,9 +197,11 @@ def test_peft_loads_the_adapters_and_merges_them_as_the_plain_export(hf_model, r
     assert np.abs(logits(load(hf_model), tokens) - ours).max() > 1e-3 * scale  # the adapters change the model
     # the run itself, read by the loader of eval and generate (base from --init-from, adapters merged on the device)
     import spmdkit
+    from spmdkit.inference.loading import inference_mesh, inference_rules
 
-    direct = np.asarray(spmdkit.load_model(run)(tokens))
-    assert np.abs(direct - theirs).max() <= 1e-4 * scale
+    for mesh in (None, inference_mesh("tensor=2")):  # the adapters go where each base weight lies
+        direct = np.asarray(spmdkit.load_model(run, mesh, inference_rules())(tokens))
+        assert np.abs(direct - theirs).max() <= 1e-4 * scale
     unloaded, exported = peft.merge_and_unload().state_dict(), merged.state_dict()
     assert unloaded.keys() == exported.keys()
     for name, value in exported.items():

@@ -153,7 +153,7 @@ def lora_run_params(
     from spmdkit.interop.loading import load_params
 
     base = load_params(check_base(run, saved), model, shardings, dtype)
-    adapters = read_params(run, step=step)[2]  # small: whole on the host
+    adapters = jax.tree.map(np.asarray, read_params(run, step=step)[2])  # small; numpy: placed where W is
     scale = float(saved["lora"]["alpha"]) / int(saved["lora"]["rank"])
     for path, a, b in adapter_pairs(adapters):
         parent = base
