@@ -90,8 +90,8 @@ def run_export(args: argparse.Namespace) -> int:
     out, step = export_hf(
         args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force, args.adapters
     )
-    what = "its LoRA adapters as a PEFT adapter directory" if args.adapters else "a Hugging Face model"
-    print(f"wrote step {step} of {args.directory} as {what} in {out}")
+    what = "'s LoRA adapters as a PEFT adapter directory" if args.adapters else " as a Hugging Face model"
+    print(f"wrote step {step} of {args.directory}{what} in {out}")
     return 0
 
 
