@@ -65,8 +65,8 @@ def _check_names(step: int, directory: Path, saved: dict[str, tuple], target: Pu
     found = {name: shape for name, (shape, _) in saved.items() if _is_param(name)}
     if any(is_adapter(name) for name in found) and not any(is_adapter(name) for name in wanted):
         raise SpmdkitError(
-            f"step {step} of {directory} holds LoRA adapters on a frozen base: merge them first with 'spmdkit ckpt "
-            f"export {directory} --out DIR' and use DIR"
+            f"step {step} of {directory} holds LoRA adapters without their base: read it with spmdkit.load_model "
+            f"(the base from the run's --init-from), or merge it with 'spmdkit ckpt export {directory} --out DIR'"
         )
     for name in sorted(wanted.keys() | found.keys()):
         if found.get(name) != wanted.get(name):

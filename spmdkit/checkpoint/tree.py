@@ -1,5 +1,12 @@
 """The tree a checkpoint holds: `{"model": ..., "optimizer": ...}` pure dicts of arrays, built from and back into the
-`nnx.State` of (model, optimizer); restore targets with shardings; reading arrays one by one."""
+`nnx.State` of (model, optimizer); restore targets with shardings; reading arrays one by one.
+
+A model with LoRA adapters (`nnx.LoRAParam`s: `spmdkit.models.lora`) trains only them: its other `nnx.Param`s are
+the frozen base, which the run reads from its `--init-from` weights (their identity, path and checksum, is in the
+saved config's `lora` section) and which a checkpoint therefore does not hold. Its `model` item holds the adapters
+(and any state that is not a parameter), its `optimizer` item their moments: for a 1B base at rank 16, megabytes,
+not gigabytes. A restore fills the base's leaves from the state it is given (the caller reads the base again).
+"""
 
 from __future__ import annotations
 
@@ -39,17 +46,51 @@ def first_mismatch(saved: dict[str, tuple[tuple[int, ...], str]], target: dict[s
     return f"it holds {extra[0]} {saved[extra[0]][0]}, which this model lacks" if extra else None
 
 
+def frozen_paths(model: nnx.State) -> set[tuple[Any, ...]]:
+    """The paths (pure-dict keys) of the frozen base's parameters in a model's state: every `nnx.Param` that is not
+    an `nnx.LoRAParam` when the model has adapters; none otherwise (every parameter trains)."""
+    variables = jax.tree_util.tree_leaves_with_path(model, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if not any(isinstance(v, nnx.LoRAParam) for _, v in variables):
+        return set()
+    keys = lambda path: tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)  # noqa: E731
+    return {keys(p) for p, v in variables if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
+
+
+def _without(tree: dict[Any, Any], paths: set[tuple[Any, ...]], at: tuple[Any, ...] = ()) -> dict[Any, Any]:
+    """`tree` (a pure dict) without the leaves at `paths`, nor the dicts left empty."""
+    kept = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = _without(value, paths, (*at, key))
+            if value:
+                kept[key] = value
+        elif (*at, key) not in paths:
+            kept[key] = value
+    return kept
+
+
 def to_saved_tree(state: nnx.State) -> dict[str, Any]:
-    """nnx.State of (model, optimizer) -> the pure dict that is saved."""
+    """nnx.State of (model, optimizer) -> the pure dict that is saved (without a LoRA run's frozen base)."""
     pure = nnx.to_pure_dict(state)
-    return {"model": pure[0], "optimizer": pure[1]}
+    return {"model": _without(pure[0], frozen_paths(state[0])), "optimizer": pure[1]}
 
 
 def from_saved_tree(saved: dict[str, Any], like: nnx.State) -> nnx.State:
-    """Inverse of `to_saved_tree`, with the structure (Variable types, metadata) of `like`."""
-    treedef = jax.tree.structure(like)
-    leaves = jax.tree.leaves({0: saved["model"], 1: saved["optimizer"]})
-    return treedef.unflatten(leaves)
+    """Inverse of `to_saved_tree`, with the structure (Variable types, metadata) of `like`, whose frozen base's
+    leaves (a LoRA run's) are kept as they are."""
+    model = nnx.to_pure_dict(like[0])
+    _overlay(model, saved["model"])
+    leaves = jax.tree.leaves({0: model, 1: saved["optimizer"]})
+    return jax.tree.structure(like).unflatten(leaves)
+
+
+def _overlay(tree: dict[Any, Any], saved: dict[Any, Any]) -> None:
+    """Replace `tree`'s leaves by `saved`'s, in place, where `saved` has them."""
+    for key, value in saved.items():
+        if isinstance(value, dict):
+            _overlay(tree[key], value)
+        else:
+            tree[key] = value
 
 
 def unreadable_arrays(metadata: Any, step_dir: Path, device: jax.Device) -> list[str]:

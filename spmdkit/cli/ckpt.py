@@ -51,6 +51,10 @@ def _import_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="new (empty) checkpoint directory")
     p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as stored)")
     p.add_argument("--mesh", default="", help="mesh to lay the parameters out on (default: all on fsdp)")
+    p.add_argument(
+        "--adapters", metavar="PEFT_DIR",
+        help="a PEFT LoRA adapter directory trained on PATH: the checkpoint holds these adapters on the base PATH",
+    )  # fmt: skip
     add_cpu_devices(p)
 
 
@@ -86,12 +90,24 @@ def run_export(args: argparse.Namespace) -> int:
     out, step = export_hf(
         args.directory, args.out, args.dtype, args.step, args.max_shard_size, args.force, args.adapters
     )
-    print(f"wrote step {step} of {args.directory} as a Hugging Face model in {out}")
+    what = "'s LoRA adapters as a PEFT adapter directory" if args.adapters else " as a Hugging Face model"
+    print(f"wrote step {step} of {args.directory}{what} in {out}")
     return 0
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
-    from spmdkit.tools.hf_checkpoint import import_hf
+    from spmdkit.errors import SpmdkitError
+    from spmdkit.tools.hf_checkpoint import import_hf, import_peft
+
+    if args.adapters:
+        if args.dtype or args.mesh:
+            raise SpmdkitError("--adapters imports the adapters only (the base stays where it is): drop --dtype/--mesh")
+        _, lora = import_peft(args.path, args.adapters, args.out)
+        print(
+            f"wrote checkpoint step 0 (LoRA rank {lora.rank} on {','.join(lora.target_names)} of the base "
+            f"{args.path}) in {args.out}; evaluate, generate or export it: spmdkit eval {args.out}"
+        )
+        return 0
 
     model = import_hf(args.path, args.out, args.dtype, args.mesh)
     print(

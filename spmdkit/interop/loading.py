@@ -136,8 +136,16 @@ def checkpoint_params(
     path: str | Path, model: TransformerConfig, shardings: Any, dtype: str, step: int | None = None
 ) -> PureTree:
     """The model's parameters from `step` (default: the newest) of an spmdkit checkpoint, in `dtype`, laid out
-    by `shardings` (`spmdkit.checkpoint.params.read_params`: the optimizer state is not read)."""
+    by `shardings` (`spmdkit.checkpoint.params.read_params`: the optimizer state is not read). A LoRA run's step
+    holds adapters only: its base is read from the run's recorded path and the adapters merged in
+    (`spmdkit.interop.adapters.lora_run_params`)."""
     from spmdkit.checkpoint.params import read_params
+    from spmdkit.interop.adapters import lora_run_params
+    from spmdkit.interop.sources import saved_run_config
+
+    _, at, saved = saved_run_config(path, step)
+    if (saved.get("lora") or {}).get("rank"):
+        return lora_run_params(path, saved, model, shardings, dtype, at)
 
     abstract = nnx.to_pure_dict(_abstract(model)[1])
     target = jax.tree.map(

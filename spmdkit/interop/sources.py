@@ -8,8 +8,9 @@ such a path is given.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.hf_config import family_of, read_hf_config, read_json
@@ -79,19 +80,64 @@ def source_model(path: str | Path, step: int | None = None) -> TransformerConfig
     return build_model(saved_run_config(path, step)[2].get("model") or {}, source_model)
 
 
+SAMPLE = 1 << 12  # bytes hashed at each sampled place of a tensor (or file)
+SAMPLES = 16  # places sampled per tensor (or file): its first and last bytes and evenly strided ones between
+
+
 def weights_checksum(path: str | Path) -> str:
-    """A BLAKE2b digest of the weight files of a model path, their names and bytes: a Hugging Face source's
-    `*.safetensors` (beside its config or index), or every file of an spmdkit checkpoint or run directory. What a
-    LoRA run records of the frozen base it trains on (it reads every byte once: about 1 s per GB)."""
+    """A BLAKE2b digest that identifies the weights of a model path: what a LoRA run records of the frozen base it
+    trains on, and checks again on resume, evaluation and export.
+
+    It reads a bounded number of bytes, not the weights (reading all of them took about 1 s per GB: over two
+    minutes for a 70B model, on every resume): for each safetensors file of a Hugging Face source, its name, size
+    and whole header (every tensor's name, dtype, shape and data offsets), and of each tensor `SAMPLES` pieces of
+    `SAMPLE` bytes (its first and last bytes and evenly strided ones between; a tensor of up to SAMPLES x SAMPLE
+    bytes, norms and biases, whole); for an spmdkit checkpoint or run directory, each file's name and size and the
+    same samples of its bytes. So another checkpoint, another revision, a fine-tuned or re-quantized copy (where
+    every tensor differs nearly everywhere), a changed tensor, dtype or shape, or a truncated or edited file end
+    change the digest; an edit confined to bytes between the samples of a large tensor does not (the trade-off for
+    at most 64 KiB read per tensor: a 70B model's ~720 tensors are ~46 MB in ~12,000 reads, against 140 GB read in
+    full). A 0.94 GB file: 1.12 s before, 3 ms now (page cache warm)."""
     path = Path(path).expanduser().absolute()
+    root = path if path.is_dir() else path.parent
     if source_kind(path) == "hf":
-        folder = path if path.is_dir() else path.parent
-        files = [path] if path.suffix == ".safetensors" else sorted(folder.glob("*.safetensors"))
+        files = [path] if path.suffix == ".safetensors" else sorted(root.glob("*.safetensors"))
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file())
     digest = hashlib.blake2b(digest_size=16)
     for file in files:
-        digest.update(str(file.relative_to(path if path.is_dir() else path.parent)).encode() + b"\0")
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(root)}\0{size}\0".encode())
         with file.open("rb") as f:
-            digest.update(hashlib.file_digest(f, "blake2b").digest())
+            header, tensors = _safetensors_layout(f, size) if file.suffix == ".safetensors" else (0, [(0, size)])
+            f.seek(0)
+            digest.update(f.read(header))
+            for start, stop in tensors:
+                for at in _samples(start, stop):
+                    f.seek(at)
+                    digest.update(f.read(min(SAMPLE, stop - at)))
     return digest.hexdigest()
+
+
+def _safetensors_layout(f: BinaryIO, size: int) -> tuple[int, list[tuple[int, int]]]:
+    """(the header's length in bytes, [start, stop) of each tensor's bytes in the file, by the header's data
+    offsets); (0, the whole file) when it is not a readable safetensors file: it is sampled as bytes then."""
+    head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else size
+    try:
+        if length > size - 8:
+            raise ValueError("not a safetensors header")
+        header = json.loads(f.read(length))
+        offsets = [t["data_offsets"] for name, t in header.items() if name != "__metadata__"]
+        return 8 + length, sorted((8 + length + int(a), 8 + length + int(b)) for a, b in offsets)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0, [(0, size)]
+
+
+def _samples(start: int, stop: int) -> list[int]:
+    """Where the `SAMPLE`-byte pieces of [start, stop) begin: every piece of a short range, else `SAMPLES` pieces
+    from its first bytes to its last, evenly strided."""
+    if stop - start <= SAMPLES * SAMPLE:
+        return list(range(start, stop, SAMPLE))
+    last = stop - SAMPLE
+    return [start + (last - start) * i // (SAMPLES - 1) for i in range(SAMPLES)]

@@ -31,8 +31,8 @@ the parameter dtype (one per output channel; nf4 one per 64 inputs where the con
 `nnx.Param`s with W's logical names (the scale's size-1 dims named None), stacked on `layers` like the rest. The
 train state holds them instead of W (`{"array": {"qvalue", "scale"}}` in its pure dict); the projection
 dequantizes in the compute dtype (qwix's einsum). `quantize_base` quantizes the `--init-from` weights the same
-way; `dequantized` gives back the base the adapters trained on (the merged export). nf4 codes are held as int4
-(code - 8): the checkpoints' TensorStore zarr3 has int4 but no uint4.
+way; `as_trained` gives back the base the adapters trained on (the merged export, a run's evaluation). nf4
+codes are held as int4 (code - 8): the checkpoints' TensorStore zarr3 has int4 but no uint4.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import qwix
 from flax import nnx
 from qwix._src.core import einsum as qwix_einsum  # how qwix quantizes an einsum's weight
@@ -254,15 +253,24 @@ def quantize_base(params: dict, model: nnx.Module, shardings: dict) -> dict:
     return merged
 
 
-def dequantized(params: dict, quantize: str) -> dict:
-    """A pure dict of a QLoRA run's parameters (numpy or jax arrays) with every quantized weight's node replaced by
-    qwix's dequantization of it (qvalue x scale, in the scale's dtype: the parameter dtype): the base the adapters
-    trained on. Other leaves as they are."""
-    if not isinstance(params, dict):
+def as_trained(params: dict, config: Any, lora: LoraConfig) -> dict:
+    """A pure dict of a (Q)LoRA run's float base parameters (numpy or jax arrays, as read from its `--init-from`,
+    in the parameter dtype) as the run computed with them: under QLoRA each weight the model holds quantized is
+    quantized as `quantize_base` does and dequantized (qvalue x scale, in the parameter dtype): the base the
+    adapters trained on, what a merged export and a run's evaluation use. Without `lora.quantize`: `params`."""
+    if lora.quantize == "none":
         return params
-    if set(params) == {"array"}:
-        node = params["array"]
-        qvalue = _unstored(jnp.asarray(node["qvalue"]))
-        array = qwix.QArray(qvalue, jnp.asarray(node["scale"]), qtype=QTYPES[quantize])
-        return np.asarray(qwix.dequantize(array))
-    return {k: dequantized(v, quantize) for k, v in params.items()}
+    from spmdkit.models import Transformer  # the model, made abstractly, knows how each weight is quantized
+
+    model = nnx.eval_shape(lambda: add_adapters(Transformer(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(1)))
+    out = jax.tree.map(lambda x: x, params)  # a copy of the dict structure, the arrays shared
+    for path, how in quantized_weights(model).items():
+        one = functools.partial(
+            qwix.quantize, qtype=how.qtype, channelwise_axes=how.channelwise_axes, tiled_axes=how.tiled_axes,
+            calibration_method=how.calibration_method,
+        )  # fmt: skip
+        roundtrip = lambda w, one=one: qwix.dequantize(one(w)).astype(w.dtype)  # noqa: E731
+        parent = functools.reduce(lambda tree, key: tree[key], path[:-1], out)
+        w = jnp.asarray(parent[path[-1]])
+        parent[path[-1]] = jax.jit(jax.vmap(roundtrip) if path[0] in STACKS else roundtrip)(w)
+    return out

@@ -100,7 +100,8 @@ def reshard_checkpoint(directory: str | Path, out: str | Path, mesh: str, step: 
             new_mesh = make_mesh(MeshConfig.parse(mesh, config.mesh.dcn))
             rules = make_rules(config.mesh.zero, config.mesh.sequence_parallel)
             tx = make_optimizer(config.optimizer, config.run.steps, config.model.build())
-            _, abstract, shardings = abstract_train_state(config.model.build(), tx, new_mesh, rules, config.run.seed)
+            model = config.model.build()  # with a LoRA run's adapters: its checkpoint holds them, not the base
+            _, abstract, shardings = abstract_train_state(model, tx, new_mesh, rules, config.run.seed, lora=config.lora)
             state = source.restore(step, abstract, shardings)
         staging = staging_for(out, "resharding")
         with contextlib.closing(Checkpointer(staging, every=0, keep=1)) as target:

@@ -210,24 +210,24 @@ class Trainer:
         """`--init-from`: the source's weights replace the fresh parameters, each device reading only its block (a
         Hugging Face model or an spmdkit checkpoint); the optimizer state stays fresh. The source's Hugging Face
         files (tokenizer, configs) are copied into the checkpoint directory, where export and generation find them.
-        A resumed run skips this: its checkpoint holds the weights."""
+        A resumed run skips this, except a LoRA run's: its checkpoint holds no base (`initial_params` reads it)."""
         source = self.config.model.init_from
-        if not source or self.start_step:
+        if not source or (self.start_step and not self.config.lora.enabled):
             return
         from flax import nnx
 
+        from spmdkit.interop.adapters import initial_params
         from spmdkit.interop.hf_files import copy_hf_files, find_hf_files
-        from spmdkit.interop.loading import load_params
-        from spmdkit.models.lora import base_params, quantize_base
 
-        shardings = nnx.to_pure_dict(self.state.shardings[0])
-        params = load_params(source, self.model_config, base_params(shardings), self.model_config.param_dtype)
+        trees = [nnx.to_pure_dict(tree[0]) for tree in (self.state.shardings, self.state.state)]
         model = nnx.merge(self.state.graphdef, self.state.state)[0]  # QLoRA: the weights it holds quantized
-        nnx.replace_by_pure_dict(self.state.state[0], quantize_base(params, model, shardings))  # adapters: fresh
+        params = initial_params(source, self.config.lora, self.model_config, *trees, not self.start_step, model)
+        nnx.replace_by_pure_dict(self.state.state[0], params)
         hf_files = find_hf_files(source)
         if hf_files is not None and self.is_main:
             copy_hf_files(hf_files, self.checkpointer.directory / SIDECAR)
-        self.log(f"initialised the parameters from {source}" + (f" (tokenizer: {hf_files})" if hf_files else ""))
+        what = "the frozen base" if self.start_step else "the parameters"
+        self.log(f"initialised {what} from {source}" + (f" (tokenizer: {hf_files})" if hf_files else ""))
 
     def save(self, step: int, force: bool = False, metrics: dict[str, jax.Array] | None = None) -> bool:
         """Start an asynchronous save of `step` when due (or `force`); the state, data position and config. With the
