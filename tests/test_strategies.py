@@ -29,8 +29,12 @@ from spmdkit.train.step.train_step import make_train_step
 CONFIG = TransformerConfig(dtype="float32", heads=8, kv_heads=8, head_dim=8)
 STEPS = 3
 # the layouts checked against the one-device program ("cp": ring attention on a zigzag-permuted batch;
-# "zero1_accumulated": 2 microbatches, reduced once over data x fsdp)
-CHECKED = ["dp", "fsdp", "zero1", "zero2", "hsdp", "tp", "tp_sp", "data_fsdp_tensor", "cp", "zero1_accumulated"]
+# "zero1_accumulated": 2 microbatches, reduced once over data x fsdp; "zero3_accumulated": 2 microbatches under
+# ZeRO-3 with fsdp and tensor both automatic)
+CHECKED = [
+    "dp", "fsdp", "zero1", "zero2", "hsdp", "tp", "tp_sp", "data_fsdp_tensor", "cp", "zero1_accumulated",
+    "zero3_accumulated",
+]  # fmt: skip
 
 
 def _batch(batch=8, seq=32, seed=0):

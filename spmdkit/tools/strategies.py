@@ -25,4 +25,5 @@ STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy("expert=4,data=2"),  # a mixture-of-experts model
     "fsdp_tp": Strategy("fsdp=4,tensor=2"),  # the benchmark's peer configuration's second mesh
     "zero1_accumulated": Strategy("data=2,fsdp=2,tensor=2", zero=1, microbatches=2),  # reduced once over data x fsdp
+    "zero3_accumulated": Strategy("data=2,fsdp=2,tensor=2", microbatches=2),  # two automatic axes: XLA's own loop
 }

@@ -64,6 +64,13 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
+def _manual_accumulation(model: nnx.Module, mesh: Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether the microbatch loop can run manual over the replica `axes` (see `loss_and_grads`)."""
+    config = getattr(model, "config", None)
+    automatic = [a for a, size in mesh.shape.items() if size > 1 and a not in axes]
+    return not (config and config.experts) and "context" not in automatic and len(automatic) < 2
+
+
 def objective(
     model: nnx.Module, batch: Batch, denominator: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -135,9 +142,11 @@ def loss_and_grads(
     axes = replica_axes(mesh, rules) if mesh is not None and rules is not None else ()
     if grad_accum == 1:
         (_, metrics), (grads, meta) = grad_fn((params, meta), batch, None)
-    # A mixture-of-experts model runs its own shard_map over every batch axis (tokens travel to their experts),
-    # which cannot nest in this one: it accumulates under automatic sharding (a reduction per microbatch).
-    elif not axes or getattr(model, "config", None) and model.config.experts:
+    # Under automatic sharding (a reduction per microbatch): a mixture-of-experts model and context parallelism
+    # (their own shard_maps over the batch axes cannot nest in this one), and two or more automatic axes beside
+    # the manual ones (XLA's SPMD partitioner aborts on that partially manual program: "partition_group_list"
+    # check, jaxlib 0.11.2 and 0.12.0.1, e.g. data=2,fsdp=2,tensor=2 under ZeRO-3).
+    elif not axes or not _manual_accumulation(model, mesh, axes):
         metrics, (grads, meta) = _accumulate(grad_fn, (params, meta), batch, grad_accum, total / grad_accum)
     else:
         replicas = math.prod(mesh.shape[a] for a in axes)
