@@ -17,7 +17,11 @@ set -euo pipefail
 WORK=${1:-runs/finetune_lora}
 SPMDKIT=${SPMDKIT:-spmdkit}
 PYTHON=${PYTHON:-python}
-rm -rf "$WORK" && mkdir -p "$WORK"
+if [ -e "$WORK" ] && [ -n "$(ls -A "$WORK")" ]; then  # never delete or overwrite what this script did not make
+  echo "finetune_lora.sh: error: $WORK exists and is not empty: give a new directory" >&2
+  exit 2
+fi
+mkdir -p "$WORK"
 
 "$PYTHON" - "$WORK" <<'PY'
 import json, random, sys
