@@ -185,3 +185,25 @@ def test_the_gpt_oss_20b_preset_is_its_published_config_and_counts_its_parameter
     with torch.device("meta"):
         reference = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**PUBLISHED_20B))
     assert preset.num_params() == sum(p.numel() for p in reference.parameters())
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"truncate": True},  # transformers' default: the correction range rounded out to whole dims
+        {"truncate": False, "attention_factor": 1.3},
+        {"beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},  # DeepSeek's correction
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_are_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from spmdkit.models.layers import rope_frequencies, rope_scaling
+
+    block = {"rope_type": "yarn", "rope_theta": 50_000.0, "factor": 8.0, "original_max_position_embeddings": 64}
+    config = tf.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
+                            rope_parameters=block | rope)  # fmt: skip
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = from_hf_config(config.to_dict())
+    np.testing.assert_allclose(rope_frequencies(ours), inv.numpy(), rtol=1e-6)  # float32 powers: within an ulp
+    assert rope_scaling(ours) == pytest.approx(factor, rel=1e-12)
