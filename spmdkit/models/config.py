@@ -4,9 +4,9 @@ Every feature of the Hugging Face families spmdkit runs is a field (so a flag an
 output biases, MLP biases, q/k RMSNorms (per head or over the whole projection), norms before and/or after each
 block's attention and MLP, RMSNorm as (1 + w), tied embeddings, RoPE scaling (`linear`, `llama3`), partial RoPE,
 layers without RoPE, sliding-window attention on every layer or on a pattern of layers with their own RoPE base,
-the attention scale, attention- and final-logit soft-capping, embedding / residual / logit multipliers, the MLP's
-activation, and mixture-of-experts routing (routed experts of their own width, a gated shared expert, the dense
-layers' pattern).
+the attention scale, attention- and final-logit soft-capping, attention sinks, YaRN RoPE, embedding / residual /
+logit multipliers, the MLP's activation, and mixture-of-experts routing (routed experts of their own width, a gated
+shared expert, the dense layers' pattern, router and expert biases, GPT-OSS's clamped SwiGLU).
 """
 
 from __future__ import annotations
