@@ -1,8 +1,8 @@
 """GPT-OSS (`gpt_oss`) in and out, transformers the judge: a tiny model written by transformers' `save_pretrained`
 (random non-zero biases, norm scales and sinks; windows of 5 on every other layer of 24-token inputs; YaRN RoPE; a
-SwiGLU clamp of 1, which bites) gives transformers' logits and loss on one device and on two meshes, its greedy
-tokens, and exports back bit-identically. The sinks in the kernels are checked against a softmax written here, with
-gradients; kernels that cannot take sinks are refused in one line."""
+SwiGLU clamp of 1, which bites) gives transformers' logits and loss on one device and on two meshes (and under
+ring attention), its greedy tokens, and exports back bit-identically. The sinks in the kernels are checked against a
+softmax written here, with gradients; kernels that cannot take sinks are refused in one line."""
 
 import json
 
@@ -143,18 +143,33 @@ def test_sinks_in_the_dot_blockwise_and_cache_kernels_with_gradients():
     assert np.abs(cached - _reference(q, k, v, sinks, np.broadcast_to(visible, (b, s, s)))).max() <= 1e-5
 
 
+def test_ring_attention_with_sinks_matches_transformers(saved):
+    """Context parallelism: the sinks join the ring's final log-sum-exp (zigzag layout, windows across chunks)."""
+    from spmdkit.parallel.context.zigzag import from_zigzag, zigzag_batch
+
+    directory, theirs = saved
+    mesh, rules = make_mesh("context=2,fsdp=4"), make_rules()
+    model = load_model(directory, mesh=mesh, rules=rules)
+    batch = zigzag_batch({"inputs": TOKENS, "positions": np.broadcast_to(np.arange(SEQ), TOKENS.shape)}, 2)
+    with use_rules(rules, mesh):
+        out = jax.jit(lambda m, b: m(b["inputs"], b["positions"]))(model, batch)
+    assert max_relative_error(from_zigzag(np.asarray(out), axis=1, n=2), theirs) <= 1e-4
+
+
 def test_kernels_that_cannot_take_sinks_are_refused_and_auto_avoids_them(tmp_path, capsys):
     args = dict(platform="cuda", dtype="bfloat16", head_dim=64, sinks=True)
     assert choose_attention("auto", context=1, **args) == "blockwise"  # cuDNN takes the shape, not the sinks
+    assert choose_attention("auto", context=2, head_split=4, **args) == "ring"  # not Ulysses around cuDNN
     with pytest.raises(SpmdkitError, match="cudnn has no attention sinks"):
         choose_attention("cudnn", context=1, **args)
-    for kind in ("auto", "ring"):
-        with pytest.raises(SpmdkitError, match="context parallelism .* cannot take them"):
-            choose_attention(kind, context=2, **args)
+    for kind in ("auto", "blockwise", "ulysses_blockwise"):
+        with pytest.raises(SpmdkitError, match="sinks .* do not run under Ulysses"):
+            choose_attention(kind, context=2, context_parallel="ulysses", head_split=4, **args)
     code, _, err = run_cli(capsys, "train", "--model", "tiny-moe", "--model.attention-sinks", "True",
-                           "--mesh", "context=2,fsdp=4", "--steps", "1", "--run-dir", str(tmp_path / "run"),
-                           "--no-progress", "--data", "synthetic")  # fmt: skip
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "attention sinks" in err, err
+                           "--model.attention", "cudnn", "--mesh", "fsdp=8", "--steps", "1", "--run-dir",
+                           str(tmp_path / "run"), "--no-progress", "--data", "synthetic")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no attention sinks" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_mxfp4_checkpoints_are_refused_in_one_line_naming_the_fix(saved):

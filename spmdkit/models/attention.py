@@ -5,9 +5,9 @@ kv_heads, head_dim] (heads = kv_heads x group; K/V are never repeated), `segment
 (0: padding, 1, 2, ...: the documents packed in a row; a query sees keys of its own document only, padding sees
 nothing and gets output 0) and `spec` (`spmdkit.kernels.attention_spec.AttentionSpec`: causal, window, scale,
 softcap, block sizes; None: causal, the defaults). They return [batch, seq, heads, head_dim] in q's dtype, with
-scores and softmax statistics in float32, and give the same numbers. `dot` and `blockwise` also take `sinks`
-[heads] (GPT-OSS: a logit per head in every softmax denominator); the others cannot, and `choose_attention` keeps
-a model with sinks off them.
+scores and softmax statistics in float32, and give the same numbers. `dot`, `blockwise` and `ring` also take
+`sinks` [heads] (GPT-OSS: a logit per head in every softmax denominator); cuDNN and Ulysses cannot, and
+`choose_attention` keeps a model with sinks off them.
 
 - `dot_attention`: the reference; materialises the scores [batch, kv_heads, group, seq, seq].
 - `blockwise_attention` (`spmdkit.kernels.blockwise_attention`): online softmax over key blocks with a
@@ -112,7 +112,12 @@ def _free_axes(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> tuple[str, ...
 
 
 def context_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
@@ -120,6 +125,8 @@ def context_attention(
     segment ids too); the window counts true token positions;
     keys are scanned in tiles of `ring_key_tile(chunk)`. Requires `use_rules` to be active with a context axis > 1.
     The rules' `ulysses` factor U > 1 makes it 2D: a ring of context / U positions, Ulysses inside each.
+    `sinks` [heads] join the ring's final log-sum-exp: out x exp(lse) / (exp(lse) + exp(sink)) = out x
+    sigmoid(lse - sink), differentiated through the ring's out and lse.
     """
     rules, mesh = active_rules()
     heads = _free_axes(rules.params["heads"], mesh)
@@ -127,7 +134,11 @@ def context_attention(
     spec = dataclasses.replace(spec or AttentionSpec(), key_tile=tile)
     batch = _free_axes(rules.params["batch"], mesh)
     layout = RingLayout("context", rules.ring_layout, batch, heads[0] if heads else None, rules.ulysses)
-    return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
+    if sinks is None:
+        return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
+    out, lse = ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, return_lse=True)
+    kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[:, None])  # [batch, heads, seq]: rows seeing no key: 0
+    return (out.astype(jnp.float32) * jnp.swapaxes(kept, 1, 2)[..., None]).astype(q.dtype)
 
 
 def _split_kv_heads(

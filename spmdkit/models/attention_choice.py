@@ -10,8 +10,8 @@
   manual `shard_map`; cuDNN runs there too, in regions nested over the axes still automatic
   (`spmdkit.models.attention`; its backward recomputes the forward kernel, docs/jax-limits.md says why).
   cuDNN has no attention-logit soft cap (Gemma 2): with `softcap` > 0 `auto` runs the blockwise kernel and
-  `cudnn` is refused. Attention sinks (GPT-OSS) run in `dot` and `blockwise` only: with `sinks` `auto` runs the
-  blockwise kernel, and cuDNN and context parallelism (ring, Ulysses) are refused in one line. On CPU the
+  `cudnn` is refused. Attention sinks (GPT-OSS) run in `dot`, `blockwise` and `ring`: with `sinks` `auto` runs
+  the blockwise kernel (the ring under a context axis), and cuDNN and Ulysses are refused in one line. On CPU the
   blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
   (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
 - `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
@@ -82,16 +82,16 @@ def choose_attention(
         kind, context_parallel = kind.removeprefix("ulysses_"), "ulysses"
         if context <= 1:
             raise SpmdkitError("Ulysses attention needs a context axis > 1 in the mesh (e.g. --mesh context=4,fsdp=2)")
-    if sinks and context > 1:
-        raise SpmdkitError(
-            f"attention sinks (GPT-OSS) run in the dot and blockwise kernels only: context parallelism over "
-            f"context={context} (ring, Ulysses) cannot take them yet; drop the context axis from --mesh"
-        )
     if sinks and kind == "cudnn":
         raise SpmdkitError("--attention cudnn has no attention sinks (GPT-OSS): use blockwise (or auto)")
+    if sinks and context > 1 and context_parallel == "ulysses":
+        raise SpmdkitError(
+            "attention sinks (GPT-OSS) do not run under Ulysses context parallelism yet: use --context-parallel ring "
+            "(or auto)"
+        )
     if context > 1:
         return _context_kernel(kind, context, platform, dtype, head_dim, compute_capability, softcap,
-                               context_parallel, head_split)  # fmt: skip
+                               context_parallel, head_split, sinks)  # fmt: skip
     if context_parallel != "auto":
         raise SpmdkitError(f"--context-parallel {context_parallel} needs a context axis > 1 in the mesh: drop it")
     return _local_kernel(kind, platform, dtype, head_dim, compute_capability, softcap, sinks)
@@ -99,13 +99,13 @@ def choose_attention(
 
 def _context_kernel(
     kind: str, context: int, platform: str | None, dtype: str, head_dim: int, capability: int, softcap: float,
-    algorithm: str, head_split: int | None,
+    algorithm: str, head_split: int | None, sinks: bool = False,
 ) -> str:  # fmt: skip
-    """`choose_attention` under a context axis > 1: "ring" or "ulysses_<local kernel>"."""
+    """`choose_attention` under a context axis > 1: "ring" or "ulysses_<local kernel>" (with sinks: the ring)."""
     if kind not in ("auto", *KERNELS):
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
     if algorithm == "auto":
-        local = _local_kernel(kind if kind != "ring" else "auto", platform, dtype, head_dim, capability, softcap)
+        local = _local_kernel(kind if kind != "ring" else "auto", platform, dtype, head_dim, capability, softcap, sinks)
         algorithm = "ulysses" if kind != "ring" and local == "cudnn" and head_split and platform == "cuda" else "ring"
     if algorithm in ("ring", "2d"):
         if kind not in ("auto", "ring"):
