@@ -104,6 +104,15 @@ def test_export_is_bit_identical_and_loads_in_transformers(saved, tmp_path):
     assert max_relative_error(logits(again, TOKENS), theirs) <= 1e-6
 
 
+def test_a_bfloat16_checkpoint_exports_bit_identically(saved, tmp_path):
+    """bf16 weights (as GPT-OSS's dequantised checkpoints are) stay bf16 and come back bit for bit."""
+    load(saved[0], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    out = spmdkit.save_hf(load_model(tmp_path / "bf16"), tmp_path / "hf")
+    want, got = _tensors(tmp_path / "bf16"), _tensors(out)
+    assert want.keys() == got.keys() and {str(t.dtype) for t in got.values()} == {"bfloat16"}
+    assert all(got[key].tobytes() == tensor.tobytes() for key, tensor in want.items())
+
+
 def _reference(q, k, v, sinks, mask):
     """Attention with sinks as written out: K/V repeated to the heads, the sink a last column of the softmax."""
     group = q.shape[2] // k.shape[2]
