@@ -71,7 +71,7 @@ def choose_attention(
     dtype: the compute dtype's name; compute_capability: the GPU's major version (0: unknown); softcap: the
     attention-logit soft cap (0: none; cuDNN has none); context_parallel: the algorithm over a context axis > 1
     (`CONTEXT_PARALLEL`); head_split: heads / (tensor x context) when whole, else 0 (Ulysses cannot split them),
-    None: unknown (the kernel checks); sinks: the model has attention sinks (dot and blockwise take them).
+    None: unknown (the kernel checks); sinks: the model has attention sinks (dot, blockwise and ring take them).
     Raises SpmdkitError when an explicit choice cannot run.
     """
     if context_parallel not in CONTEXT_PARALLEL:

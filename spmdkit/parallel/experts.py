@@ -67,9 +67,9 @@ class Glu:
         return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
 
 
-def _bias(b: jax.Array | None, dt: jnp.dtype) -> jax.Array | float:
-    """A bias [experts, width] viewed [experts, 1, width] for [experts, tokens, width] (0 without one)."""
-    return 0.0 if b is None else b.astype(dt)[:, None, :]
+def _biased(y: jax.Array, b: jax.Array | None) -> jax.Array:
+    """y [experts, tokens, width] plus a bias [experts, width] (y itself without one: no add in the program)."""
+    return y if b is None else y + b.astype(y.dtype)[:, None, :]
 
 
 # The JAX operations the experts' GEMMs come from (their `op_name` in a compiled program, `spmdkit compile`'s
@@ -81,9 +81,9 @@ EXPERT_OPS = ("ragged_dot", EXPERT_IN, EXPERT_OUT)
 def swiglu_experts(x: jax.Array, w: ExpertWeights, glu: Glu = Glu()) -> jax.Array:
     """Each expert's SwiGLU on its own tokens: x [experts, tokens, embed] -> [experts, tokens, embed]."""
     dt = x.dtype
-    gate = jnp.einsum(EXPERT_IN, x, w.gate.astype(dt)) + _bias(w.gate_bias, dt)
-    up = jnp.einsum(EXPERT_IN, x, w.up.astype(dt)) + _bias(w.up_bias, dt)
-    return jnp.einsum(EXPERT_OUT, glu(gate, up), w.down.astype(dt)) + _bias(w.down_bias, dt)
+    gate = _biased(jnp.einsum(EXPERT_IN, x, w.gate.astype(dt)), w.gate_bias)
+    up = _biased(jnp.einsum(EXPERT_IN, x, w.up.astype(dt)), w.up_bias)
+    return _biased(jnp.einsum(EXPERT_OUT, glu(gate, up), w.down.astype(dt)), w.down_bias)
 
 
 def slots(expert_index: jax.Array, num_experts: int, slots_per_expert: int) -> tuple[jax.Array, jax.Array]:
@@ -165,12 +165,12 @@ def ragged_moe(
     sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     dt, owner = x.dtype, flat_expert[order]  # owner: each sorted row's expert (for the biases)
 
-    def bias(b: jax.Array | None) -> jax.Array | float:
-        return 0.0 if b is None else b.astype(dt)[owner]
+    def biased(y: jax.Array, b: jax.Array | None) -> jax.Array:
+        return y if b is None else y + b.astype(dt)[owner]
 
-    gate = jax.lax.ragged_dot(rows, w.gate.astype(dt), sizes) + bias(w.gate_bias)
-    up = jax.lax.ragged_dot(rows, w.up.astype(dt), sizes) + bias(w.up_bias)
-    out = jax.lax.ragged_dot(glu(gate, up), w.down.astype(dt), sizes) + bias(w.down_bias)
+    gate = biased(jax.lax.ragged_dot(rows, w.gate.astype(dt), sizes), w.gate_bias)
+    up = biased(jax.lax.ragged_dot(rows, w.up.astype(dt), sizes), w.up_bias)
+    out = biased(jax.lax.ragged_dot(glu(gate, up), w.down.astype(dt), sizes), w.down_bias)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b, s, k, d)
     return jnp.einsum("bskd,bsk->bsd", unsorted, weight.astype(dt))
 
