@@ -165,15 +165,39 @@ def test_ring_attention_with_sinks_matches_transformers(saved):
     assert max_relative_error(from_zigzag(np.asarray(out), axis=1, n=2), theirs) <= 1e-4
 
 
+def test_ulysses_with_sinks_gives_the_blockwise_kernels_values_and_gradients():
+    """Each device takes its heads' sinks after the exchange (heads over tensor x context, kv heads repeated)."""
+    from spmdkit.models.attention import KERNEL_TABLE
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    b, s, h, kh, d = 4, 16, 8, 4, 8
+    q, k, v = (jax.random.normal(key, (b, s, n, d)) for key, n in zip(keys[:3], (h, kh, kh), strict=True))
+    sinks, spec = jax.random.normal(keys[3], (h,)), AttentionSpec(window=6)
+    mesh, rules = make_mesh("context=4,tensor=2"), make_rules()
+
+    def grads(kernel):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(kernel(*a))), argnums=(0, 1, 2, 3)))
+
+    def ulysses(q, k, v, sk):
+        with use_rules(rules, mesh):
+            return KERNEL_TABLE["ulysses_blockwise"](q, k, v, None, spec, sk)
+
+    want = grads(lambda q, k, v, sk: blockwise_attention(q, k, v, None, spec, sk))(q, k, v, sinks)
+    got = grads(ulysses)(q, k, v, sinks)
+    assert abs(float(got[0] - want[0])) <= 1e-4
+    for name, ours, expected in zip(("q", "k", "v", "sinks"), got[1], want[1], strict=True):
+        assert np.abs(ours - expected).max() <= 1e-5, name
+
+
 def test_kernels_that_cannot_take_sinks_are_refused_and_auto_avoids_them(tmp_path, capsys):
     args = dict(platform="cuda", dtype="bfloat16", head_dim=64, sinks=True)
     assert choose_attention("auto", context=1, **args) == "blockwise"  # cuDNN takes the shape, not the sinks
     assert choose_attention("auto", context=2, head_split=4, **args) == "ring"  # not Ulysses around cuDNN
     with pytest.raises(SpmdkitError, match="cudnn has no attention sinks"):
         choose_attention("cudnn", context=1, **args)
-    for kind in ("auto", "blockwise", "ulysses_blockwise"):
-        with pytest.raises(SpmdkitError, match="sinks .* do not run under Ulysses"):
-            choose_attention(kind, context=2, context_parallel="ulysses", head_split=4, **args)
+    assert choose_attention("auto", context=2, context_parallel="ulysses", head_split=4, **args) == "ulysses_blockwise"
+    with pytest.raises(SpmdkitError, match="cudnn has no attention sinks"):
+        choose_attention("ulysses_cudnn", context=2, head_split=4, **args)
     code, _, err = run_cli(capsys, "train", "--model", "tiny-moe", "--model.attention-sinks", "True",
                            "--model.attention", "cudnn", "--mesh", "fsdp=8", "--steps", "1", "--run-dir",
                            str(tmp_path / "run"), "--no-progress", "--data", "synthetic")  # fmt: skip

@@ -5,9 +5,9 @@ kv_heads, head_dim] (heads = kv_heads x group; K/V are never repeated), `segment
 (0: padding, 1, 2, ...: the documents packed in a row; a query sees keys of its own document only, padding sees
 nothing and gets output 0) and `spec` (`spmdkit.kernels.attention_spec.AttentionSpec`: causal, window, scale,
 softcap, block sizes; None: causal, the defaults). They return [batch, seq, heads, head_dim] in q's dtype, with
-scores and softmax statistics in float32, and give the same numbers. `dot`, `blockwise` and `ring` also take
-`sinks` [heads] (GPT-OSS: a logit per head in every softmax denominator); cuDNN and Ulysses cannot, and
-`choose_attention` keeps a model with sinks off them.
+scores and softmax statistics in float32, and give the same numbers. `dot`, `blockwise`, `ring` and Ulysses around
+dot or blockwise also take `sinks` [heads] (GPT-OSS: a logit per head in every softmax denominator); cuDNN cannot,
+and `choose_attention` keeps a model with sinks off it.
 
 - `dot_attention`: the reference; materialises the scores [batch, kv_heads, group, seq, seq].
 - `blockwise_attention` (`spmdkit.kernels.blockwise_attention`): online softmax over key blocks with a
@@ -225,12 +225,14 @@ def _ulysses(local: Any) -> Any:
     """The kernel that runs `local` per device under Ulysses over `context` (`spmdkit.parallel.context.ulysses`),
     batch and head axes taken from the active rules; seq sharded over `context` in natural order."""
 
-    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None) -> jax.Array:
+    def kernel(
+        q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None, sinks: Any = None
+    ) -> jax.Array:
         rules, mesh = active_rules()
         batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
         k, v = _split_kv_heads(q, k, v, heads, mesh)
         layout = UlyssesLayout("context", batch, heads)
-        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local)
+        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local, sinks=sinks)
 
     return kernel
 

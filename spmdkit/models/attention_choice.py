@@ -10,10 +10,10 @@
   manual `shard_map`; cuDNN runs there too, in regions nested over the axes still automatic
   (`spmdkit.models.attention`; its backward recomputes the forward kernel, docs/jax-limits.md says why).
   cuDNN has no attention-logit soft cap (Gemma 2): with `softcap` > 0 `auto` runs the blockwise kernel and
-  `cudnn` is refused. Attention sinks (GPT-OSS) run in `dot`, `blockwise` and `ring`: with `sinks` `auto` runs
-  the blockwise kernel (the ring under a context axis), and cuDNN and Ulysses are refused in one line. On CPU the
-  blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
-  (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
+  `cudnn` is refused. Attention sinks (GPT-OSS) run in `dot`, `blockwise`, `ring` and Ulysses around the first two:
+  with `sinks` `auto` runs the blockwise kernel (the ring under a context axis), and cuDNN is refused in one line
+  (`ulysses_cudnn` too). On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096
+  tokens (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
 - `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
   SpmdkitError saying why it cannot run here. Under Ulysses (`spmdkit.parallel.context.ulysses`) `dot`,
   `blockwise` and `cudnn` name its per-device kernel: the choice is `ulysses_<kernel>` (`ring` is refused there).
@@ -71,7 +71,7 @@ def choose_attention(
     dtype: the compute dtype's name; compute_capability: the GPU's major version (0: unknown); softcap: the
     attention-logit soft cap (0: none; cuDNN has none); context_parallel: the algorithm over a context axis > 1
     (`CONTEXT_PARALLEL`); head_split: heads / (tensor x context) when whole, else 0 (Ulysses cannot split them),
-    None: unknown (the kernel checks); sinks: the model has attention sinks (dot, blockwise and ring take them).
+    None: unknown (the kernel checks); sinks: the model has attention sinks (every kernel but cuDNN takes them).
     Raises SpmdkitError when an explicit choice cannot run.
     """
     if context_parallel not in CONTEXT_PARALLEL:
@@ -84,11 +84,6 @@ def choose_attention(
             raise SpmdkitError("Ulysses attention needs a context axis > 1 in the mesh (e.g. --mesh context=4,fsdp=2)")
     if sinks and kind == "cudnn":
         raise SpmdkitError("--attention cudnn has no attention sinks (GPT-OSS): use blockwise (or auto)")
-    if sinks and context > 1 and context_parallel == "ulysses":
-        raise SpmdkitError(
-            "attention sinks (GPT-OSS) do not run under Ulysses context parallelism yet: use --context-parallel ring "
-            "(or auto)"
-        )
     if context > 1:
         return _context_kernel(kind, context, platform, dtype, head_dim, compute_capability, softcap,
                                context_parallel, head_split, sinks)  # fmt: skip
@@ -121,7 +116,7 @@ def _context_kernel(
             f"--context-parallel ulysses: the heads do not split over tensor x context={context}: use "
             "--context-parallel ring, or a context axis that divides the heads"
         )
-    return "ulysses_" + _local_kernel(kind, platform, dtype, head_dim, capability, softcap)
+    return "ulysses_" + _local_kernel(kind, platform, dtype, head_dim, capability, softcap, sinks)
 
 
 def _local_kernel(
