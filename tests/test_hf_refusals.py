@@ -1,7 +1,7 @@
 """What Hugging Face import refuses: each refusal is one line naming what is wrong, exit 2, and nothing written.
 
 The artifacts are transformers' own saves (a GPT-2, a ReLU Llama, a Mixtral with router noise, a bidirectional
-Gemma 3, a yarn RoPE), or a save then damaged the way real downloads and hand edits are (a config that no longer
+Gemma 3, a dynamic RoPE), or a save then damaged the way real downloads and hand edits are (a config that no longer
 matches its weights, a missing or truncated shard, a broken config.json)."""
 
 import json
@@ -42,8 +42,8 @@ def _missing_shard(d: Path) -> None:
     sorted(d.glob("model-*-of-*.safetensors"))[1].unlink()
 
 
-def _yarn(d: Path) -> None:
-    rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+def _dynamic(d: Path) -> None:
+    rope = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 4.0}
     save_model(LlamaConfig(**SHAPE, rope_parameters=rope), d)
 
 
@@ -70,7 +70,7 @@ CASES = {
     "router noise": (_jitter, "router_jitter_noise=0.1 is not implemented"),
     "bidirectional": (_bidirectional, "use_bidirectional_attention is not implemented"),
     "missing shard": (_missing_shard, "missing shard"),
-    "rope_type": (_yarn, "rope_type='yarn' is not implemented"),
+    "rope_type": (_dynamic, "rope_type='dynamic' is not implemented"),
     "truncated file": (_truncated, "is not a readable safetensors file"),
     "broken config": (_broken_config, "is not valid JSON"),
     "shape": (_wrong_shape, "has shape [64, 32], but config.json implies [96, 32]"),

@@ -10,6 +10,7 @@ head_dim], so K/V are read once per KV head, never repeated. Scores and softmax 
 The layer's `AttentionSpec` (`spmdkit.kernels.attention_spec`), with the meaning it has in every kernel: a window
 W > 0 hides the slots j <= p - W of a query at position p (sliding-window attention over a full-length cache),
 `scale` multiplies q k^T (None: 1/sqrt(head_dim)), `softcap` c > 0 caps the scores to c tanh(s / c) before masking.
+`sinks` [heads] (GPT-OSS): each head's logit joins every row's softmax denominator, attending to nothing.
 
 Under tensor parallelism q's heads and the cache's kv_heads are both split over `tensor`: the kernel is local.
 """
@@ -19,12 +20,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible
+from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible, with_sinks
 from spmdkit.kernels.attention_spec import AttentionSpec
 
 
 def cache_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, spec: AttentionSpec | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale) v over the key slots j <= position of each query (and j > position - window).
 
@@ -35,5 +41,8 @@ def cache_attention(
     scores = grouped_scores(q, k, spec.scale, spec.softcap)
     seen = visible(positions, jnp.arange(k.shape[1]), causal=True, window=spec.window)  # [batch, tokens, keys]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        probs = jax.nn.softmax(with_sinks(scores, sinks), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return grouped_values(probs, v)

@@ -53,7 +53,9 @@ def block_step(
     # Pin the caches to their layout: with KV heads replicated (tensor > kv_heads) GSPMD would otherwise split
     # them like the query heads and all-gather them afterwards.
     k_cache, v_cache = constrain(k_cache, CACHE_NAMES), constrain(v_cache, CACHE_NAMES)
-    attended = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, attention.spec(kind))
+    attended = cache_attention(
+        q, keys.astype(q.dtype), values.astype(q.dtype), positions, attention.spec(kind), attention.sink_logits()
+    )
     x = block.add(x, attention.out(attended), "attention_post_norm")
     return block.mlp_half(x)[0], k_cache, v_cache
 

@@ -15,6 +15,9 @@ activation, tied embeddings) are read by `spmdkit.interop.hf_config`. What each 
 - phi3: fused qkv and gate-up tensors, partial RoPE.
 - mixtral, qwen3_moe, qwen2_moe: routed experts (dropless dispatch: transformers drops nothing), a gated shared
   expert (qwen2_moe), dense layers by `decoder_sparse_step` / `mlp_only_layers`.
+- gpt_oss: attention sinks, q/k/v/o biases, sliding and full layers by `layer_types`, YaRN RoPE; routed experts
+  with biases, a router with a bias, the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`), their gate and up
+  interleaved in one `gate_up_proj` [experts, embed, 2 x mlp] (`experts` "gpt_oss").
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One `model_type`: its class, readers and writers, and its tensor layout (`experts`: "mixtral" or "qwen"
-    names of expert tensors; `fused`: Phi-3's qkv_proj / gate_up_proj)."""
+    names of expert tensors, one per expert, or "gpt_oss": one tensor of all; `fused`: Phi-3's qkv_proj /
+    gate_up_proj)."""
 
     architecture: str
     read: Callable[[Keys, int], dict[str, Any]]
@@ -250,6 +254,21 @@ def _write_qwen2_moe(model: TransformerConfig) -> dict[str, Any]:
             "max_window_layers": model.layers, "layer_types": _types(model)}  # fmt: skip
 
 
+def _gpt_oss(keys: Keys, layers: int) -> dict[str, Any]:
+    default = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    return {
+        **_biases(keys, mlp=False), **_routed(keys, "num_local_experts", True), "attention_sinks": True,
+        "router_bias": True, "expert_bias": True, "swiglu_limit": keys.number("swiglu_limit"),
+        "swiglu_alpha": keys.number("swiglu_alpha"), **keys.window(keys.layer_types(layers, default)),
+    }  # fmt: skip
+
+
+def _write_gpt_oss(model: TransformerConfig) -> dict[str, Any]:
+    return {"attention_bias": model.qkv_bias, "num_local_experts": model.experts, "num_experts_per_tok": model.top_k,
+            "swiglu_limit": model.swiglu_limit, "swiglu_alpha": model.swiglu_alpha,
+            "sliding_window": model.sliding_window or None, "layer_types": _types(model)}  # fmt: skip
+
+
 # What each family's transformers config class (transformers 5) assumes for a key left out; a key it derives
 # from others (num_key_value_heads: the heads; head_dim: hidden / heads; layer_types) is derived by the readers.
 _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -284,6 +303,13 @@ _PHI3 = _LLAMA | {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size":
                   "rms_norm_eps": 1e-5}  # fmt: skip
 _GRANITE = _LLAMA | dict.fromkeys(("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                                    "logits_scaling"), 1.0)  # fmt: skip
+_GPT_OSS = _LLAMA | {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+                     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150_000.0,
+                     "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                     "attention_bias": True, "rope_parameters": {
+                         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}}  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", _biases, _write_biases, _LLAMA),
@@ -300,4 +326,5 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", _mixtral, _write_mixtral, _MIXTRAL, experts="mixtral"),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe, _write_qwen3_moe, _QWEN3_MOE, experts="qwen"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN2_MOE, experts="qwen"),
+    "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, _write_gpt_oss, _GPT_OSS, experts="gpt_oss"),
 }

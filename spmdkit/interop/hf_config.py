@@ -3,7 +3,8 @@
 The families and what each of their keys means are `spmdkit.interop.families.FAMILIES`; this module reads what they
 share: sizes, heads, `head_dim`, the norm epsilon, tied embeddings, the activation, and the RoPE block in either
 style (transformers 5 `rope_parameters`, possibly per layer type as Gemma 3 writes it, or a top-level `rope_theta`
-with the older `rope_scaling`; `rope_type` default, linear and llama3; `partial_rotary_factor` where the family
+with the older `rope_scaling`; `rope_type` default, linear, llama3 and yarn (its attention factor given, derived
+from `mscale` / `mscale_all_dim`, or left to the factor); `partial_rotary_factor` where the family
 rotates part of each head). Every key's type and range is checked first (`spmdkit.interop.hf_keys.KEYS`); a key left
 out means what the family's transformers config class defaults it to (`Family.defaults`). Every
 key that changes what transformers' modeling code for the family computes is read and implemented, or refused
@@ -15,6 +16,7 @@ function.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,12 @@ from spmdkit.models.config import ACTIVATIONS, TransformerConfig
 
 __all__ = ["FAMILIES", "family_of", "from_hf_config", "function_of", "read_hf_config", "read_json", "rope_block"]
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MXFP4 = (
+    "holds GPT-OSS's MXFP4-quantised experts, which spmdkit does not read: dequantise them with transformers first "
+    "(from_pretrained(DIR, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16), then "
+    "save_pretrained) and import that"
+)
 # TransformerConfig fields that are the run's numerics, not the function a Hugging Face config fixes.
 RUN_FIELDS = frozenset({
     "dtype", "param_dtype", "remat", "attention", "attention_block", "loss_chunk", "z_loss", "dispatch",
@@ -80,14 +87,33 @@ def _rope_fields(keys: Keys, max_positions: int, family: Family) -> dict[str, An
     if fraction != 1.0 and not family.partial_rope:
         raise keys.refuse(f"partial_rotary_factor={fraction}", "is not implemented for this family")
     fields |= {"rope_theta": float(block["rope_theta"]), "rope_type": rope_type, "rope_fraction": float(fraction)}
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
     for key in needed.get(rope_type, ()):
         if not isinstance(block.get(key), (int, float)):
             raise keys.refuse(f"rope {rope_type} scaling", f"needs a number for {key}, got {block.get(key)!r}")
         fields[f"rope_{key}"] = float(block[key])
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         fields["rope_original_max_positions"] = int(block.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "yarn":
+        fields |= _yarn_fields(block, fields["rope_factor"])
     return fields
+
+
+def _yarn_fields(block: dict[str, Any], factor: float) -> dict[str, Any]:
+    """YaRN's knobs as transformers reads them (`_compute_yarn_parameters`): beta_fast / beta_slow (null or 0:
+    32 / 1), truncate (default true) and the attention factor: given, else the ratio of `mscale` and
+    `mscale_all_dim`'s corrections when both are set, else 0 (derived from the factor: 0.1 ln(factor) + 1)."""
+
+    def correction(scale: float, mscale: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = block.get("attention_factor")
+    if attention is None and block.get("mscale") and block.get("mscale_all_dim"):
+        attention = correction(factor, block["mscale"]) / correction(factor, block["mscale_all_dim"])
+    return {
+        "rope_beta_fast": float(block.get("beta_fast") or 32.0), "rope_beta_slow": float(block.get("beta_slow") or 1.0),
+        "rope_truncate": bool(block.get("truncate", True)), "rope_attention_factor": float(attention or 0.0),
+    }  # fmt: skip
 
 
 def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> TransformerConfig:
@@ -98,6 +124,9 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     family = FAMILIES[family_of(hf, where)]
     keys = Keys(family.defaults | hf, where)
     keys.check()
+    quantization = keys.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+        raise keys.refuse("quantization_config (quant_method mxfp4)", MXFP4)
     for key in ("auto_map", "quantization_config"):
         if keys.get(key):
             raise keys.refuse(key, "is not supported: spmdkit loads plain (unquantised) transformers models")

@@ -64,6 +64,13 @@ def _rope(model: TransformerConfig, places: set[str]) -> dict[str, Any]:
             "high_freq_factor": model.rope_high_freq_factor,
             "original_max_position_embeddings": model.rope_original_max_positions,
         }
+    if model.rope_type == "yarn":
+        scaling |= {
+            "beta_fast": model.rope_beta_fast, "beta_slow": model.rope_beta_slow, "truncate": model.rope_truncate,
+            "original_max_position_embeddings": model.rope_original_max_positions,
+        }  # fmt: skip
+        if model.rope_attention_factor:
+            scaling["attention_factor"] = model.rope_attention_factor
     out: dict[str, Any] = {}
     if "rope_parameters" in places:
         out["rope_parameters"] = {"rope_theta": model.rope_theta, **scaling}

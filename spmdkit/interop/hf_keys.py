@@ -69,11 +69,12 @@ _KINDS_OF = {
     "size": "max_window_layers shared_expert_intermediate_size",
     "window?": "sliding_window",
     "positive": "rms_norm_eps rope_theta rope_local_base_freq factor low_freq_factor high_freq_factor "
-    "query_pre_attn_scalar embedding_multiplier residual_multiplier attention_multiplier logits_scaling",
+    "query_pre_attn_scalar embedding_multiplier residual_multiplier attention_multiplier logits_scaling "
+    "swiglu_limit swiglu_alpha beta_fast beta_slow",
     "rate": "attention_dropout resid_pdrop embd_pdrop router_jitter_noise",
-    "rate?": "attn_logit_softcapping final_logit_softcapping",
+    "rate?": "attn_logit_softcapping final_logit_softcapping attention_factor mscale mscale_all_dim",
     "fraction": "partial_rotary_factor",
-    "flag": "attention_bias mlp_bias qkv_bias tie_word_embeddings use_sliding_window norm_topk_prob",
+    "flag": "attention_bias mlp_bias qkv_bias tie_word_embeddings use_sliding_window norm_topk_prob truncate",
     "flag?": "use_bidirectional_attention",
     "text": "hidden_act hidden_activation rope_type type",
     "list?": "architectures layer_types no_rope_layers mlp_only_layers",

@@ -4,8 +4,10 @@ The families share the Llama names (`model.layers.{i}.self_attn.q_proj.weight`, 
 q/k norms (`self_attn.q_norm.weight`: [head_dim] per head, or [heads x head_dim] over the layer, OLMo 2), norms
 after attention and the MLP (Gemma 2/3, OLMo 2: `post_attention_layernorm` is then the norm *after* attention, and
 Gemma's pre-MLP norm is `pre_feedforward_layernorm`), experts (`block_sparse_moe.experts.{e}.w1` for Mixtral,
-`mlp.experts.{e}.gate_proj` for Qwen-MoE, with the router `gate` and Qwen2-MoE's `shared_expert` and its gate), and
-Phi-3's fused `qkv_proj` and `gate_up_proj` (each spmdkit parameter a block of rows of one tensor).
+`mlp.experts.{e}.gate_proj` for Qwen-MoE, with the router `gate` and Qwen2-MoE's `shared_expert` and its gate;
+GPT-OSS's one tensor of all experts, `mlp.experts.gate_up_proj` [experts, embed, 2 x mlp] with gate and up in
+alternate columns, its biases, `mlp.router` with a bias, and `self_attn.sinks`), and Phi-3's fused `qkv_proj` and
+`gate_up_proj` (each spmdkit parameter a block of rows of one tensor).
 
 Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the head dims: q
 [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim, embed] is
@@ -39,7 +41,8 @@ class TensorMap:
     global `layers` of its stack's entries (empty: not stacked), its spmdkit `shape` (one layer's), `experts` (the
     shape's first dim is the experts, one Hugging Face tensor each; 0: none), `groups` (how many of the remaining
     spmdkit dims make each Hugging Face dim, in spmdkit's order), `transpose` (Hugging Face's dims are the groups
-    reversed) and `fused` ((first row, rows) of a tensor it shares with others, Phi-3; rows 0: its own)."""
+    reversed), `fused` ((first row, rows) of a tensor it shares with others, Phi-3; rows 0: its own) and
+    `interleave` ((i, n): its columns are every n-th of the tensor's last dim from the i-th, GPT-OSS's gate_up)."""
 
     path: tuple[str, ...]
     name: str
@@ -49,6 +52,7 @@ class TensorMap:
     transpose: bool
     experts: int = 0
     fused: tuple[int, int] = (0, 0)
+    interleave: tuple[int, int] = (0, 1)
 
     @property
     def stacked(self) -> bool:
@@ -84,8 +88,22 @@ class TensorMap:
 
     @property
     def file_shape(self) -> tuple[int, ...]:
-        """The shape of the whole tensor in the file (a fused tensor: all its parts' rows)."""
-        return (self.fused[1], *self.hf_shape[1:]) if self.fused[1] else self.hf_shape
+        """The shape of the whole tensor in the file (a fused tensor: all its parts' rows; an interleaved one: all
+        their columns)."""
+        shape = (self.fused[1], *self.hf_shape[1:]) if self.fused[1] else self.hf_shape
+        return (*shape[:-1], shape[-1] * self.interleave[1])
+
+    @property
+    def shared(self) -> bool:
+        """Whether the tensor holds other parameters too (fused rows or interleaved columns)."""
+        return bool(self.fused[1]) or self.interleave[1] > 1
+
+    def put(self, whole: np.ndarray, part: np.ndarray) -> None:
+        """Write this parameter's `part` into the shared tensor `whole`."""
+        if self.fused[1]:
+            whole[self.fused[0] : self.fused[0] + part.shape[0]] = part
+        else:
+            whole[..., self.interleave[0] :: self.interleave[1]] = part
 
     @property
     def row_dim(self) -> int:
@@ -119,7 +137,9 @@ class TensorMap:
             start += g
         ranges = ranges[::-1] if self.transpose else ranges
         ranges[0] = slice(ranges[0].start + self.fused[0], ranges[0].stop + self.fused[0])
-        block = read(name, tuple(ranges))
+        first, every = self.interleave
+        ranges[-1] = slice(ranges[-1].start * every, ranges[-1].stop * every)
+        block = read(name, tuple(ranges))[..., first::every]
         block = block.T if self.transpose else block
         return block.reshape(block_shape)[tuple(inner_index)]
 
@@ -140,6 +160,8 @@ def _attention(model: TransformerConfig, family: str, add) -> None:
         name = "self_attn.qkv_proj.weight" if fused else f"self_attn.{n}_proj.weight"
         add(f"attention.{n}", name, (E, h, D), (1, 2), True, fused=(offset, (H + 2 * K) * D) if fused else (0, 0))
     add("attention.o", "self_attn.o_proj.weight", (H, D, E), (2, 1), True)
+    if model.attention_sinks:
+        add("attention.sinks", "self_attn.sinks", (H,), (1,), False)
     if model.qkv_bias:
         for n, h in (("q", H), ("k", K), ("v", K)):
             add(f"attention.{n}_bias", f"self_attn.{n}_proj.bias", (h, D), (2,), False)
@@ -165,7 +187,21 @@ def _mlp(model: TransformerConfig, family: str, add, prefix: str = "mlp", hf: st
             add(f"{prefix}.{n}_bias", f"{hf}.{n}_proj.bias", (size,), (1,), False)
 
 
+def _gpt_oss_experts(model: TransformerConfig, add) -> None:
+    """GPT-OSS: each tensor holds every expert ([in, out] per expert, gate and up in alternate columns)."""
+    E, X, F = model.embed, model.experts, model.routed_mlp
+    add("mlp.router", "mlp.router.weight", (E, X), (1, 1), True)
+    add("mlp.router_bias", "mlp.router.bias", (X,), (1,), False)
+    for i, n in enumerate(("gate", "up")):
+        add(f"mlp.{n}", "mlp.experts.gate_up_proj", (X, E, F), (1, 1, 1), False, interleave=(i, 2))
+        add(f"mlp.{n}_bias", "mlp.experts.gate_up_proj_bias", (X, F), (1, 1), False, interleave=(i, 2))
+    add("mlp.down", "mlp.experts.down_proj", (X, F, E), (1, 1, 1), False)
+    add("mlp.down_bias", "mlp.experts.down_proj_bias", (X, E), (1, 1), False)
+
+
 def _experts(model: TransformerConfig, family: str, add) -> None:
+    if FAMILIES[family].experts == "gpt_oss":
+        return _gpt_oss_experts(model, add)
     E, X, F = model.embed, model.experts, model.routed_mlp
     mixtral = FAMILIES[family].experts == "mixtral"
     base = "block_sparse_moe" if mixtral else "mlp"
@@ -189,9 +225,11 @@ def tensor_maps(model: TransformerConfig, family: str) -> list[TensorMap]:
         if not layers:
             continue
 
-        def add(path, name, shape, groups, transpose, *, experts=0, fused=(0, 0), stack=stack, layers=layers):
+        def add(path, name, shape, groups, transpose, *, experts=0, fused=(0, 0), interleave=(0, 1), stack=stack,
+                layers=layers):  # fmt: skip
             full = "model.layers.{i}." + name
-            maps.append(TensorMap((stack, *path.split(".")), full, layers, shape, groups, transpose, experts, fused))
+            maps.append(TensorMap((stack, *path.split(".")), full, layers, shape, groups, transpose, experts, fused,
+                                  interleave))  # fmt: skip
 
         norms = _norm_names(model)
         for norm in ("attention_norm", "attention_post_norm"):

@@ -63,7 +63,7 @@ def _host(value: Any) -> np.ndarray:
 
 def _plan_shards(maps: list[TensorMap], itemsize: int, limit: int) -> list[list[str]]:
     """Tensor names per shard, in parameter order, each shard at most `limit` bytes (a bigger tensor alone); a
-    fused tensor (Phi-3) is counted once, where its first part comes."""
+    shared tensor (Phi-3, GPT-OSS) is counted once, where its first part comes."""
     shards: list[list[str]] = [[]]
     size, seen = 0, set()
     for m in maps:
@@ -107,9 +107,8 @@ def write_weights(
     for m in maps:
         for name, part in _parts(m, _host(m.value_in(params))):  # every process gathers; process 0 writes
             file, part = where[name], part.astype(target)
-            if m.fused[1]:  # one block of rows of a tensor shared with other parameters
-                whole = pending[file].setdefault(name, np.empty(m.file_shape, target))
-                whole[m.fused[0] : m.fused[0] + part.shape[0]] = part
+            if m.shared:  # rows (Phi-3) or columns (GPT-OSS) of a tensor shared with other parameters
+                m.put(pending[file].setdefault(name, np.empty(m.file_shape, target)), part)
             else:
                 pending[file][name] = part
             total += part.nbytes

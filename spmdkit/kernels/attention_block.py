@@ -22,6 +22,10 @@ head_dim] layout, for the kernels that hold every score at once (the reference, 
 
 A query row that sees no key at all (padding: segment id 0) gets out = 0, lse = -inf and zero gradients: its
 running max starts at the finite float32 minimum, so a fully masked block gives exp(-inf) = 0, never NaN.
+
+Attention sinks (GPT-OSS): a learned logit per query head joins every row's softmax denominator as a key with a
+zero value. The online softmax starts from it (m = sink, l = 1: `initial_state(q, sinks)`), so out and lse include
+it; its gradient is -sum over rows of exp(sink - lse) D (`sink_grad`). `with_sinks` appends it to whole scores.
 """
 
 from __future__ import annotations
@@ -101,10 +105,31 @@ def _masked(s: jax.Array, mask: jax.Array | None) -> jax.Array:
     return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
 
 
-def initial_state(q: jax.Array) -> State:
-    """The online-softmax state of query rows q [..., bq, D] before any key: o = 0, m = INIT_MAX, l = 0."""
+def initial_state(q: jax.Array, sinks: jax.Array | None = None) -> State:
+    """The online-softmax state of query rows q [..., kv_heads, group, bq, D] before any key: o = 0, m = INIT_MAX,
+    l = 0; with `sinks` [heads] (heads = kv_heads x group), m = the row's sink and l = 1 (its exp(sink - m))."""
     o = jnp.zeros_like(q, dtype=F32)  # *_like: inside a shard_map the state varies over the axes q varies over
-    return o, jnp.full_like(o[..., 0], INIT_MAX), jnp.zeros_like(o[..., 0])
+    if sinks is None:
+        return o, jnp.full_like(o[..., 0], INIT_MAX), jnp.zeros_like(o[..., 0])
+    sink = sinks.astype(F32).reshape(q.shape[-4], q.shape[-3])[:, :, None]
+    return o, jnp.zeros_like(o[..., 0]) + sink, jnp.ones_like(o[..., 0])
+
+
+def sink_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """d loss / d sinks [heads] from the rows' lse and D = rowsum(dO * out), both [..., kv_heads, group, bq]:
+    the sink is a key of value 0, so dS = P (0 - D) with P = exp(sink - lse)."""
+    hk, g = lse.shape[-3], lse.shape[-2]
+    sink = sinks.astype(F32).reshape(hk, g)[:, :, None]
+    total = -jnp.exp(sink - lse) * delta
+    return total.reshape(-1, hk, g, lse.shape[-1]).sum((0, 3)).reshape(-1).astype(sinks.dtype)
+
+
+def with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Whole scores [batch, kv_heads, group, bq, bk] float32 and one more key per row: its head's sink (the softmax
+    of the result, less its last column, is attention with sinks)."""
+    b, hk, g, t, _ = scores.shape
+    column = jnp.broadcast_to(sinks.astype(F32).reshape(1, hk, g, 1, 1), (b, hk, g, t, 1))
+    return jnp.concatenate([scores, column], axis=-1)
 
 
 def fold(

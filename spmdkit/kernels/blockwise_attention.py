@@ -28,7 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdkit.kernels.attention_block import F32, block_grads, check_qkv, finish, fold, initial_state, row_delta, visible
+from spmdkit.kernels.attention_block import (
+    F32,
+    block_grads,
+    check_qkv,
+    finish,
+    fold,
+    initial_state,
+    row_delta,
+    sink_grad,
+    visible,
+)
 from spmdkit.kernels.attention_spec import BLOCK_K, BLOCK_Q, AttentionSpec
 from spmdkit.kernels.block_plan import BlockPlan, Step
 
@@ -169,13 +179,13 @@ BACKWARD_AXES = (4, 4, 4, 4, 3, 3, 2, 2)  # q, dout, lse, delta, k, v, segment i
 GRAD_AXES = (4, 3, 3)  # dq, dk, dv
 
 
-def _forward(plan: BlockPlan, q, k, v, segment_ids):
+def _forward(plan: BlockPlan, q, k, v, segment_ids, sinks):
     """out [B, S, H, D] in q's dtype and lse [blocks, B, kv_heads, group, block_q] float32. Steps of sub-blocks
-    (`Step.split`) run on the blocks and the state viewed at their size."""
+    (`Step.split`) run on the blocks and the state viewed at their size; the state starts from the sinks."""
     kv_heads = k.shape[2]
     whole = (q_blocks(q, plan.block_q, kv_heads), kv_blocks(k, plan.block_k), kv_blocks(v, plan.block_k))
     whole += _segment_blocks(plan, segment_ids)
-    blocks, state, split, new = whole, initial_state(whole[0]), 1, ()
+    blocks, state, split, new = whole, initial_state(whole[0], sinks), 1, ()
     for step in plan.steps:
         if step.split != split:
             state = _resplit(state, STATE_AXES, step.split // split)
@@ -198,17 +208,17 @@ def _segment_blocks(plan: BlockPlan, segment_ids) -> tuple:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: BlockPlan, q, k, v, segment_ids):
-    return _forward(plan, q, k, v, segment_ids)[0]
+def _attention(plan: BlockPlan, q, k, v, segment_ids, sinks):
+    return _forward(plan, q, k, v, segment_ids, sinks)[0]
 
 
-def _attention_fwd(plan: BlockPlan, q, k, v, segment_ids):
-    out, lse = _forward(plan, q, k, v, segment_ids)
-    return out, (q, k, v, segment_ids, out, lse)
+def _attention_fwd(plan: BlockPlan, q, k, v, segment_ids, sinks):
+    out, lse = _forward(plan, q, k, v, segment_ids, sinks)
+    return out, (q, k, v, segment_ids, sinks, out, lse)
 
 
 def _attention_bwd(plan: BlockPlan, residuals, dout):
-    q, k, v, segment_ids, out, lse = residuals
+    q, k, v, segment_ids, sinks, out, lse = residuals
     kv_heads = k.shape[2]
     qb, kb, vb = q_blocks(q, plan.block_q, kv_heads), kv_blocks(k, plan.block_k), kv_blocks(v, plan.block_k)
     dob = q_blocks(dout, plan.block_q, kv_heads)
@@ -233,6 +243,7 @@ def _attention_bwd(plan: BlockPlan, residuals, dout):
         from_kv_blocks(dk, plan.seq).astype(k.dtype),
         from_kv_blocks(dv, plan.seq).astype(v.dtype),
         None,
+        None if sinks is None else sink_grad(sinks, lse, delta),
     )
 
 
@@ -240,7 +251,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale) v over blocks, without ever holding the [seq, seq] scores.
 
@@ -253,8 +269,10 @@ def blockwise_attention(
     of its own document only (and, causal, at or before its position). Padding rows see nothing: their output
     is 0 and they pass no gradient. `None`: one document per row. `spec` (`AttentionSpec`; None: causal, the
     defaults): causal, window, scale, softcap and the positions per block `block_q`, `block_k` (any sequence
-    length; the last block is padded). Gradients: a custom VJP that saves out and the log-sum-exp.
+    length; the last block is padded). `sinks` [heads] float32 (GPT-OSS; None: none): each head's logit joins
+    every row's softmax denominator, attending to nothing. Gradients: a custom VJP that saves out and the
+    log-sum-exp (the sinks' included).
     """
     check_qkv(q, k, v, "blockwise attention", segment_ids)
     spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
-    return _attention(BlockPlan(q.shape[1], spec), q, k, v, segment_ids)
+    return _attention(BlockPlan(q.shape[1], spec), q, k, v, segment_ids, sinks)

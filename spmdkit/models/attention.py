@@ -5,7 +5,9 @@ kv_heads, head_dim] (heads = kv_heads x group; K/V are never repeated), `segment
 (0: padding, 1, 2, ...: the documents packed in a row; a query sees keys of its own document only, padding sees
 nothing and gets output 0) and `spec` (`spmdkit.kernels.attention_spec.AttentionSpec`: causal, window, scale,
 softcap, block sizes; None: causal, the defaults). They return [batch, seq, heads, head_dim] in q's dtype, with
-scores and softmax statistics in float32, and give the same numbers.
+scores and softmax statistics in float32, and give the same numbers. `dot`, `blockwise`, `ring` and Ulysses around
+dot or blockwise also take `sinks` [heads] (GPT-OSS: a logit per head in every softmax denominator); cuDNN cannot,
+and `choose_attention` keeps a model with sinks off it.
 
 - `dot_attention`: the reference; materialises the scores [batch, kv_heads, group, seq, seq].
 - `blockwise_attention` (`spmdkit.kernels.blockwise_attention`): online softmax over key blocks with a
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible
+from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible, with_sinks
 from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.blockwise_attention import blockwise_attention
 from spmdkit.models.attention_choice import choose_attention
@@ -64,25 +66,32 @@ def _document_mask(segment_ids: jax.Array, causal: bool, window: int = 0) -> jax
 
 
 def dot_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale) v with grouped-query heads, K/V never repeated, every score held.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; heads = kv_heads x group; any
     sharding of batch and heads (the compiler's). Scores and softmax in float32. Returns [batch, seq, heads,
     head_dim] in q's dtype. With `segment_ids` [batch, seq], rows that see no key (padding) give 0 and pass no
-    gradient. `spec`: the module doc.
+    gradient. `spec`: the module doc. `sinks` [heads] float32: a logit per head joins each row's denominator.
     """
     spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
     scores = grouped_scores(q, k, spec.scale, spec.softcap)
-    if segment_ids is None:
-        if spec.causal:
-            pos = jnp.arange(q.shape[1])
-            scores = jnp.where(visible(pos, pos, causal=True, window=spec.window), scores, -jnp.inf)
+    if segment_ids is not None:
+        scores = jnp.where(_document_mask(segment_ids, spec.causal, spec.window)[:, None, None], scores, -jnp.inf)
+    elif spec.causal:
+        pos = jnp.arange(q.shape[1])
+        scores = jnp.where(visible(pos, pos, causal=True, window=spec.window), scores, -jnp.inf)
+    if sinks is not None:  # every row sees its sink: no row is empty
+        probs = jax.nn.softmax(with_sinks(scores, sinks), axis=-1)[..., :-1].astype(v.dtype)
+    elif segment_ids is None:
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     else:
-        mask = _document_mask(segment_ids, spec.causal, spec.window)[:, None, None]
-        scores = jnp.where(mask, scores, -jnp.inf)
         top = jax.lax.stop_gradient(scores.max(-1, keepdims=True))
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exp(-inf) = 0
         total = weights.sum(-1, keepdims=True)
@@ -103,7 +112,12 @@ def _free_axes(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> tuple[str, ...
 
 
 def context_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, spec: AttentionSpec | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ring attention over `context`, with batch and head axes taken from the active rules.
 
@@ -111,6 +125,8 @@ def context_attention(
     segment ids too); the window counts true token positions;
     keys are scanned in tiles of `ring_key_tile(chunk)`. Requires `use_rules` to be active with a context axis > 1.
     The rules' `ulysses` factor U > 1 makes it 2D: a ring of context / U positions, Ulysses inside each.
+    `sinks` [heads] join the ring's final log-sum-exp: out x exp(lse) / (exp(lse) + exp(sink)) = out x
+    sigmoid(lse - sink), differentiated through the ring's out and lse.
     """
     rules, mesh = active_rules()
     heads = _free_axes(rules.params["heads"], mesh)
@@ -118,7 +134,11 @@ def context_attention(
     spec = dataclasses.replace(spec or AttentionSpec(), key_tile=tile)
     batch = _free_axes(rules.params["batch"], mesh)
     layout = RingLayout("context", rules.ring_layout, batch, heads[0] if heads else None, rules.ulysses)
-    return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
+    if sinks is None:
+        return ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout)
+    out, lse = ring_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, return_lse=True)
+    kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[:, None])  # [batch, heads, seq]: rows seeing no key: 0
+    return (out.astype(jnp.float32) * jnp.swapaxes(kept, 1, 2)[..., None]).astype(q.dtype)
 
 
 def _split_kv_heads(
@@ -205,12 +225,14 @@ def _ulysses(local: Any) -> Any:
     """The kernel that runs `local` per device under Ulysses over `context` (`spmdkit.parallel.context.ulysses`),
     batch and head axes taken from the active rules; seq sharded over `context` in natural order."""
 
-    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None) -> jax.Array:
+    def kernel(
+        q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None, sinks: Any = None
+    ) -> jax.Array:
         rules, mesh = active_rules()
         batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
         k, v = _split_kv_heads(q, k, v, heads, mesh)
         layout = UlyssesLayout("context", batch, heads)
-        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local)
+        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local, sinks=sinks)
 
     return kernel
 
@@ -233,12 +255,16 @@ def attend(
     kind: str,
     segment_ids: jax.Array | None = None,
     spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """The kernel `kind` names (`KERNEL_TABLE`) on q, k, v, segment ids and spec (the module doc). "auto" runs
-    ring attention under a context axis > 1 in the mesh in force, else blockwise; a kind that cannot split the
-    sequence as the mesh does raises SpmdkitError (`choose_attention`, no platform known here)."""
+    """The kernel `kind` names (`KERNEL_TABLE`) on q, k, v, segment ids, spec and sinks (the module doc). "auto"
+    runs ring attention under a context axis > 1 in the mesh in force, else blockwise; a kind that cannot split the
+    sequence as the mesh does, or take the sinks, raises SpmdkitError (`choose_attention`, no platform known)."""
     softcap = spec.softcap if spec else 0.0
     kernel = choose_attention(
-        kind, context=context_size(), platform=None, dtype=q.dtype.name, head_dim=q.shape[3], softcap=softcap
-    )
-    return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec)
+        kind, context=context_size(), platform=None, dtype=q.dtype.name, head_dim=q.shape[3], softcap=softcap,
+        sinks=sinks is not None,
+    )  # fmt: skip
+    if sinks is None:
+        return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec)
+    return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec, sinks)

@@ -10,8 +10,10 @@
   manual `shard_map`; cuDNN runs there too, in regions nested over the axes still automatic
   (`spmdkit.models.attention`; its backward recomputes the forward kernel, docs/jax-limits.md says why).
   cuDNN has no attention-logit soft cap (Gemma 2): with `softcap` > 0 `auto` runs the blockwise kernel and
-  `cudnn` is refused. On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096 tokens
-  (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
+  `cudnn` is refused. Attention sinks (GPT-OSS) run in `dot`, `blockwise`, `ring` and Ulysses around the first two:
+  with `sinks` `auto` runs the blockwise kernel (the ring under a context axis), and cuDNN is refused in one line
+  (`ulysses_cudnn` too). On CPU the blockwise kernel is also the faster one at every length measured, 32 to 4096
+  tokens (docs/benchmarks.md, "Attention kernels"), so `dot` is only ever the explicit reference.
 - `dot` (the reference, O(seq^2) scores), `blockwise` (O(seq) memory), `cudnn`, `ring`: that kernel, or one
   SpmdkitError saying why it cannot run here. Under Ulysses (`spmdkit.parallel.context.ulysses`) `dot`,
   `blockwise` and `cudnn` name its per-device kernel: the choice is `ulysses_<kernel>` (`ring` is refused there).
@@ -60,6 +62,7 @@ def choose_attention(
     softcap: float = 0.0,
     context_parallel: str = "auto",
     head_split: int | None = None,
+    sinks: bool = False,
 ) -> str:
     """The kernel that runs for the setting `kind` (auto, dot, blockwise, cudnn, ring, or a resolved ulysses_*).
 
@@ -68,7 +71,8 @@ def choose_attention(
     dtype: the compute dtype's name; compute_capability: the GPU's major version (0: unknown); softcap: the
     attention-logit soft cap (0: none; cuDNN has none); context_parallel: the algorithm over a context axis > 1
     (`CONTEXT_PARALLEL`); head_split: heads / (tensor x context) when whole, else 0 (Ulysses cannot split them),
-    None: unknown (the kernel checks). Raises SpmdkitError when an explicit choice cannot run.
+    None: unknown (the kernel checks); sinks: the model has attention sinks (every kernel but cuDNN takes them).
+    Raises SpmdkitError when an explicit choice cannot run.
     """
     if context_parallel not in CONTEXT_PARALLEL:
         raise SpmdkitError(f"unknown --context-parallel {context_parallel!r}: choose {', '.join(CONTEXT_PARALLEL)}")
@@ -78,23 +82,25 @@ def choose_attention(
         kind, context_parallel = kind.removeprefix("ulysses_"), "ulysses"
         if context <= 1:
             raise SpmdkitError("Ulysses attention needs a context axis > 1 in the mesh (e.g. --mesh context=4,fsdp=2)")
+    if sinks and kind == "cudnn":
+        raise SpmdkitError("--attention cudnn has no attention sinks (GPT-OSS): use blockwise (or auto)")
     if context > 1:
         return _context_kernel(kind, context, platform, dtype, head_dim, compute_capability, softcap,
-                               context_parallel, head_split)  # fmt: skip
+                               context_parallel, head_split, sinks)  # fmt: skip
     if context_parallel != "auto":
         raise SpmdkitError(f"--context-parallel {context_parallel} needs a context axis > 1 in the mesh: drop it")
-    return _local_kernel(kind, platform, dtype, head_dim, compute_capability, softcap)
+    return _local_kernel(kind, platform, dtype, head_dim, compute_capability, softcap, sinks)
 
 
 def _context_kernel(
     kind: str, context: int, platform: str | None, dtype: str, head_dim: int, capability: int, softcap: float,
-    algorithm: str, head_split: int | None,
+    algorithm: str, head_split: int | None, sinks: bool = False,
 ) -> str:  # fmt: skip
-    """`choose_attention` under a context axis > 1: "ring" or "ulysses_<local kernel>"."""
+    """`choose_attention` under a context axis > 1: "ring" or "ulysses_<local kernel>" (with sinks: the ring)."""
     if kind not in ("auto", *KERNELS):
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")
     if algorithm == "auto":
-        local = _local_kernel(kind if kind != "ring" else "auto", platform, dtype, head_dim, capability, softcap)
+        local = _local_kernel(kind if kind != "ring" else "auto", platform, dtype, head_dim, capability, softcap, sinks)
         algorithm = "ulysses" if kind != "ring" and local == "cudnn" and head_split and platform == "cuda" else "ring"
     if algorithm in ("ring", "2d"):
         if kind not in ("auto", "ring"):
@@ -110,13 +116,15 @@ def _context_kernel(
             f"--context-parallel ulysses: the heads do not split over tensor x context={context}: use "
             "--context-parallel ring, or a context axis that divides the heads"
         )
-    return "ulysses_" + _local_kernel(kind, platform, dtype, head_dim, capability, softcap)
+    return "ulysses_" + _local_kernel(kind, platform, dtype, head_dim, capability, softcap, sinks)
 
 
-def _local_kernel(kind: str, platform: str | None, dtype: str, head_dim: int, capability: int, softcap: float) -> str:
+def _local_kernel(
+    kind: str, platform: str | None, dtype: str, head_dim: int, capability: int, softcap: float, sinks: bool = False
+) -> str:
     """The kernel of one device's whole sequence (no context axis, or per device under Ulysses)."""
     if kind == "auto":
-        cudnn_ok = cudnn_refusal(dtype, head_dim, capability) is None and not softcap
+        cudnn_ok = cudnn_refusal(dtype, head_dim, capability) is None and not softcap and not sinks
         return "cudnn" if platform == "cuda" and cudnn_ok else "blockwise"
     if kind not in KERNELS:
         raise SpmdkitError(f"unknown attention {kind!r}: choose auto, {', '.join(KERNELS)}")

@@ -4,9 +4,9 @@ Every feature of the Hugging Face families spmdkit runs is a field (so a flag an
 output biases, MLP biases, q/k RMSNorms (per head or over the whole projection), norms before and/or after each
 block's attention and MLP, RMSNorm as (1 + w), tied embeddings, RoPE scaling (`linear`, `llama3`), partial RoPE,
 layers without RoPE, sliding-window attention on every layer or on a pattern of layers with their own RoPE base,
-the attention scale, attention- and final-logit soft-capping, embedding / residual / logit multipliers, the MLP's
-activation, and mixture-of-experts routing (routed experts of their own width, a gated shared expert, the dense
-layers' pattern).
+the attention scale, attention- and final-logit soft-capping, attention sinks, YaRN RoPE, embedding / residual /
+logit multipliers, the MLP's activation, and mixture-of-experts routing (routed experts of their own width, a gated
+shared expert, the dense layers' pattern, router and expert biases, GPT-OSS's clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 QkNormScope = Literal["head", "layer"]
-RopeType = Literal["default", "linear", "llama3"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
 ACTIVATIONS: tuple[str, ...] = typing.get_args(Activation)
 
 
@@ -87,11 +87,19 @@ class TransformerConfig:
         bool, arg("the LM head is the embedding table, one parameter (HF tie_word_embeddings)")
     ] = False
     activation: Annotated[Activation, arg("the MLP's gate activation: silu, gelu (erf) or gelu_pytorch_tanh")] = "silu"
-    rope_type: Annotated[RopeType, arg("RoPE frequency scaling: default (none), linear or llama3")] = "default"
-    rope_factor: Annotated[float, arg("RoPE scaling factor (linear, llama3)")] = 1.0
+    rope_type: Annotated[RopeType, arg("RoPE frequency scaling: default (none), linear, llama3 or yarn")] = "default"
+    rope_factor: Annotated[float, arg("RoPE scaling factor (linear, llama3, yarn)")] = 1.0
     rope_low_freq_factor: Annotated[float, arg("llama3 RoPE: low_freq_factor")] = 1.0
     rope_high_freq_factor: Annotated[float, arg("llama3 RoPE: high_freq_factor")] = 4.0
-    rope_original_max_positions: Annotated[int, arg("llama3 RoPE: original_max_position_embeddings")] = 8192
+    rope_original_max_positions: Annotated[int, arg("llama3 and yarn RoPE: original_max_position_embeddings")] = 8192
+    rope_beta_fast: Annotated[float, arg("yarn RoPE: beta_fast, the rotations where extrapolation ends")] = 32.0
+    rope_beta_slow: Annotated[float, arg("yarn RoPE: beta_slow, the rotations where interpolation starts")] = 1.0
+    rope_truncate: Annotated[bool, arg("yarn RoPE: the correction range rounded out to whole dims (HF truncate)")] = (
+        True
+    )
+    rope_attention_factor: Annotated[
+        float, arg("yarn RoPE: cos and sin multiplied by this (0: 0.1 ln(rope_factor) + 1, HF attention_factor)")
+    ] = 0.0
     max_positions: Annotated[
         int, arg("max_position_embeddings a Hugging Face export records (0: the run's seq_len)")
     ] = 0
@@ -111,6 +119,9 @@ class TransformerConfig:
         0.0
     )
     attention_softcap: Annotated[float, arg("attention logits s become c tanh(s / c) (0: off; Gemma 2)")] = 0.0
+    attention_sinks: Annotated[
+        bool, arg("a learned logit per head in every softmax denominator, attending to nothing (GPT-OSS sinks)")
+    ] = False
     logit_softcap: Annotated[float, arg("final logits z become c tanh(z / c) (0: off; Gemma 2)")] = 0.0
     logit_divisor: Annotated[float, arg("final logits divided by this (Granite logits_scaling)")] = 1.0
     embed_scale: Annotated[float, arg("the embedding's output multiplied by this (Gemma sqrt(embed), Granite)")] = 1.0
@@ -126,6 +137,16 @@ class TransformerConfig:
     shared_expert_gate: Annotated[bool, arg("mixture of experts: the shared expert's output times sigmoid(x w)")] = (
         False
     )
+    router_bias: Annotated[bool, arg("mixture of experts: a bias on the router's logits (GPT-OSS)")] = False
+    expert_bias: Annotated[bool, arg("mixture of experts: biases on each expert's gate, up and down (GPT-OSS)")] = False
+    swiglu_limit: Annotated[
+        float,
+        arg(
+            "mixture of experts: > 0, the routed experts run GPT-OSS's SwiGLU: gate, up clamped to <= L, [-L, L], then "
+            "(up + 1) gate sigmoid(a gate)"
+        ),
+    ] = 0.0
+    swiglu_alpha: Annotated[float, arg("mixture of experts: the a of the clamped SwiGLU (with swiglu_limit)")] = 1.702
     router_renormalize: Annotated[bool, arg("mixture of experts: top-k weights (k > 1) rescaled to sum to 1")] = True
     dense_layers: Annotated[
         tuple[int, ...], arg("mixture of experts: 0-based layers that keep the dense MLP, whatever moe_every says")
@@ -150,8 +171,11 @@ class TransformerConfig:
             raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
         if self.experts:
             self._check_experts()
-        elif self.dense_layers:
-            raise SpmdkitError("dense_layers names layers of a mixture-of-experts model: set experts, or drop it")
+        elif self.dense_layers or self.router_bias or self.expert_bias or self.swiglu_limit:
+            raise SpmdkitError(
+                "dense_layers, router_bias, expert_bias and swiglu_limit describe mixture-of-experts layers: set "
+                "experts, or drop them"
+            )
         if self.fp8 and self.experts:
             raise SpmdkitError(
                 "fp8 covers dense models: the routed experts' grouped matmuls have no FP8 form yet; drop --model.fp8"
@@ -172,6 +196,10 @@ class TransformerConfig:
                 f"llama3 RoPE needs 0 < rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
                 f"({self.rope_high_freq_factor})"
             )
+        if self.rope_type == "yarn" and not (self.rope_beta_fast > 0 and self.rope_beta_slow > 0):
+            raise SpmdkitError("yarn RoPE needs positive rope_beta_fast and rope_beta_slow")
+        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
+            raise SpmdkitError(f"rope_attention_factor={self.rope_attention_factor} must be >= 0 (0: derived)")
         if self.rope_original_max_positions < 1 or self.max_positions < 0:
             raise SpmdkitError("rope_original_max_positions must be positive and max_positions >= 0")
         rotated = self.rotary_dims
@@ -207,6 +235,8 @@ class TransformerConfig:
             raise SpmdkitError("capacity_factor must be positive, expert_mlp and shared_expert_mlp >= 0")
         if self.mlp_bias or self.activation != "silu":
             raise SpmdkitError("mixture-of-experts models have SwiGLU experts without biases: drop mlp_bias/activation")
+        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0 and self.swiglu_alpha > 0):
+            raise SpmdkitError(f"swiglu_limit={self.swiglu_limit} must be >= 0 and swiglu_alpha > 0")
         if self.shared_expert_gate and not self.shared_expert:
             raise SpmdkitError("shared_expert_gate gates the shared expert: set shared_expert too")
 
@@ -261,9 +291,10 @@ class TransformerConfig:
         attention = e * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_vectors
         norms = 2 * (self.pre_norm + self.post_norm) * e
         dense = attention + self._mlp_params(self.mlp, self.mlp_bias) + norms
-        routed = (self.top_k if active else self.experts) * self._mlp_params(self.routed_mlp, False)
+        routed = (self.top_k if active else self.experts) * self._mlp_params(self.routed_mlp, self.expert_bias)
         shared = self.shared_expert * (self._mlp_params(self.shared_expert_mlp or self.mlp, False))
-        moe = attention + routed + shared + e * (self.experts + self.shared_expert_gate) + norms
+        router = e * (self.experts + self.shared_expert_gate) + self.router_bias * self.experts
+        moe = attention + routed + shared + router + norms
         layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
         head = 0 if self.tie_embeddings else self.vocab_size * e
         return self.vocab_size * e + head + layers + e
@@ -276,7 +307,11 @@ class TransformerConfig:
         """Per layer: the attention's biases and its q/k norm scales (not matmul weights)."""
         biases = self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
         norms = 2 if self.qk_norm_scope == "head" else self.heads + self.kv_heads
-        return biases + self.qk_norm * norms * self.head_dim
+        return biases + self.qk_norm * norms * self.head_dim + self.attention_sinks * self.heads
+
+    def _moe_vectors(self) -> int:
+        """Per MoE layer, of the parameters a token runs through: the router's bias and the active experts'."""
+        return self.router_bias * self.experts + self.expert_bias * self.top_k * (2 * self.routed_mlp + self.embed)
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
@@ -289,6 +324,7 @@ class TransformerConfig:
         norms = 2 * (self.pre_norm + self.post_norm) * self.embed
         vectors = self.layers * (norms + self._attention_vectors) + self.embed
         vectors += (self.layers - self.moe_layers) * self.mlp_bias * (2 * self.mlp + self.embed)
+        vectors += self.moe_layers * self._moe_vectors()
         table = 0 if self.tie_embeddings else self.vocab_size * self.embed
         matmul_params = self.num_params(active=True) - table - vectors
         keys = 0.0

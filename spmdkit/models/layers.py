@@ -73,7 +73,10 @@ def rope_frequencies(config: TransformerConfig, local: bool = False) -> np.ndarr
     Computed in float32 in the order transformers' `modeling_rope_utils` computes them, so that imported models
     rotate by the same angles: `linear` divides every frequency by `rope_factor`; `llama3` divides the low
     frequencies (wavelength above original_max_positions / low_freq_factor) by `rope_factor`, keeps the high ones
-    (wavelength below original_max_positions / high_freq_factor) and blends the band between.
+    (wavelength below original_max_positions / high_freq_factor) and blends the band between; `yarn` blends
+    each frequency between itself (extrapolation) and itself / `rope_factor` (interpolation) by a linear ramp over
+    the dims whose rotations in original_max_positions fall between beta_fast and beta_slow (`rope_scaling` is its
+    attention factor).
     """
     c, f32, d = config, np.float32, config.rotary_dims
     theta = c.local_rope_theta if local else c.rope_theta
@@ -91,16 +94,48 @@ def rope_frequencies(config: TransformerConfig, local: bool = False) -> np.ndarr
         smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / f32(high)) & ~(wavelen > old / f32(low))
         inv = np.where(medium, smoothed, scaled)
+    elif c.rope_type == "yarn":
+        inv = _yarn(c)
     return inv.astype(f32)
 
 
-def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float) -> jax.Array:
+def _yarn(c: TransformerConfig) -> np.ndarray:
+    """YaRN's frequencies (transformers' `_compute_yarn_parameters`, in its float32 order)."""
+    f32, d = np.float32, c.rotary_dims
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times in the original context
+        return d * math.log(c.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(c.rope_theta))
+
+    low, high = dim_of(c.rope_beta_fast), dim_of(c.rope_beta_slow)
+    if c.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high  # no zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    extrapolation = f32(1) - ramp  # the share of each dim's plain frequency
+    base = f32(c.rope_theta) ** (np.arange(0, d, 2, dtype=f32) / f32(d))
+    return f32(1) / (f32(c.rope_factor) * base) * (f32(1) - extrapolation) + f32(1) / base * extrapolation
+
+
+def rope_scaling(config: TransformerConfig, local: bool = False) -> float:
+    """The factor on cos and sin (so on q k^T, squared): YaRN's attention factor (`rope_attention_factor`, or
+    0.1 ln(rope_factor) + 1 when that is 0 and the factor > 1); 1 for the other RoPE types and local layers."""
+    c = config
+    if local or c.rope_type != "yarn":
+        return 1.0
+    if c.rope_attention_factor:
+        return c.rope_attention_factor
+    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
+
+
+def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float, scaling: float = 1.0) -> jax.Array:
     """Rotary position embedding (rotate-half form). x: [batch, seq, heads, head_dim]; positions: [batch, seq].
 
     Over the leading d = 2 x len(frequencies) dims of each head (the rest pass unrotated: partial RoPE), pairs
     (x_i, x_{i+d/2}) rotate by angle position * frequencies[i] (`rope_frequencies`; a float is a plain RoPE base
     theta over the whole head: theta^(-2i/d)). Positions are explicit so that a permuted sequence (zigzag context
-    parallelism) keeps each token's true position.
+    parallelism) keeps each token's true position. `scaling` multiplies cos and sin (YaRN's attention factor,
+    `rope_scaling`).
     """
     if isinstance(frequencies, (int, float)):
         half = x.shape[-1] // 2
@@ -109,6 +144,8 @@ def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float) 
     freq = jnp.asarray(frequencies, jnp.float32)
     angle = positions[..., None, None].astype(jnp.float32) * freq  # [batch, seq, 1, half]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
+    if scaling != 1.0:  # as transformers scales them: in float32, before the rotation
+        sin, cos = sin * jnp.float32(scaling), cos * jnp.float32(scaling)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half : 2 * half].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return rotated if 2 * half == x.shape[-1] else jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1)
@@ -123,8 +160,9 @@ class Attention(nnx.Module):
     """Grouped-query self-attention. Weights: q [embed, heads, head_dim], k/v [embed, kv_heads, head_dim],
     o [heads, head_dim, embed]; with `qkv_bias`, q_bias [heads, head_dim] and k/v_bias [kv_heads, head_dim]; with
     `o_bias`, o_bias [embed] (split like the weights' embed: over fsdp under ZeRO-3, whole on `tensor`, added once
-    after the row-parallel sum); with `qk_norm`, q_norm and k_norm (`RMSNorm` over head_dim, shared by the heads;
-    scope "layer": over [heads, head_dim], split like q and k).
+    after the row-parallel sum); with `attention_sinks`, sinks [heads] (split like the heads); with `qk_norm`,
+    q_norm and k_norm (`RMSNorm` over head_dim, shared by the heads; scope "layer": over [heads, head_dim], split
+    like q and k).
     Under TP, heads are split over `tensor` (column-parallel q/k/v, row-parallel o: one all-reduce, or
     reduce-scatter under SP, per block forward)."""
 
@@ -147,6 +185,8 @@ class Attention(nnx.Module):
         elif c.qk_norm:
             self.q_norm = RMSNorm(c, (c.heads, c.head_dim), ("heads", "head_dim"))
             self.k_norm = RMSNorm(c, (c.kv_heads, c.head_dim), ("kv_heads", "head_dim"))
+        if c.attention_sinks:  # a logit per query head that joins each softmax's denominator (GPT-OSS)
+            self.sinks = zeros_param((c.heads,), ("heads",), pd)
         if c.fp8:  # each projection's delayed FP8 scales (`spmdkit.models.fp8`)
             self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (Fp8Scales() for _ in range(4))
         self.config = config
@@ -177,8 +217,8 @@ class Attention(nnx.Module):
         kind = kind or layer_kind(c, 0)
         if not kind.rope:
             return q, k, v
-        frequencies = rope_frequencies(c, kind.local_rope)
-        return rotary(q, positions, frequencies), rotary(k, positions, frequencies), v
+        frequencies, scaling = rope_frequencies(c, kind.local_rope), rope_scaling(c, kind.local_rope)
+        return rotary(q, positions, frequencies, scaling), rotary(k, positions, frequencies, scaling), v
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
@@ -206,8 +246,12 @@ class Attention(nnx.Module):
         kind: the layer's static kind (its window, its RoPE; None: layer 0's)."""
         c = self.config
         q, k, v = self.qkv(x, positions, kind)
-        attended = attend(q, k, v, c.attention, segment_ids, self.spec(kind))
+        attended = attend(q, k, v, c.attention, segment_ids, self.spec(kind), self.sink_logits())
         return self.out(attended)
+
+    def sink_logits(self) -> jax.Array | None:
+        """The sinks [heads] float32 (split like the heads), or None without `attention_sinks`."""
+        return self.sinks[...].astype(jnp.float32) if self.config.attention_sinks else None
 
 
 ACTIVATIONS = {

@@ -7,7 +7,9 @@ Router (float32): p = softmax(x W_r) over E experts; each token takes its top_k 
 probabilities, renormalised to sum to 1 when `router_renormalize` (Mixtral; Qwen-MoE's `norm_topk_prob`) and
 top_k > 1 (for top_k = 1 the raw probability, as in Switch: renormalised it would be 1 and the router would get no
 gradient from the loss). Experts are `routed_mlp` wide; the shared expert (Qwen2-MoE) is `shared_expert_mlp`
-wide and, with `shared_expert_gate`, scaled per token by sigmoid(x w_g), w_g [embed, 1].
+wide and, with `shared_expert_gate`, scaled per token by sigmoid(x w_g), w_g [embed, 1]. GPT-OSS adds a router
+bias (`router_bias`), expert biases (`expert_bias`) and its clamped SwiGLU (`swiglu_limit`, `Glu`); its softmax
+over the top-k logits is the renormalised top-k of the softmax over all.
 
 Aux losses, over all tokens of the batch (computed outside the shard_map, so they are global on any mesh):
 - load balance (Switch): E x sum_i f_i P_i, f_i = share of the token->expert assignments that chose expert i,
@@ -23,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
-from spmdkit.models.layers import HIDDEN, MLP, RESIDUAL, normal_param
-from spmdkit.parallel.experts import ExpertWeights, expert_ffn
+from spmdkit.models.layers import HIDDEN, MLP, RESIDUAL, normal_param, zeros_param
+from spmdkit.parallel.experts import ExpertWeights, Glu, expert_ffn
 from spmdkit.sharding.logical import constrain
 
 ROUTED = ("batch", "seq", None)
@@ -54,8 +56,9 @@ def aux_losses(logits: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
 
 class MoE(nnx.Module):
     """Routed SwiGLU experts. router [embed, experts]; gate/up [experts, embed, routed_mlp]; down [experts,
-    routed_mlp, embed]; with `shared_expert`, `shared` (an MLP of width shared_expert_mlp) and, with
-    `shared_expert_gate`, its gate [embed, 1]."""
+    routed_mlp, embed]; with `router_bias`, router_bias [experts]; with `expert_bias`, gate_bias, up_bias
+    [experts, routed_mlp] and down_bias [experts, embed]; with `shared_expert`, `shared` (an MLP of width
+    shared_expert_mlp) and, with `shared_expert_gate`, its gate [embed, 1]."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c, pd, f = config, config.param_dtype, config.routed_mlp
@@ -65,6 +68,12 @@ class MoE(nnx.Module):
         self.gate = normal_param(rngs, shape_in, names_in, c.embed, pd)
         self.up = normal_param(rngs, shape_in, names_in, c.embed, pd)
         self.down = normal_param(rngs, shape_out, names_out, f, pd)
+        if c.router_bias:
+            self.router_bias = zeros_param((c.experts,), (None,), pd)
+        if c.expert_bias:
+            self.gate_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)
+            self.up_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)
+            self.down_bias = zeros_param((c.experts, c.embed), ("experts", "embed"), pd)
         if c.shared_expert:  # a dense MLP run on every token
             self.shared = MLP(config, rngs=rngs, width=c.shared_expert_mlp or c.mlp)
         if c.shared_expert_gate:
@@ -76,10 +85,14 @@ class MoE(nnx.Module):
         c = self.config
         x = constrain(x, HIDDEN)
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        if c.router_bias:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         index, weight = route(logits, c.top_k, c.router_renormalize)
         index, weight = constrain(index, ROUTED), constrain(weight, ROUTED)
-        experts = ExpertWeights(self.gate[...], self.up[...], self.down[...])
-        y, dropped = expert_ffn(x, index, weight, experts, dispatch_kind=c.dispatch, factor=c.capacity_factor)
+        biases = (self.gate_bias[...], self.up_bias[...], self.down_bias[...]) if c.expert_bias else ()
+        experts = ExpertWeights(self.gate[...], self.up[...], self.down[...], *biases)
+        glu = Glu(c.swiglu_limit, c.swiglu_alpha)
+        y, dropped = expert_ffn(x, index, weight, experts, dispatch_kind=c.dispatch, factor=c.capacity_factor, glu=glu)
         if c.shared_expert:
             shared = self.shared(x)
             if c.shared_expert_gate:  # sigmoid(x w_g) per token, in the compute dtype as transformers runs it

@@ -76,6 +76,17 @@ PRESETS["gemma3-12b"] = TransformerConfig(  # five 1024-token local layers, then
     attention_scale=256**-0.5, activation="gelu_pytorch_tanh", tie_embeddings=True, max_positions=131_072,
 )  # fmt: skip
 
+# GPT-OSS (bf16 weights; the published MXFP4 files are dequantised first): 128-token windows on every other layer,
+# attention sinks, YaRN x32 from 4096 positions, 4 of the experts per token with GPT-OSS's clamped SwiGLU.
+_GPT_OSS = dict(
+    vocab_size=201_088, embed=2880, heads=64, kv_heads=8, head_dim=64, mlp=2880, rope_theta=150_000.0,
+    rope_type="yarn", rope_factor=32.0, rope_original_max_positions=4096, rope_truncate=False, sliding_window=128,
+    window_pattern="LG", qkv_bias=True, o_bias=True, attention_sinks=True, top_k=4, router_bias=True,
+    expert_bias=True, swiglu_limit=7.0, dispatch="dropless", max_positions=131_072,
+)  # fmt: skip
+PRESETS["gpt-oss-20b"] = TransformerConfig(layers=24, experts=32, **_GPT_OSS)
+PRESETS["gpt-oss-120b"] = TransformerConfig(layers=36, experts=128, **_GPT_OSS)
+
 
 def model_preset(name: str) -> TransformerConfig:
     if name not in PRESETS:

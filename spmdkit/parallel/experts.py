@@ -27,6 +27,7 @@ ZeRO-3, over `fsdp` (gathered at the shard_map's edge, like any FSDP weight).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -39,11 +40,36 @@ from spmdkit.sharding.logical import active_rules
 
 
 class ExpertWeights(NamedTuple):
-    """SwiGLU experts: gate, up [experts, embed, mlp]; down [experts, mlp, embed] (experts over `expert`)."""
+    """SwiGLU experts: gate, up [experts, embed, mlp]; down [experts, mlp, embed] (experts over `expert`); biases
+    (GPT-OSS; None: none) gate_bias, up_bias [experts, mlp] and down_bias [experts, embed]."""
 
     gate: jax.Array
     up: jax.Array
     down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Glu:
+    """The experts' gated activation of (gate, up): silu(gate) up, or with `limit` L > 0 GPT-OSS's clamped form
+    (up + 1) g sigmoid(alpha g), g = min(gate, L), up clipped to [-L, L] (transformers' `GptOssExperts`)."""
+
+    limit: float = 0.0
+    alpha: float = 1.0
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if not self.limit:
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+def _biased(y: jax.Array, b: jax.Array | None) -> jax.Array:
+    """y [experts, tokens, width] plus a bias [experts, width] (y itself without one: no add in the program)."""
+    return y if b is None else y + b.astype(y.dtype)[:, None, :]
 
 
 # The JAX operations the experts' GEMMs come from (their `op_name` in a compiled program, `spmdkit compile`'s
@@ -52,12 +78,12 @@ EXPERT_IN, EXPERT_OUT = "etd,edh->eth", "eth,ehd->etd"
 EXPERT_OPS = ("ragged_dot", EXPERT_IN, EXPERT_OUT)
 
 
-def swiglu_experts(x: jax.Array, w: ExpertWeights) -> jax.Array:
+def swiglu_experts(x: jax.Array, w: ExpertWeights, glu: Glu = Glu()) -> jax.Array:
     """Each expert's SwiGLU on its own tokens: x [experts, tokens, embed] -> [experts, tokens, embed]."""
     dt = x.dtype
-    gate = jnp.einsum(EXPERT_IN, x, w.gate.astype(dt))
-    up = jnp.einsum(EXPERT_IN, x, w.up.astype(dt))
-    return jnp.einsum(EXPERT_OUT, jax.nn.silu(gate) * up, w.down.astype(dt))
+    gate = _biased(jnp.einsum(EXPERT_IN, x, w.gate.astype(dt)), w.gate_bias)
+    up = _biased(jnp.einsum(EXPERT_IN, x, w.up.astype(dt)), w.up_bias)
+    return _biased(jnp.einsum(EXPERT_OUT, glu(gate, up), w.down.astype(dt)), w.down_bias)
 
 
 def slots(expert_index: jax.Array, num_experts: int, slots_per_expert: int) -> tuple[jax.Array, jax.Array]:
@@ -101,6 +127,7 @@ def capacity_moe(
     w: ExpertWeights,
     slots_per_expert: int,
     axis_name: str | None = None,
+    glu: Glu = Glu(),
 ) -> tuple[jax.Array, jax.Array]:
     """Capacity-limited MoE of the local sequences: (y [B, S, D], kept assignments: scalar count).
 
@@ -117,13 +144,15 @@ def capacity_moe(
         buffer = jax.lax.all_to_all(buffer, axis_name, split_axis=1, concat_axis=1, tiled=True)
     # [B, X_source, El, C, D] -> [El, B*X*C, D]: each local expert sees every device's slots for it.
     tokens = jnp.transpose(buffer, (2, 0, 1, 3, 4)).reshape(local, b * x_size * c, d)
-    out = jnp.transpose(swiglu_experts(tokens, w).reshape(local, b, x_size, c, d), (1, 2, 0, 3, 4))
+    out = jnp.transpose(swiglu_experts(tokens, w, glu).reshape(local, b, x_size, c, d), (1, 2, 0, 3, 4))
     if axis_name:
         out = jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=1, tiled=True)
     return combine(out.reshape(b, e, c, d), expert_index, slot, kept, weight), jnp.sum(kept)
 
 
-def ragged_moe(x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: ExpertWeights) -> jax.Array:
+def ragged_moe(
+    x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: ExpertWeights, glu: Glu = Glu()
+) -> jax.Array:
     """Dropless MoE with every expert local: assignments sorted by expert, one grouped matmul per weight.
 
     x [B, S, D], expert_index / weight [B, S, k] -> y [B, S, D].
@@ -134,19 +163,24 @@ def ragged_moe(x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: Expe
     order = jnp.argsort(flat_expert, stable=True)
     rows = x.reshape(b * s, d)[order // k]  # [B*S*k, D] grouped by expert
     sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
-    dt = x.dtype
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, w.gate.astype(dt), sizes)) * jax.lax.ragged_dot(
-        rows, w.up.astype(dt), sizes
-    )
-    out = jax.lax.ragged_dot(hidden, w.down.astype(dt), sizes)
+    dt, owner = x.dtype, flat_expert[order]  # owner: each sorted row's expert (for the biases)
+
+    def biased(y: jax.Array, b: jax.Array | None) -> jax.Array:
+        return y if b is None else y + b.astype(dt)[owner]
+
+    gate = biased(jax.lax.ragged_dot(rows, w.gate.astype(dt), sizes), w.gate_bias)
+    up = biased(jax.lax.ragged_dot(rows, w.up.astype(dt), sizes), w.up_bias)
+    out = biased(jax.lax.ragged_dot(glu(gate, up), w.down.astype(dt), sizes), w.down_bias)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b, s, k, d)
     return jnp.einsum("bskd,bsk->bsd", unsorted, weight.astype(dt))
 
 
-def dense_moe(x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: ExpertWeights) -> jax.Array:
+def dense_moe(
+    x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: ExpertWeights, glu: Glu = Glu()
+) -> jax.Array:
     """The reference: every expert on every token, mixed by the router's top-k weights. x [B, S, D]."""
     b, s, d = x.shape
-    everything = swiglu_experts(jnp.broadcast_to(x.reshape(1, b * s, d), (w.gate.shape[0], b * s, d)), w)
+    everything = swiglu_experts(jnp.broadcast_to(x.reshape(1, b * s, d), (w.gate.shape[0], b * s, d)), w, glu)
     everything = jnp.moveaxis(everything, 0, 1).reshape(b, s, -1, d)  # [B, S, E, D]
     picked = jnp.take_along_axis(everything, expert_index[..., None], axis=2)  # [B, S, k, D]
     return jnp.einsum("bskd,bsk->bsd", picked, weight.astype(x.dtype))
@@ -160,26 +194,33 @@ def _batch_axes(mesh: jax.sharding.Mesh, rules_batch: tuple[str, ...]) -> tuple[
 
 
 def expert_ffn(
-    x: jax.Array, expert_index: jax.Array, weight: jax.Array, w: ExpertWeights, *, dispatch_kind: str, factor: float
+    x: jax.Array,
+    expert_index: jax.Array,
+    weight: jax.Array,
+    w: ExpertWeights,
+    *,
+    dispatch_kind: str,
+    factor: float,
+    glu: Glu = Glu(),
 ) -> tuple[jax.Array, jax.Array]:
     """The routed experts of one MoE layer: (y [B, S, D], fraction of assignments dropped).
 
     x [batch, seq, embed] (batch sharded over data/fsdp/expert), expert_index / weight [batch, seq, k] from
-    the router. Under active rules on a mesh, runs in a shard_map manual over the batch axes with experts
-    split over `expert` (the module docstring); otherwise locally.
+    the router; `glu` the experts' activation. Under active rules on a mesh, runs in a shard_map manual over the
+    batch axes with experts split over `expert` (the module docstring); otherwise locally.
     """
     b, s, _ = x.shape
     k, e = expert_index.shape[-1], w.gate.shape[0]
     if dispatch_kind == "dense":
-        return dense_moe(x, expert_index, weight, w), jnp.zeros((), jnp.float32)
+        return dense_moe(x, expert_index, weight, w, glu), jnp.zeros((), jnp.float32)
     active = active_rules()
     mesh = active[1] if active else None
     axes = _batch_axes(mesh, active[0].params["batch"]) if mesh is not None else ()
     if not axes and dispatch_kind == "dropless":
-        return ragged_moe(x, expert_index, weight, w), jnp.zeros((), jnp.float32)
+        return ragged_moe(x, expert_index, weight, w, glu), jnp.zeros((), jnp.float32)
     c = s if dispatch_kind == "dropless" else capacity(s, k, e, factor)
     if not axes:
-        y, kept = capacity_moe(x, expert_index, weight, w, c)
+        y, kept = capacity_moe(x, expert_index, weight, w, c, glu=glu)
         return y, 1.0 - kept / (b * s * k)
     ep = "expert" if mesh.shape.get("expert", 1) > 1 else None
     if ep and e % mesh.shape["expert"]:
@@ -191,14 +232,14 @@ def expert_ffn(
         # Vary the float32 weights over the token axes here, before any cast, so that their gradients are
         # summed over those axes in float32 (XLA:CPU also aborts on the bf16 all-reduce otherwise).
         w = jax.tree.map(lambda a: jax.lax.pcast(a, replicated, to="varying"), w) if replicated else w
-        y, kept = capacity_moe(x, expert_index, weight, w, c, ep)
+        y, kept = capacity_moe(x, expert_index, weight, w, c, ep, glu)
         return y, jax.lax.psum(kept, axes)
 
     rows, experts = P(axes), P(ep)
     y, kept = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, rows, rows, ExpertWeights(experts, experts, experts)),
+        in_specs=(rows, rows, rows, ExpertWeights(*(None if a is None else experts for a in w))),
         out_specs=(rows, P()),
         axis_names=set(axes),
     )(x, expert_index, weight, w)

@@ -68,6 +68,8 @@ def _attention_vectors(m: TransformerConfig) -> list[Param]:
         out += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
     if m.o_bias:
         out += [("attention.o_bias", (E,), ("embed",))]
+    if m.attention_sinks:
+        out += [("attention.sinks", (H,), ("heads",))]
     if m.qk_norm and m.qk_norm_scope == "head":
         out += [("attention.q_norm", (d,), ("norm",)), ("attention.k_norm", (d,), ("norm",))]
     elif m.qk_norm:
@@ -86,6 +88,11 @@ def _experts(m: TransformerConfig) -> list[Param]:
         ("up", (X, E, F), ("experts", "embed", "mlp")),
         ("down", (X, F, E), ("experts", "mlp", "embed")),
     ]
+    if m.router_bias:
+        mlp += [("router_bias", (X,), (None,))]
+    if m.expert_bias:
+        mlp += [(f"{n}_bias", (X, F), ("experts", "mlp")) for n in ("gate", "up")]
+        mlp += [("down_bias", (X, E), ("experts", "embed"))]
     if m.shared_expert:
         mlp += [(f"shared.{n}", shape, names) for n, shape, names in _mlp(E, m.shared_expert_mlp or m.mlp, False)]
     if m.shared_expert_gate:

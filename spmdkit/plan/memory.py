@@ -89,6 +89,7 @@ def attention_kernel(
     return choose_attention(
         m.attention, context=C, platform=platform, dtype=m.dtype, head_dim=m.head_dim,
         softcap=m.attention_softcap, compute_capability=capability, context_parallel=context_parallel,
+        sinks=m.attention_sinks,
         head_split=0 if m.heads % (T * C) else m.heads // (T * C),
     )  # fmt: skip
 

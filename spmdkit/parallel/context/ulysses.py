@@ -24,7 +24,6 @@ divisible by T x C (else the ring: `--context-parallel ring`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -60,16 +59,20 @@ class UlyssesLayout:
 
 
 def _local_program(
-    q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None, *, axis: str, repeat: int,
-    local: LocalKernel, spec: AttentionSpec,
+    q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None, sinks: jax.Array | None = None, *,
+    axis: str, repeat: int, local: LocalKernel, spec: AttentionSpec,
 ) -> jax.Array:  # fmt: skip
-    """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back."""
+    """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back; `sinks` [h] (this
+    device's heads before the exchange) are cut to the h/C heads it attends after it."""
     if repeat > 1:
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     C = lax.axis_size(axis)
     q, k, v = (to_heads(x, axis, C) for x in (q, k, v))
-    out = local(q, k, v, None if seg is None else gather_seq(seg, axis, C), spec)
-    return to_seq(out, axis, C)
+    seg = None if seg is None else gather_seq(seg, axis, C)
+    if sinks is None:
+        return to_seq(local(q, k, v, seg, spec), axis, C)
+    mine = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis) * q.shape[2], q.shape[2])  # to_heads' chunk
+    return to_seq(local(q, k, v, seg, spec, mine), axis, C)
 
 
 def _split(mesh: Mesh, axes: tuple[str, ...], manual: set[str]) -> tuple[str, ...]:
@@ -104,6 +107,7 @@ def ulysses_attention(
     mesh: Mesh,
     layout: UlyssesLayout = UlyssesLayout(),
     local: LocalKernel = blockwise_attention,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention with the sequence sharded over `layout.axis_name`, by two all-to-alls around `local`.
 
@@ -114,7 +118,8 @@ def ulysses_attention(
     dtype and layout. `local` runs per device on the whole sequence and heads / (T x C) heads (default: the
     blockwise kernel). The region is manual over every mesh axis not already manual, so a fused kernel (cuDNN)
     inside it is per device; inside a partly manual region it nests there (`spmdkit.parallel.nested_region`).
-    Gradients: JAX's transpose of the all-to-alls around `local`'s own.
+    Gradients: JAX's transpose of the all-to-alls around `local`'s own. `sinks` [heads] (GPT-OSS; split like the
+    heads): `local` then takes its heads' sinks as a sixth argument.
     """
     check_qkv(q, k, v, "Ulysses attention", segment_ids)
     spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
@@ -128,10 +133,15 @@ def ulysses_attention(
     C, T = mesh.shape[axis], math.prod(mesh.shape[a] for a in heads)
     repeat = kv_repeat(k.shape[2] // T, q.shape[2] // T, C)
     tokens = P(batch or None, axis, heads or None, None)
-    program = functools.partial(_local_program, axis=axis, repeat=repeat, local=local, spec=spec)
-    args, specs = (q, k, v), (tokens, tokens, tokens)
-    if segment_ids is not None:
-        args, specs = (*args, segment_ids), (*specs, P(batch or None, axis))
+    extra = {name: (x, spec) for name, x, spec in (("seg", segment_ids, P(batch or None, axis)),
+                                                   ("sinks", sinks, P(heads or None))) if x is not None}  # fmt: skip
+    args, specs = (q, k, v, *(x for x, _ in extra.values())), (tokens, tokens, tokens, *(s for _, s in extra.values()))
+
+    def program(q: jax.Array, k: jax.Array, v: jax.Array, *given: jax.Array) -> jax.Array:
+        named = dict(zip(extra, given, strict=True))
+        return _local_program(q, k, v, named.get("seg"), named.get("sinks"), axis=axis, repeat=repeat, local=local,
+                              spec=spec)  # fmt: skip
+
     free = {a for a in mesh.axis_names if a not in manual}
     with jax.named_scope("ulysses"):  # names its all-to-alls in the compiled program (`spmdkit compile` reads it)
         if manual:  # inside a partly manual region (accumulation over replica axes): a nested region

@@ -221,6 +221,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abs
     kernel = choose_attention(
         model.attention, context=mesh.shape["context"], platform=device_platform(device), dtype=model.dtype,
         head_dim=model.head_dim, compute_capability=compute_capability(device), softcap=model.attention_softcap,
+        sinks=model.attention_sinks,
         context_parallel=config.mesh.context_parallel, head_split=0 if model.heads % split else model.heads // split,
     )  # fmt: skip
     windows = [model.window_of(i) for i in range(model.layers)]
