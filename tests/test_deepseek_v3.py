@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from flax import nnx
 from hf_reference import load, logits, loss, max_relative_error, randomize, save_tokenizer
 
 import spmdkit
 from spmdkit.errors import SpmdkitError, SpmdkitWarning
 from spmdkit.interop import from_hf_config, load_model
+from spmdkit.plan.layout import parameters
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
@@ -75,6 +77,9 @@ def test_config_is_read_and_logits_match_transformers_on_one_device(variant, req
     )  # fmt: skip
     assert {k: getattr(ours.config, k) for k in expected} == expected
     assert max_relative_error(ours(TOKENS), theirs) <= 1e-4
+    built = {".".join(map(str, path)).removesuffix(".scale"): value.shape for path, value in nnx.to_flat_state(
+        nnx.state(ours, nnx.Param))}  # fmt: skip
+    assert built == {name: shape for name, shape, _ in parameters(ours.config)}  # the planner's inventory
 
 
 @pytest.mark.parametrize(
