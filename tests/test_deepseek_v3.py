@@ -151,6 +151,25 @@ def test_multi_token_prediction_layers_are_dropped_with_one_warning(saved, tmp_p
     np.testing.assert_array_equal(np.asarray(ours.embedding[...]), tensors["model.embed_tokens.weight"])
 
 
+def test_ring_attention_takes_latent_attentions_head_dims(saved):
+    """Context parallelism: q/k heads of 10 dims, values of 5 padded to 10, in the zigzag ring."""
+    from spmdkit.parallel.context.zigzag import from_zigzag, zigzag_batch
+
+    directory, theirs = saved
+    mesh, rules = make_mesh("context=2,fsdp=4"), make_rules()
+    model = load_model(directory, mesh=mesh, rules=rules)
+    batch = zigzag_batch({"inputs": TOKENS, "positions": np.broadcast_to(np.arange(SEQ), TOKENS.shape)}, 2)
+    with use_rules(rules, mesh):
+        out = jax.jit(lambda m, b: m(b["inputs"], b["positions"]))(model, batch)
+    assert max_relative_error(from_zigzag(np.asarray(out), axis=1, n=2), theirs) <= 1e-4
+
+
+def test_heads_that_do_not_split_over_tensor_are_refused_in_one_line(saved):
+    with pytest.raises(SpmdkitError, match=r"heads=4\) is not divisible by mesh axis tensor=8") as error:
+        load_model(saved[0], mesh=make_mesh("tensor=8"), rules=make_rules())
+    assert "\n" not in str(error.value)
+
+
 def test_latent_attention_shapes_that_cannot_run_are_refused_in_one_line():
     hf = tf.DeepseekV3Config(q_lora_rank=12, **SHAPE).to_dict()
     for changes, words in (
