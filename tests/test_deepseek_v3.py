@@ -181,6 +181,13 @@ def test_latent_attention_shapes_that_cannot_run_are_refused_in_one_line():
         with pytest.raises(SpmdkitError, match=words) as error:
             from_hf_config(hf | changes)
         assert "\n" not in str(error.value)
+    from spmdkit.models.lora import check_lora
+    from spmdkit.models.lora_config import LoraConfig
+
+    dense = from_hf_config(hf).replace(experts=0, dense_layers=(), router_score="softmax", router_correction_bias=False,
+                                       router_groups=1, router_top_groups=1, shared_expert=False)  # fmt: skip
+    with pytest.raises(SpmdkitError, match="--lora on latent attention"):
+        check_lora(dense, LoraConfig(rank=4))
 
 
 PUBLISHED_V3 = {  # deepseek-ai/DeepSeek-V3's config.json, less auto_map and its FP8 quantization_config

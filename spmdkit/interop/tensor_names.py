@@ -14,7 +14,8 @@ dims in spmdkit's order, [nope | rope] for q, [k_nope | v] for kv_b), router `ga
 
 Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the head dims: q
 [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim, embed] is
-`o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no permutation.
+`o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no permutation
+(DeepSeek's interleaved pairs are reordered at run time).
 Block parameters are stacked on a leading dim in spmdkit (dense and MoE blocks in two stacks, in layer order) and
 are one tensor per layer (`model.layers.{i}.`), and per expert, in Hugging Face.
 
