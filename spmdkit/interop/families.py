@@ -18,6 +18,9 @@ activation, tied embeddings) are read by `spmdkit.interop.hf_config`. What each 
 - gpt_oss: attention sinks, q/k/v/o biases, sliding and full layers by `layer_types`, YaRN RoPE; routed experts
   with biases, a router with a bias, the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`), their gate and up
   interleaved in one `gate_up_proj` [experts, embed, 2 x mlp] (`experts` "gpt_oss").
+- deepseek_v3: multi-head latent attention (low-rank q and kv, a RoPE key shared by the heads, interleaved RoPE,
+  YaRN's mscale^2 on the softmax scale), sigmoid routing with a correction bias within groups of experts, shared
+  experts, the first k layers dense; its multi-token-prediction layers are dropped on import (`mtp_key`).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One `model_type`: its class, readers and writers, and its tensor layout (`experts`: "mixtral" or "qwen"
-    names of expert tensors, one per expert, or "gpt_oss": one tensor of all; `fused`: Phi-3's qkv_proj /
-    gate_up_proj)."""
+    names of expert tensors, one per expert, "deepseek": qwen's with DeepSeek's router and shared experts, or
+    "gpt_oss": one tensor of all; `fused`: Phi-3's qkv_proj / gate_up_proj; `mtp_key`: the key counting the
+    multi-token-prediction layers stored after the last layer, which spmdkit drops on import)."""
 
     architecture: str
     read: Callable[[Keys, int], dict[str, Any]]
@@ -47,6 +51,7 @@ class Family:
     partial_rope: bool = False
     experts: str = ""
     fused: bool = False
+    mtp_key: str = ""
 
 
 def _types(model: TransformerConfig) -> list[str]:
@@ -269,6 +274,53 @@ def _write_gpt_oss(model: TransformerConfig) -> dict[str, Any]:
             "sliding_window": model.sliding_window or None, "layer_types": _types(model)}  # fmt: skip
 
 
+def _deepseek_v3(keys: Keys, layers: int) -> dict[str, Any]:
+    """DeepSeek-V3: latent attention (q_lora_rank null: a plain q_proj), sigmoid routing with a correction bias
+    within groups, shared experts of n_shared_experts x moe_intermediate_size, the first k layers dense. Its
+    multi-token-prediction layers (`num_nextn_predict_layers`) are not run: `spmdkit.interop.loading` drops them."""
+    heads, kv_heads = (
+        keys.integer("num_attention_heads"),
+        keys.get("num_key_value_heads") or keys.hf["num_attention_heads"],
+    )
+    if kv_heads != heads:
+        raise keys.refuse(
+            f"num_key_value_heads={kv_heads}", f"must equal num_attention_heads={heads} (latent attention)"
+        )
+    rope, nope = keys.integer("qk_rope_head_dim"), keys.integer("qk_nope_head_dim")
+    block = keys.get("rope_scaling") or keys.get("rope_parameters") or {}
+    scaled = block.get("rope_type", block.get("type", "default")) != "default"
+    shared, dense = keys.integer("n_shared_experts"), keys.integer("first_k_dense_replace")
+    routed = keys.integer("moe_intermediate_size")
+    return {
+        **_biases(keys, mlp=False), "kv_lora_rank": keys.integer("kv_lora_rank"),
+        "q_lora_rank": keys.get("q_lora_rank") or 0, "qk_rope_head_dim": rope, "head_dim": nope + rope,
+        "v_head_dim": keys.integer("v_head_dim"), "kv_heads": heads,
+        "rope_interleave": bool(keys.get("rope_interleave")),
+        "rope_mscale_all_dim": float(block.get("mscale_all_dim") or 0.0) if scaled else 0.0,
+        **_routed(keys, "n_routed_experts", bool(keys.get("norm_topk_prob"))), "router_score": "sigmoid",
+        "router_correction_bias": True, "router_groups": keys.integer("n_group"),
+        "router_top_groups": keys.integer("topk_group"), "routed_scaling": keys.number("routed_scaling_factor"),
+        "expert_mlp": routed, "shared_expert": shared > 0, "shared_expert_mlp": shared * routed,
+        "dense_layers": tuple(range(min(dense, layers))),
+    }  # fmt: skip
+
+
+def _write_deepseek_v3(model: TransformerConfig) -> dict[str, Any]:
+    shared = (model.shared_expert_mlp or model.mlp) // model.routed_mlp if model.shared_expert and model.experts else 0
+    dense = len(model.dense_layers) if model.dense_layers == tuple(range(len(model.dense_layers))) else -1
+    return {
+        "attention_bias": model.qkv_bias, "q_lora_rank": model.q_lora_rank or None,
+        "kv_lora_rank": model.kv_lora_rank, "qk_nope_head_dim": model.qk_nope_head_dim,
+        "qk_rope_head_dim": model.qk_rope_head_dim, "head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.value_head_dim, "rope_interleave": model.rope_interleave,
+        "n_routed_experts": model.experts, "num_experts_per_tok": model.top_k,
+        "norm_topk_prob": model.router_renormalize, "n_group": model.router_groups,
+        "topk_group": model.router_top_groups, "routed_scaling_factor": model.routed_scaling,
+        "moe_intermediate_size": model.routed_mlp, "n_shared_experts": shared, "first_k_dense_replace": dense,
+        "num_nextn_predict_layers": 0,
+    }  # fmt: skip
+
+
 # What each family's transformers config class (transformers 5) assumes for a key left out; a key it derives
 # from others (num_key_value_heads: the heads; head_dim: hidden / heads; layer_types) is derived by the readers.
 _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -310,6 +362,13 @@ _GPT_OSS = _LLAMA | {"vocab_size": 201088, "hidden_size": 2880, "intermediate_si
                      "attention_bias": True, "rope_parameters": {
                          "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}}  # fmt: skip
+_DEEPSEEK_V3 = _LLAMA | {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+                         "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 4096,
+                         "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_routed_experts": 256,
+                         "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                         "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+                         "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                         "rope_interleave": True}  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", _biases, _write_biases, _LLAMA),
@@ -327,4 +386,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe, _write_qwen3_moe, _QWEN3_MOE, experts="qwen"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", _qwen2_moe, _write_qwen2_moe, _QWEN2_MOE, experts="qwen"),
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, _write_gpt_oss, _GPT_OSS, experts="gpt_oss"),
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM",
+        _deepseek_v3,
+        _write_deepseek_v3,
+        _DEEPSEEK_V3,
+        experts="deepseek",
+        mtp_key="num_nextn_predict_layers",
+    ),
 }

@@ -144,21 +144,20 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> Transforme
     rope = _rope_fields(keys, int(max_positions), family)
     if not fields.get("sliding_window"):
         rope.pop("local_rope_theta", None)  # a local base with no local layer changes nothing
-    try:
-        return TransformerConfig(
-            vocab_size=keys.get("vocab_size"),
-            embed=embed,
-            layers=layers,
-            heads=heads,
-            kv_heads=keys.get("num_key_value_heads") or heads,
-            head_dim=keys.get("head_dim") or embed // heads,
-            mlp=keys.get("intermediate_size"),
-            norm_eps=keys.number("rms_norm_eps"),
-            tie_embeddings=bool(keys.get("tie_word_embeddings")),
-            max_positions=int(max_positions),
-            **fields,
-            **rope,
-        )
+    shared = dict(
+        vocab_size=keys.get("vocab_size"),
+        embed=embed,
+        layers=layers,
+        heads=heads,
+        kv_heads=keys.get("num_key_value_heads") or heads,
+        head_dim=keys.get("head_dim") or embed // heads,
+        mlp=keys.get("intermediate_size"),
+        norm_eps=keys.number("rms_norm_eps"),
+        tie_embeddings=bool(keys.get("tie_word_embeddings")),
+        max_positions=int(max_positions),
+    )
+    try:  # a family's own reading of a shared key wins (DeepSeek's head_dim is qk_nope_head_dim + qk_rope_head_dim)
+        return TransformerConfig(**(shared | fields | rope))
     except SpmdkitError as error:
         raise SpmdkitError(f"{where}: {error}") from None
 

@@ -71,6 +71,8 @@ def _rope(model: TransformerConfig, places: set[str]) -> dict[str, Any]:
         }  # fmt: skip
         if model.rope_attention_factor:
             scaling["attention_factor"] = model.rope_attention_factor
+    if model.rope_mscale_all_dim and model.rope_type != "default":  # DeepSeek: the softmax scale's correction
+        scaling["mscale_all_dim"] = model.rope_mscale_all_dim
     out: dict[str, Any] = {}
     if "rope_parameters" in places:
         out["rope_parameters"] = {"rope_theta": model.rope_theta, **scaling}

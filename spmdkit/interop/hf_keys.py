@@ -64,17 +64,20 @@ KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 _KINDS_OF = {
     "count": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_local_experts "
     "num_experts num_experts_per_tok moe_intermediate_size decoder_sparse_step sliding_window_pattern "
-    "_sliding_window_pattern no_rope_layer_interval",
-    "count?": "num_key_value_heads head_dim max_position_embeddings original_max_position_embeddings",
-    "size": "max_window_layers shared_expert_intermediate_size",
+    "_sliding_window_pattern no_rope_layer_interval kv_lora_rank qk_rope_head_dim v_head_dim n_routed_experts n_group "
+    "topk_group",
+    "count?": "num_key_value_heads head_dim max_position_embeddings original_max_position_embeddings q_lora_rank",
+    "size": "max_window_layers shared_expert_intermediate_size qk_nope_head_dim n_shared_experts first_k_dense_replace "
+    "num_nextn_predict_layers",
     "window?": "sliding_window",
     "positive": "rms_norm_eps rope_theta rope_local_base_freq factor low_freq_factor high_freq_factor "
     "query_pre_attn_scalar embedding_multiplier residual_multiplier attention_multiplier logits_scaling "
-    "swiglu_limit swiglu_alpha beta_fast beta_slow",
+    "swiglu_limit swiglu_alpha beta_fast beta_slow routed_scaling_factor",
     "rate": "attention_dropout resid_pdrop embd_pdrop router_jitter_noise",
     "rate?": "attn_logit_softcapping final_logit_softcapping attention_factor mscale mscale_all_dim",
     "fraction": "partial_rotary_factor",
-    "flag": "attention_bias mlp_bias qkv_bias tie_word_embeddings use_sliding_window norm_topk_prob truncate",
+    "flag": "attention_bias mlp_bias qkv_bias tie_word_embeddings use_sliding_window norm_topk_prob truncate "
+    "rope_interleave",
     "flag?": "use_bidirectional_attention",
     "text": "hidden_act hidden_activation rope_type type",
     "list?": "architectures layer_types no_rope_layers mlp_only_layers",

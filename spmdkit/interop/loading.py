@@ -13,6 +13,8 @@ exact copy of the embedding.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from spmdkit.checkpoint.params import aligned_empty
-from spmdkit.errors import SpmdkitError
+from spmdkit.errors import SpmdkitError, SpmdkitWarning
+from spmdkit.interop.families import FAMILIES
 from spmdkit.interop.safetensors_files import TensorFiles
 from spmdkit.interop.sources import hf_family, source_kind, source_model
 from spmdkit.interop.tensor_names import Read, TensorMap, expected_tensors, tensor_maps
@@ -37,6 +40,24 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 3} more)" if len(names) > 3 else ""
 
 
+def _without_mtp(spare: list[str], model: TransformerConfig, family: str, where: Any) -> list[str]:
+    """`spare` less the multi-token-prediction layers a family stores after its last layer (DeepSeek-V3's
+    `num_nextn_predict_layers`), which spmdkit does not run: dropped with one warning."""
+    if not FAMILIES[family].mtp_key:
+        return spare
+    mtp = [name for name in spare if re.match(r"model\.layers\.(\d+)\.", name) and
+           int(name.split(".")[2]) >= model.layers]  # fmt: skip
+    if mtp:
+        warnings.warn(
+            SpmdkitWarning(
+                f"{where}: dropping {len(mtp)} tensors of the multi-token-prediction layers (model.layers."
+                f"{model.layers}.* on, {FAMILIES[family].mtp_key}): spmdkit does not run them"
+            ),
+            stacklevel=3,
+        )
+    return [name for name in spare if name not in mtp]
+
+
 def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> None:
     """SpmdkitError (one line) unless the files hold exactly the model's tensors in `family`'s names, with the
     shapes it implies."""
@@ -47,6 +68,7 @@ def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> 
             f"{where} lacks {', '.join(missing[:3])}{_more(missing)}: its config.json does not describe these weights"
         )
     spare = [name for name in found if name not in expected and not (model.tie_embeddings and name == "lm_head.weight")]
+    spare = _without_mtp(spare, model, family, where)
     if spare:
         raise SpmdkitError(
             f"{where} holds tensors this model does not use: {', '.join(spare[:3])}{_more(spare)}: refusing to drop "

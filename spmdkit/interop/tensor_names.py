@@ -6,12 +6,16 @@ after attention and the MLP (Gemma 2/3, OLMo 2: `post_attention_layernorm` is th
 Gemma's pre-MLP norm is `pre_feedforward_layernorm`), experts (`block_sparse_moe.experts.{e}.w1` for Mixtral,
 `mlp.experts.{e}.gate_proj` for Qwen-MoE, with the router `gate` and Qwen2-MoE's `shared_expert` and its gate;
 GPT-OSS's one tensor of all experts, `mlp.experts.gate_up_proj` [experts, embed, 2 x mlp] with gate and up in
-alternate columns, its biases, `mlp.router` with a bias, and `self_attn.sinks`), and Phi-3's fused `qkv_proj` and
-`gate_up_proj` (each spmdkit parameter a block of rows of one tensor).
+alternate columns, its biases, `mlp.router` with a bias, and `self_attn.sinks`), Phi-3's fused `qkv_proj` and
+`gate_up_proj` (each spmdkit parameter a block of rows of one tensor), and DeepSeek-V3's latent attention
+(`q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`: each head's
+dims in spmdkit's order, [nope | rope] for q, [k_nope | v] for kv_b), router `gate.e_score_correction_bias` and
+`shared_experts`.
 
 Hugging Face stores a linear layer as [out, in]; spmdkit keeps the input dim first and splits the head dims: q
 [embed, heads, head_dim] is `q_proj.weight` [heads x head_dim, embed] transposed, o [heads, head_dim, embed] is
-`o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no permutation.
+`o_proj.weight` [embed, heads x head_dim] transposed. All use rotate-half RoPE, so q and k need no permutation
+(DeepSeek's interleaved pairs are reordered at run time).
 Block parameters are stacked on a leading dim in spmdkit (dense and MoE blocks in two stacks, in layer order) and
 are one tensor per layer (`model.layers.{i}.`), and per expert, in Hugging Face.
 
@@ -153,7 +157,39 @@ def _norm_names(model: TransformerConfig) -> dict[str, str]:
     return {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
+def _latent_attention(model: TransformerConfig, add) -> None:
+    """DeepSeek's latent attention: q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj ([heads x (nope + v), kv_lora_rank]), o_proj, and the biases of attention_bias."""
+    E, H, D, V, Q, KV = (
+        model.embed,
+        model.heads,
+        model.head_dim,
+        model.value_head_dim,
+        model.q_lora_rank,
+        model.kv_lora_rank,
+    )
+    A = KV + model.qk_rope_head_dim
+    if Q:
+        add("attention.q_a", "self_attn.q_a_proj.weight", (E, Q), (1, 1), True)
+        add("attention.q_a_norm.scale", "self_attn.q_a_layernorm.weight", (Q,), (1,), False)
+        add("attention.q_b", "self_attn.q_b_proj.weight", (Q, H, D), (1, 2), True)
+    else:
+        add("attention.q", "self_attn.q_proj.weight", (E, H, D), (1, 2), True)
+    add("attention.kv_a", "self_attn.kv_a_proj_with_mqa.weight", (E, A), (1, 1), True)
+    add("attention.kv_a_norm.scale", "self_attn.kv_a_layernorm.weight", (KV,), (1,), False)
+    add("attention.kv_b", "self_attn.kv_b_proj.weight", (KV, H, model.qk_nope_head_dim + V), (1, 2), True)
+    add("attention.o", "self_attn.o_proj.weight", (H, V, E), (2, 1), True)
+    if model.qkv_bias:
+        if Q:
+            add("attention.q_a_bias", "self_attn.q_a_proj.bias", (Q,), (1,), False)
+        add("attention.kv_a_bias", "self_attn.kv_a_proj_with_mqa.bias", (A,), (1,), False)
+    if model.o_bias:
+        add("attention.o_bias", "self_attn.o_proj.bias", (E,), (1,), False)
+
+
 def _attention(model: TransformerConfig, family: str, add) -> None:
+    if model.kv_lora_rank:
+        return _latent_attention(model, add)
     E, H, K, D = model.embed, model.heads, model.kv_heads, model.head_dim
     fused = FAMILIES[family].fused
     for n, h, offset in (("q", H, 0), ("k", K, H * D), ("v", K, (H + K) * D)):
@@ -209,8 +245,11 @@ def _experts(model: TransformerConfig, family: str, add) -> None:
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for n, hf, shape in zip(("gate", "up", "down"), names, ((X, E, F), (X, E, F), (X, F, E)), strict=True):
         add(f"mlp.{n}", f"{base}.experts.{{e}}.{hf}.weight", shape, (1, 1), True, experts=X)
+    if model.router_correction_bias:
+        add("mlp.router_correction_bias", f"{base}.gate.e_score_correction_bias", (X,), (1,), False)
     if model.shared_expert:
-        _mlp(model, family, add, "mlp.shared", "mlp.shared_expert", model.shared_expert_mlp or model.mlp)
+        shared = "mlp.shared_experts" if FAMILIES[family].experts == "deepseek" else "mlp.shared_expert"
+        _mlp(model, family, add, "mlp.shared", shared, model.shared_expert_mlp or model.mlp)
     if model.shared_expert_gate:
         add("mlp.shared_gate", "mlp.shared_expert_gate.weight", (E, 1), (1, 1), True)
 

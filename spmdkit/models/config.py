@@ -17,6 +17,7 @@ import typing
 from typing import Annotated, Literal
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.models.config_checks import check_dense, check_experts, check_latent
 from spmdkit.models.fields import arg, check_types
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.remat import RematPolicy, parse_remat
@@ -27,6 +28,7 @@ Dispatch = Literal["capacity", "dropless", "dense"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 QkNormScope = Literal["head", "layer"]
+RouterScore = Literal["softmax", "sigmoid"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 ACTIVATIONS: tuple[str, ...] = typing.get_args(Activation)
 
@@ -132,6 +134,20 @@ class TransformerConfig:
     qk_norm_scope: Annotated[QkNormScope, arg("q/k norms over each head (Qwen3, Gemma 3) or the layer (OLMo 2)")] = (
         "head"
     )
+    kv_lora_rank: Annotated[
+        int, arg("multi-head latent attention (DeepSeek MLA): width of the compressed key/value latent (0: off)")
+    ] = 0
+    q_lora_rank: Annotated[int, arg("latent attention: width of the low-rank query (0: one plain q projection)")] = 0
+    qk_rope_head_dim: Annotated[
+        int, arg("latent attention: the trailing dims of each q/k head that RoPE rotates, the key's shared by heads")
+    ] = 0
+    v_head_dim: Annotated[int, arg("width of one value head (0: head_dim; latent attention: at most head_dim)")] = 0
+    rope_interleave: Annotated[
+        bool, arg("latent attention: RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (HF rope_interleave)")
+    ] = False
+    rope_mscale_all_dim: Annotated[
+        float, arg("yarn RoPE: the attention scale times (0.1 m ln(rope_factor) + 1)^2 (DeepSeek's mscale_all_dim m)")
+    ] = 0.0
     expert_mlp: Annotated[int, arg("mixture of experts: hidden width of each routed expert (0: mlp)")] = 0
     shared_expert_mlp: Annotated[int, arg("mixture of experts: hidden width of the shared expert (0: mlp)")] = 0
     shared_expert_gate: Annotated[bool, arg("mixture of experts: the shared expert's output times sigmoid(x w)")] = (
@@ -148,6 +164,19 @@ class TransformerConfig:
     ] = 0.0
     swiglu_alpha: Annotated[float, arg("mixture of experts: the a of the clamped SwiGLU (with swiglu_limit)")] = 1.702
     router_renormalize: Annotated[bool, arg("mixture of experts: top-k weights (k > 1) rescaled to sum to 1")] = True
+    router_score: Annotated[
+        RouterScore, arg("mixture of experts: the router's scores, softmax over the experts or sigmoid of each")
+    ] = "softmax"
+    router_correction_bias: Annotated[
+        bool, arg("mixture of experts: a bias added to the scores to choose experts, not to weight them (DeepSeek-V3)")
+    ] = False
+    router_groups: Annotated[
+        int, arg("mixture of experts: experts in this many groups, a token routed within its best groups (n_group)")
+    ] = 1
+    router_top_groups: Annotated[
+        int, arg("mixture of experts: the groups a token may use, by their two best scores (topk_group)")
+    ] = 1
+    routed_scaling: Annotated[float, arg("mixture of experts: the routed experts' weights times this")] = 1.0
     dense_layers: Annotated[
         tuple[int, ...], arg("mixture of experts: 0-based layers that keep the dense MLP, whatever moe_every says")
     ] = ()
@@ -170,12 +199,9 @@ class TransformerConfig:
         if self.attention_block < 1:
             raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
         if self.experts:
-            self._check_experts()
-        elif self.dense_layers or self.router_bias or self.expert_bias or self.swiglu_limit:
-            raise SpmdkitError(
-                "dense_layers, router_bias, expert_bias and swiglu_limit describe mixture-of-experts layers: set "
-                "experts, or drop them"
-            )
+            check_experts(self)
+        else:
+            check_dense(self)
         if self.fp8 and self.experts:
             raise SpmdkitError(
                 "fp8 covers dense models: the routed experts' grouped matmuls have no FP8 form yet; drop --model.fp8"
@@ -185,6 +211,7 @@ class TransformerConfig:
                 "fp8 needs a bfloat16 or float32 compute dtype: with float16 its scaled matmuls overflow (NaN by the "
                 "second step); use --dtype bfloat16, or drop --model.fp8"
             )
+        check_latent(self)
         self._check_rope()
         self._check_scales()
 
@@ -222,24 +249,6 @@ class TransformerConfig:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise SpmdkitError(f"{name}={getattr(self, name)} must be a positive number")
 
-    def _check_experts(self) -> None:
-        if self.experts < 0 or not 1 <= self.top_k <= self.experts:
-            raise SpmdkitError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
-        if self.moe_every < 1 or not self.moe_layers:
-            raise SpmdkitError(f"moe_every={self.moe_every} and dense_layers leave no mixture-of-experts layer")
-        if sorted(set(self.dense_layers)) != list(self.dense_layers) or not set(self.dense_layers) <= set(
-            range(self.layers)
-        ):
-            raise SpmdkitError(f"dense_layers={list(self.dense_layers)} must be increasing layers 0..{self.layers - 1}")
-        if self.capacity_factor <= 0 or self.expert_mlp < 0 or self.shared_expert_mlp < 0:
-            raise SpmdkitError("capacity_factor must be positive, expert_mlp and shared_expert_mlp >= 0")
-        if self.mlp_bias or self.activation != "silu":
-            raise SpmdkitError("mixture-of-experts models have SwiGLU experts without biases: drop mlp_bias/activation")
-        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0 and self.swiglu_alpha > 0):
-            raise SpmdkitError(f"swiglu_limit={self.swiglu_limit} must be >= 0 and swiglu_alpha > 0")
-        if self.shared_expert_gate and not self.shared_expert:
-            raise SpmdkitError("shared_expert_gate gates the shared expert: set shared_expert too")
-
     # ------------------------------------------------------------------ what each layer is
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -263,8 +272,19 @@ class TransformerConfig:
 
     @property
     def rotary_dims(self) -> int:
-        """The leading dims of each head that RoPE rotates (HF: int(head_dim x partial_rotary_factor))."""
-        return int(self.head_dim * self.rope_fraction)
+        """The dims of each head that RoPE rotates: the leading int(head_dim x partial_rotary_factor) (HF), or
+        latent attention's trailing `qk_rope_head_dim`."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else int(self.head_dim * self.rope_fraction)
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of one value head (and of the output projection's input per head)."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """Latent attention: the leading dims of each q/k head that RoPE leaves alone."""
+        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def remat_policy(self) -> RematPolicy:
@@ -288,12 +308,13 @@ class TransformerConfig:
         router [embed, experts]; `active=True` counts only the `top_k` experts a token runs through.
         """
         e = self.embed
-        attention = e * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self._attention_vectors
+        attention = self._attention_matrices + self._attention_vectors
         norms = 2 * (self.pre_norm + self.post_norm) * e
         dense = attention + self._mlp_params(self.mlp, self.mlp_bias) + norms
         routed = (self.top_k if active else self.experts) * self._mlp_params(self.routed_mlp, self.expert_bias)
         shared = self.shared_expert * (self._mlp_params(self.shared_expert_mlp or self.mlp, False))
-        router = e * (self.experts + self.shared_expert_gate) + self.router_bias * self.experts
+        router_biases = (self.router_bias + self.router_correction_bias) * self.experts
+        router = e * (self.experts + self.shared_expert_gate) + router_biases
         moe = attention + routed + shared + router + norms
         layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
         head = 0 if self.tie_embeddings else self.vocab_size * e
@@ -303,15 +324,31 @@ class TransformerConfig:
         return 3 * self.embed * width + bias * (2 * width + self.embed)
 
     @property
+    def _attention_matrices(self) -> int:
+        """Per layer: the attention's matmul weights (latent: q_a, q_b or q, kv_a, kv_b, o)."""
+        e, h, d, v = self.embed, self.heads, self.head_dim, self.value_head_dim
+        if not self.kv_lora_rank:
+            return e * d * (2 * h + 2 * self.kv_heads)
+        q, kv = self.q_lora_rank, self.kv_lora_rank
+        query = (e * q + q * h * d) if q else e * h * d
+        return query + e * (kv + self.qk_rope_head_dim) + kv * h * (self.qk_nope_head_dim + v) + h * v * e
+
+    @property
     def _attention_vectors(self) -> int:
-        """Per layer: the attention's biases and its q/k norm scales (not matmul weights)."""
+        """Per layer: the attention's biases and its q/k norm scales (not matmul weights); latent attention: the
+        biases of q_a and kv_a and their norms' scales."""
+        if self.kv_lora_rank:
+            latent = self.q_lora_rank + self.kv_lora_rank
+            biases = self.qkv_bias * (latent + self.qk_rope_head_dim) + self.o_bias * self.embed
+            return biases + latent + self.attention_sinks * self.heads
         biases = self.qkv_bias * self.head_dim * (self.heads + 2 * self.kv_heads) + self.o_bias * self.embed
         norms = 2 if self.qk_norm_scope == "head" else self.heads + self.kv_heads
         return biases + self.qk_norm * norms * self.head_dim + self.attention_sinks * self.heads
 
     def _moe_vectors(self) -> int:
         """Per MoE layer, of the parameters a token runs through: the router's bias and the active experts'."""
-        return self.router_bias * self.experts + self.expert_bias * self.top_k * (2 * self.routed_mlp + self.embed)
+        biases = (self.router_bias + self.router_correction_bias) * self.experts
+        return biases + self.expert_bias * self.top_k * (2 * self.routed_mlp + self.embed)
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
@@ -332,7 +369,7 @@ class TransformerConfig:
             window = self.window_of(layer) if causal else 0
             full = seq_len / 2 if causal else seq_len
             keys += window - window * window / (2 * seq_len) if 0 < window < seq_len else full
-        return 6 * matmul_params + 12 * self.heads * self.head_dim * keys
+        return 6 * matmul_params + 6 * self.heads * (self.head_dim + self.value_head_dim) * keys
 
     def fp8_flops_per_token(self) -> float:
         """The share of `flops_per_token` that runs in FP8 under `fp8`: 6 x the blocks' projection weights (q, k,

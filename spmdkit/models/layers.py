@@ -128,6 +128,16 @@ def rope_scaling(config: TransformerConfig, local: bool = False) -> float:
     return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
 
 
+def attention_scale(config: TransformerConfig) -> float:
+    """The factor on q k^T: `attention_scale` (0: head_dim^-1/2), times DeepSeek's YaRN mscale^2 where
+    `rope_mscale_all_dim` m is set and RoPE is scaled: (0.1 m ln(rope_factor) + 1)^2 (1 when rope_factor <= 1)."""
+    c = config
+    scale = c.attention_scale or c.head_dim**-0.5
+    if c.rope_mscale_all_dim and c.rope_type != "default" and c.rope_factor > 1:
+        scale *= (0.1 * c.rope_mscale_all_dim * math.log(c.rope_factor) + 1.0) ** 2
+    return scale
+
+
 def rotary(x: jax.Array, positions: jax.Array, frequencies: np.ndarray | float, scaling: float = 1.0) -> jax.Array:
     """Rotary position embedding (rotate-half form). x: [batch, seq, heads, head_dim]; positions: [batch, seq].
 
@@ -223,6 +233,7 @@ class Attention(nnx.Module):
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
         dt = self.config.dtype
+        attended = attended[..., : self.config.value_head_dim]  # latent attention: values were padded to head_dim
         attended = named(constrain(attended, ("batch", "seq", "heads", None)), "context")
         if not self.config.fp8 and ring_mesh() is not None:  # --overlap-tp: the sum reduce-scattered in a ring
             y = row_parallel(attended, self.o[...].astype(dt), ("heads", "head_dim", "embed"))
@@ -236,7 +247,7 @@ class Attention(nnx.Module):
         """What every attention kernel takes for this layer besides q, k, v: its window (a local layer's; 0:
         global), the config's scale, soft cap and block size."""
         c, kind = self.config, kind or layer_kind(self.config, 0)
-        return AttentionSpec.of_layer(kind.window, c.attention_scale, c.attention_softcap, c.attention_block)
+        return AttentionSpec.of_layer(kind.window, attention_scale(c), c.attention_softcap, c.attention_block)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, kind: LayerKind | None = None

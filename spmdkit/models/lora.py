@@ -151,6 +151,8 @@ def check_lora(config: Any, lora: LoraConfig) -> None:
     """Refuse, in one line, a model the adapters cannot be added to yet (`config`: its `TransformerConfig`)."""
     if config.experts:
         raise SpmdkitError("--lora on a mixture-of-experts model is not supported yet: train it without --lora.rank")
+    if config.kv_lora_rank:
+        raise SpmdkitError("--lora on latent attention (kv_lora_rank) is not supported yet: train without --lora.rank")
     if config.fp8:
         raise SpmdkitError("--lora with --model.fp8: qwix's adapters do not wrap the FP8 matmuls yet; drop one")
 

@@ -9,7 +9,8 @@ top_k > 1 (for top_k = 1 the raw probability, as in Switch: renormalised it woul
 gradient from the loss). Experts are `routed_mlp` wide; the shared expert (Qwen2-MoE) is `shared_expert_mlp`
 wide and, with `shared_expert_gate`, scaled per token by sigmoid(x w_g), w_g [embed, 1]. GPT-OSS adds a router
 bias (`router_bias`), expert biases (`expert_bias`) and its clamped SwiGLU (`swiglu_limit`, `Glu`); its softmax
-over the top-k logits is the renormalised top-k of the softmax over all.
+over the top-k logits is the renormalised top-k of the softmax over all. DeepSeek-V3 scores by sigmoid, chooses
+by the scores plus a correction bias within the best groups of experts, and scales the weights (`route`).
 
 Aux losses, over all tokens of the batch (computed outside the shard_map, so they are global on any mesh):
 - load balance (Switch): E x sum_i f_i P_i, f_i = share of the token->expert assignments that chose expert i,
@@ -32,13 +33,32 @@ from spmdkit.sharding.logical import constrain
 ROUTED = ("batch", "seq", None)
 
 
-def route(logits: jax.Array, top_k: int, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token and their weights: logits [B, S, E] float32 -> (index, weight) [B, S, k]."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    weight, index = jax.lax.top_k(probs, top_k)
-    if top_k > 1 and renormalize:
+def route(
+    logits: jax.Array, top_k: int, renormalize: bool = True, *, sigmoid: bool = False,
+    correction: jax.Array | None = None, groups: int = 1, top_groups: int = 1, scaling: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Top-k experts per token and their weights: logits [B, S, E] float32 -> (index, weight) [B, S, k].
+
+    Scores are softmax(logits) or, with `sigmoid`, sigmoid of each (DeepSeek-V3). The experts are chosen by the
+    scores plus `correction` [E] (DeepSeek's e_score_correction_bias: it moves the choice, never the weights),
+    within the `top_groups` of `groups` equal groups of experts whose two best corrected scores sum highest; the
+    weights are the uncorrected scores, renormalised (sigmoid: over the top k, + 1e-20 as transformers does), times
+    `scaling`.
+    """
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores if correction is None else scores + correction.astype(jnp.float32)
+    if groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], groups, -1)  # [B, S, groups, E / groups]
+        best = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [B, S, groups]
+        kept = jax.nn.one_hot(jax.lax.top_k(best, top_groups)[1], groups, dtype=jnp.bool_).any(-2)
+        choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    index = jax.lax.top_k(choice, top_k)[1]
+    weight = jnp.take_along_axis(scores, index, axis=-1)
+    if renormalize and sigmoid:
+        weight = weight / (jnp.sum(weight, axis=-1, keepdims=True) + 1e-20)
+    elif top_k > 1 and renormalize:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
-    return index, weight
+    return index, weight * scaling if scaling != 1.0 else weight
 
 
 def aux_losses(logits: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
@@ -55,7 +75,8 @@ def aux_losses(logits: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts. router [embed, experts]; gate/up [experts, embed, routed_mlp]; down [experts,
+    """Routed SwiGLU experts. router [embed, experts] (with `router_correction_bias`, router_correction_bias
+    [experts]: `route`); gate/up [experts, embed, routed_mlp]; down [experts,
     routed_mlp, embed]; with `router_bias`, router_bias [experts]; with `expert_bias`, gate_bias, up_bias
     [experts, routed_mlp] and down_bias [experts, embed]; with `shared_expert`, `shared` (an MLP of width
     shared_expert_mlp) and, with `shared_expert_gate`, its gate [embed, 1]."""
@@ -70,6 +91,8 @@ class MoE(nnx.Module):
         self.down = normal_param(rngs, shape_out, names_out, f, pd)
         if c.router_bias:
             self.router_bias = zeros_param((c.experts,), (None,), pd)
+        if c.router_correction_bias:  # chooses experts only: no gradient reaches it, and it is not decayed
+            self.router_correction_bias = zeros_param((c.experts,), (None,), pd)
         if c.expert_bias:
             self.gate_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)
             self.up_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)
@@ -87,7 +110,11 @@ class MoE(nnx.Module):
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         if c.router_bias:
             logits = logits + self.router_bias[...].astype(jnp.float32)
-        index, weight = route(logits, c.top_k, c.router_renormalize)
+        correction = self.router_correction_bias[...] if c.router_correction_bias else None
+        index, weight = route(
+            logits, c.top_k, c.router_renormalize, sigmoid=c.router_score == "sigmoid", correction=correction,
+            groups=c.router_groups, top_groups=c.router_top_groups, scaling=c.routed_scaling,
+        )  # fmt: skip
         index, weight = constrain(index, ROUTED), constrain(weight, ROUTED)
         biases = (self.gate_bias[...], self.up_bias[...], self.down_bias[...]) if c.expert_bias else ()
         experts = ExpertWeights(self.gate[...], self.up[...], self.down[...], *biases)

@@ -87,6 +87,17 @@ _GPT_OSS = dict(
 PRESETS["gpt-oss-20b"] = TransformerConfig(layers=24, experts=32, **_GPT_OSS)
 PRESETS["gpt-oss-120b"] = TransformerConfig(layers=36, experts=128, **_GPT_OSS)
 
+# deepseek-ai/DeepSeek-V3's config.json: latent attention, 256 routed experts (8 per token, in 4 of 8 groups) and a
+# shared one, the first 3 layers dense, YaRN x40 with mscale_all_dim 1.
+PRESETS["deepseek-v3"] = TransformerConfig(
+    vocab_size=129_280, embed=7168, layers=61, heads=128, kv_heads=128, head_dim=192, mlp=18432, norm_eps=1e-6,
+    kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, rope_type="yarn",
+    rope_factor=40.0, rope_original_max_positions=4096, rope_attention_factor=1.0, rope_mscale_all_dim=1.0,
+    max_positions=163_840, experts=256, top_k=8, router_score="sigmoid", router_correction_bias=True,
+    router_groups=8, router_top_groups=4, routed_scaling=2.5, expert_mlp=2048, shared_expert=True,
+    shared_expert_mlp=2048, dense_layers=(0, 1, 2), dispatch="dropless",
+)  # fmt: skip
+
 
 def model_preset(name: str) -> TransformerConfig:
     if name not in PRESETS:

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from spmdkit.models.config import TransformerConfig
+from spmdkit.models.latent_attention import LatentAttention
 from spmdkit.models.layer_plan import LayerKind, layer_runs, stack_sizes
 from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_tokens, normal_param
 from spmdkit.models.loss import HeadSpec, lm_loss
@@ -38,7 +39,7 @@ class Block(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, moe: bool = False):
         if config.pre_norm:
             self.attention_norm = RMSNorm(config)
-        self.attention = Attention(config, rngs=rngs)
+        self.attention = (LatentAttention if config.kv_lora_rank else Attention)(config, rngs=rngs)
         if config.post_norm:
             self.attention_post_norm = RMSNorm(config)
         if config.pre_norm:

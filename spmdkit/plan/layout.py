@@ -63,7 +63,10 @@ def _attention_vectors(m: TransformerConfig) -> list[Param]:
     """The attention's biases and q/k norm scales."""
     E, H, K, d = m.embed, m.heads, m.kv_heads, m.head_dim
     out: list[Param] = []
-    if m.qkv_bias:
+    if m.kv_lora_rank and m.qkv_bias:  # latent attention: biases on its down projections
+        out += [("attention.q_a_bias", (m.q_lora_rank,), ("latent",))] if m.q_lora_rank else []
+        out += [("attention.kv_a_bias", (m.kv_lora_rank + m.qk_rope_head_dim,), ("latent",))]
+    elif m.qkv_bias:
         out += [("attention.q_bias", (H, d), ("heads", "head_dim"))]
         out += [(f"attention.{n}_bias", (K, d), ("kv_heads", "head_dim")) for n in "kv"]
     if m.o_bias:
@@ -80,6 +83,27 @@ def _attention_vectors(m: TransformerConfig) -> list[Param]:
     return out
 
 
+def _attention(m: TransformerConfig) -> list[Param]:
+    """The attention's matrices: q, k, v, o, or latent attention's (`spmdkit.models.latent_attention`)."""
+    E, H, K, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    if not m.kv_lora_rank:
+        return [
+            ("attention.q", (E, H, d), ("embed", "heads", "head_dim")),
+            *[(f"attention.{n}", (E, K, d), ("embed", "kv_heads", "head_dim")) for n in "kv"],
+            ("attention.o", (H, d, E), ("heads", "head_dim", "embed")),
+        ]
+    Q, KV, V, A = m.q_lora_rank, m.kv_lora_rank, m.value_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
+    query: list[Param] = [
+        ("attention.q_a", (E, Q), ("embed", "latent")), ("attention.q_a_norm", (Q,), ("latent",)),
+        ("attention.q_b", (Q, H, d), ("latent", "heads", "head_dim")),
+    ] if Q else [("attention.q", (E, H, d), ("embed", "heads", "head_dim"))]  # fmt: skip
+    return [
+        *query, ("attention.kv_a", (E, A), ("embed", "latent")), ("attention.kv_a_norm", (KV,), ("latent",)),
+        ("attention.kv_b", (KV, H, m.qk_nope_head_dim + V), ("latent", "heads", "head_dim")),
+        ("attention.o", (H, V, E), ("heads", "head_dim", "embed")),
+    ]  # fmt: skip
+
+
 def _experts(m: TransformerConfig) -> list[Param]:
     E, F, X = m.embed, m.routed_mlp, m.experts
     mlp: list[Param] = [
@@ -90,6 +114,8 @@ def _experts(m: TransformerConfig) -> list[Param]:
     ]
     if m.router_bias:
         mlp += [("router_bias", (X,), (None,))]
+    if m.router_correction_bias:
+        mlp += [("router_correction_bias", (X,), (None,))]
     if m.expert_bias:
         mlp += [(f"{n}_bias", (X, F), ("experts", "mlp")) for n in ("gate", "up")]
         mlp += [("down_bias", (X, E), ("experts", "embed"))]
@@ -102,15 +128,12 @@ def _experts(m: TransformerConfig) -> list[Param]:
 
 def _block(m: TransformerConfig, moe: bool) -> list[Param]:
     """One block's parameters (name relative to the block, shape, logical names), as `Block` builds them."""
-    E, H, K, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    E = m.embed
     mlp = _experts(m) if moe else _mlp(E, m.mlp, m.mlp_bias)
     norm = ((E,), ("norm",))
     return [
         *([("attention_norm", *norm)] if m.pre_norm else []),
-        ("attention.q", (E, H, d), ("embed", "heads", "head_dim")),
-        ("attention.k", (E, K, d), ("embed", "kv_heads", "head_dim")),
-        ("attention.v", (E, K, d), ("embed", "kv_heads", "head_dim")),
-        ("attention.o", (H, d, E), ("heads", "head_dim", "embed")),
+        *_attention(m),
         *_attention_vectors(m),
         *([("attention_post_norm", *norm)] if m.post_norm else []),
         *([("mlp_norm", *norm)] if m.pre_norm else []),

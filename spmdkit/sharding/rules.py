@@ -146,6 +146,7 @@ def make_rules(
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "head_dim": (),
+        "latent": (),  # latent attention's low-rank dims (q_lora_rank, kv_lora_rank): whole on every device
         "mlp": ("tensor",),
         "vocab": ("tensor",),
         "experts": ("expert",),

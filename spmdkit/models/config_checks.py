@@ -1,0 +1,75 @@
+"""Checks of `TransformerConfig` fields that belong together (pure Python), kept beside the config to keep it short."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from spmdkit.errors import SpmdkitError
+
+if TYPE_CHECKING:
+    from spmdkit.models.config import TransformerConfig
+
+
+def check_latent(config: TransformerConfig) -> None:
+    """Multi-head latent attention's shape: its head dims, and what it cannot be combined with."""
+    if min(config.kv_lora_rank, config.q_lora_rank, config.qk_rope_head_dim, config.v_head_dim) < 0:
+        raise SpmdkitError("kv_lora_rank, q_lora_rank, qk_rope_head_dim and v_head_dim must be >= 0")
+    if not config.kv_lora_rank:
+        latent = config.q_lora_rank or config.qk_rope_head_dim or config.rope_interleave
+        if latent or config.value_head_dim != config.head_dim:
+            raise SpmdkitError(
+                "q_lora_rank, qk_rope_head_dim, rope_interleave and a v_head_dim other than head_dim describe "
+                "latent attention: set kv_lora_rank too, or drop them"
+            )
+        return
+    rope = config.qk_rope_head_dim
+    if not (0 < rope <= config.head_dim and rope % 2 == 0) or config.value_head_dim > config.head_dim:
+        raise SpmdkitError(
+            f"latent attention needs an even qk_rope_head_dim in 2..head_dim={config.head_dim} (got {rope}) and "
+            f"v_head_dim <= head_dim (got {config.value_head_dim}): head_dim is qk_nope_head_dim + qk_rope_head_dim"
+        )
+    if config.kv_heads != config.heads or config.qk_norm or config.rope_fraction != 1.0 or config.fp8:
+        raise SpmdkitError(
+            "latent attention expands keys and values per query head (kv_heads = heads) and has no qk_norm, "
+            "rope_fraction or fp8: drop them"
+        )
+
+
+def check_experts(config: TransformerConfig) -> None:
+    """The mixture-of-experts fields: sizes, the router's groups, what the experts cannot be combined with."""
+    if config.experts < 0 or not 1 <= config.top_k <= config.experts:
+        raise SpmdkitError(f"top_k={config.top_k} must be between 1 and experts={config.experts}")
+    if config.moe_every < 1 or not config.moe_layers:
+        raise SpmdkitError(f"moe_every={config.moe_every} and dense_layers leave no mixture-of-experts layer")
+    if sorted(set(config.dense_layers)) != list(config.dense_layers) or not set(config.dense_layers) <= set(
+        range(config.layers)
+    ):
+        raise SpmdkitError(f"dense_layers={list(config.dense_layers)} must be increasing layers 0..{config.layers - 1}")
+    if config.capacity_factor <= 0 or config.expert_mlp < 0 or config.shared_expert_mlp < 0:
+        raise SpmdkitError("capacity_factor must be positive, expert_mlp and shared_expert_mlp >= 0")
+    if config.mlp_bias or config.activation != "silu":
+        raise SpmdkitError("mixture-of-experts models have SwiGLU experts without biases: drop mlp_bias/activation")
+    if not (math.isfinite(config.swiglu_limit) and config.swiglu_limit >= 0 and config.swiglu_alpha > 0):
+        raise SpmdkitError(f"swiglu_limit={config.swiglu_limit} must be >= 0 and swiglu_alpha > 0")
+    groups, top = config.router_groups, config.router_top_groups
+    per_group = config.experts // groups if groups > 0 else 0
+    if groups < 1 or config.experts % groups or not 1 <= top <= groups or top * per_group < config.top_k:
+        raise SpmdkitError(
+            f"router_groups={groups} must divide experts={config.experts}, router_top_groups={top} be in 1..groups "
+            f"and leave at least top_k={config.top_k} experts"
+        )
+    if groups > 1 and per_group < 2 or not (math.isfinite(config.routed_scaling) and config.routed_scaling > 0):
+        raise SpmdkitError("router groups need 2 experts each (a group scores by its best two); routed_scaling > 0")
+    if config.shared_expert_gate and not config.shared_expert:
+        raise SpmdkitError("shared_expert_gate gates the shared expert: set shared_expert too")
+
+
+def check_dense(config: TransformerConfig) -> None:
+    """A dense model (experts 0) sets none of the mixture-of-experts fields that change what a layer computes."""
+    routing = config.router_score != "softmax" or config.router_correction_bias or config.router_groups != 1
+    if config.dense_layers or config.router_bias or config.expert_bias or config.swiglu_limit or routing:
+        raise SpmdkitError(
+            "dense_layers, router_bias, expert_bias, swiglu_limit, router_score, router_correction_bias and "
+            "router_groups describe mixture-of-experts layers: set experts, or drop them"
+        )

@@ -1,0 +1,218 @@
+"""DeepSeek-V3 (`deepseek_v3`) in and out, transformers the judge: tiny models written by transformers'
+`save_pretrained` (random non-zero biases, norm scales and router correction biases; latent attention with and
+without a low-rank query, interleaved YaRN RoPE with mscale_all_dim; sigmoid routing within 2 of 4 groups, shared
+experts, the first layer dense) give transformers' logits and loss on one device and on two meshes, its greedy
+tokens, and export back bit-identically. Multi-token-prediction tensors are dropped on import with one warning."""
+
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from flax import nnx
+from hf_reference import load, logits, loss, max_relative_error, randomize, save_tokenizer
+
+import spmdkit
+from spmdkit.errors import SpmdkitError, SpmdkitWarning
+from spmdkit.interop import from_hf_config, load_model
+from spmdkit.plan.layout import parameters
+from spmdkit.sharding.logical import use_rules
+from spmdkit.sharding.mesh import make_mesh
+from spmdkit.sharding.rules import make_rules
+
+VOCAB, SEQ = 96, 12
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 16, "rope_theta": 10_000.0}  # fmt: skip
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=3,
+    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+    v_head_dim=5, attention_bias=True, max_position_embeddings=64, routed_scaling_factor=2.5, rope_interleave=True,
+    rope_parameters=YARN, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+TOKENS = np.random.default_rng(7).integers(3, VOCAB, (8, SEQ))  # 8 rows: one per device of expert=4,data=2
+
+
+def _save(directory, q_lora_rank):
+    """A random model saved by transformers; its router correction biases (buffers, which `randomize` leaves at 0)
+    drawn too, large enough to change which experts are chosen."""
+    save_tokenizer(directory, VOCAB)
+    model = randomize(tf.AutoModelForCausalLM.from_config(tf.DeepseekV3Config(q_lora_rank=q_lora_rank, **SHAPE)), 11)
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(directory, transformers' logits of TOKENS) of a model with a low-rank query (q_lora_rank 12)."""
+    directory = _save(tmp_path_factory.mktemp("deepseek_v3") / "model", 12)
+    return directory, logits(load(directory), TOKENS)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The same with a plain q_proj (q_lora_rank null)."""
+    directory = _save(tmp_path_factory.mktemp("deepseek_v3_q_proj") / "model", None)
+    return directory, logits(load(directory), TOKENS)
+
+
+@pytest.mark.parametrize("variant", ["saved", "plain"])
+def test_config_is_read_and_logits_match_transformers_on_one_device(variant, request):
+    directory, theirs = request.getfixturevalue(variant)
+    ours = load_model(directory)
+    q_lora = json.loads((directory / "config.json").read_text())["q_lora_rank"] or 0
+    expected = dict(
+        kv_lora_rank=10, q_lora_rank=q_lora, qk_rope_head_dim=4, head_dim=10, v_head_dim=5, rope_interleave=True,
+        rope_mscale_all_dim=0.8, qkv_bias=True, o_bias=True, experts=8, top_k=3, router_score="sigmoid",
+        router_correction_bias=True, router_groups=4, router_top_groups=2, routed_scaling=2.5, expert_mlp=16,
+        shared_expert=True, shared_expert_mlp=32, dense_layers=(0,), rope_type="yarn",
+    )  # fmt: skip
+    assert {k: getattr(ours.config, k) for k in expected} == expected
+    assert max_relative_error(ours(TOKENS), theirs) <= 1e-4
+    built = {".".join(map(str, path)).removesuffix(".scale"): value.shape for path, value in nnx.to_flat_state(
+        nnx.state(ours, nnx.Param))}  # fmt: skip
+    assert built == {name: shape for name, shape, _ in parameters(ours.config)}  # the planner's inventory
+
+
+@pytest.mark.parametrize(
+    ("variant", "mesh"),
+    [("saved", "expert=4,data=2"), ("saved", "fsdp=2,tensor=2,expert=2"), ("plain", "fsdp=2,tensor=2,expert=2")],
+)
+def test_logits_and_training_loss_match_transformers_on_a_mesh(variant, mesh, request):
+    directory, theirs = request.getfixturevalue(variant)
+    mesh, rules = make_mesh(mesh), make_rules()
+    model = load_model(directory, mesh=mesh, rules=rules)
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+
+    def forward(model, tokens, inputs, targets):  # the training loss: chunked over the sequence
+        return model(tokens), model.loss(model.hidden(inputs)[0], targets)[0]
+
+    with use_rules(rules, mesh):
+        out, ce = jax.jit(forward)(model, TOKENS, inputs, targets)
+    assert max_relative_error(out, theirs) <= 1e-4
+    reference = loss(load(directory), inputs, targets)
+    assert abs(float(ce) - reference) <= 1e-5 * reference
+
+
+def test_greedy_generation_matches_transformers(saved):
+    directory, _ = saved
+    prompt, new = [3, 17, 5, 90, 42, 8], 6
+    ours = spmdkit.generate(directory, prompt, max_new_tokens=new, mesh="tensor=2", stop_tokens=())[0].tokens
+    with torch.no_grad():
+        theirs = load(directory).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    assert ours == theirs
+
+
+def _tensors(directory):
+    from safetensors.numpy import load_file
+
+    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(file)).items()}
+
+
+@pytest.mark.parametrize("variant", ["saved", "plain"])
+def test_export_is_bit_identical_and_loads_in_transformers(variant, request, tmp_path):
+    directory, theirs = request.getfixturevalue(variant)
+    out = spmdkit.save_hf(load_model(directory), tmp_path / "hf", tokenizer=directory)  # no base: found by function
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    again = load(out)  # no missing or unexpected keys
+    want, got = _tensors(directory), _tensors(out)
+    assert want.keys() == got.keys()
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and got[key].tobytes() == tensor.tobytes(), key
+    assert max_relative_error(logits(again, TOKENS), theirs) <= 1e-6
+
+
+def test_multi_token_prediction_layers_are_dropped_with_one_warning(saved, tmp_path):
+    """DeepSeek-V3's checkpoints store their MTP layer as model.layers.{num_hidden_layers}: not run, not refused."""
+    from safetensors.numpy import save_file
+
+    directory = tmp_path / "mtp"
+    directory.mkdir()
+    for file in saved[0].iterdir():
+        if file.suffix != ".safetensors":
+            (directory / file.name).write_bytes(file.read_bytes())
+    tensors = _tensors(saved[0])
+    extra = {"model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32)}
+    save_file(tensors | extra, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = load_model(directory)
+    dropped = [w for w in caught if issubclass(w.category, SpmdkitWarning)]
+    assert len(dropped) == 1 and "multi-token-prediction" in str(dropped[0].message)
+    np.testing.assert_array_equal(np.asarray(ours.embedding[...]), tensors["model.embed_tokens.weight"])
+
+
+def test_ring_attention_takes_latent_attentions_head_dims(saved):
+    """Context parallelism: q/k heads of 10 dims, values of 5 padded to 10, in the zigzag ring."""
+    from spmdkit.parallel.context.zigzag import from_zigzag, zigzag_batch
+
+    directory, theirs = saved
+    mesh, rules = make_mesh("context=2,fsdp=4"), make_rules()
+    model = load_model(directory, mesh=mesh, rules=rules)
+    batch = zigzag_batch({"inputs": TOKENS, "positions": np.broadcast_to(np.arange(SEQ), TOKENS.shape)}, 2)
+    with use_rules(rules, mesh):
+        out = jax.jit(lambda m, b: m(b["inputs"], b["positions"]))(model, batch)
+    assert max_relative_error(from_zigzag(np.asarray(out), axis=1, n=2), theirs) <= 1e-4
+
+
+def test_heads_that_do_not_split_over_tensor_are_refused_in_one_line(saved):
+    with pytest.raises(SpmdkitError, match=r"heads=4\) is not divisible by mesh axis tensor=8") as error:
+        load_model(saved[0], mesh=make_mesh("tensor=8"), rules=make_rules())
+    assert "\n" not in str(error.value)
+
+
+def test_latent_attention_shapes_that_cannot_run_are_refused_in_one_line():
+    hf = tf.DeepseekV3Config(q_lora_rank=12, **SHAPE).to_dict()
+    for changes, words in (
+        ({"num_key_value_heads": 2}, "must equal num_attention_heads"),
+        ({"qk_rope_head_dim": 3}, "even qk_rope_head_dim"),
+        ({"v_head_dim": 11}, "v_head_dim <= head_dim"),
+        ({"n_group": 3}, "router_groups=3 must divide experts=8"),
+    ):
+        with pytest.raises(SpmdkitError, match=words) as error:
+            from_hf_config(hf | changes)
+        assert "\n" not in str(error.value)
+    from spmdkit.models.lora import check_lora
+    from spmdkit.models.lora_config import LoraConfig
+
+    dense = from_hf_config(hf).replace(experts=0, dense_layers=(), router_score="softmax", router_correction_bias=False,
+                                       router_groups=1, router_top_groups=1, shared_expert=False)  # fmt: skip
+    with pytest.raises(SpmdkitError, match="--lora on latent attention"):
+        check_lora(dense, LoraConfig(rank=4))
+
+
+PUBLISHED_V3 = {  # deepseek-ai/DeepSeek-V3's config.json, less auto_map and its FP8 quantization_config
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True, "topk_group": 4,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_the_deepseek_v3_preset_is_its_published_config_and_counts_its_parameters():
+    from spmdkit.models.presets import PRESETS
+
+    preset = PRESETS["deepseek-v3"]
+    assert from_hf_config(PUBLISHED_V3) == preset
+    with torch.device("meta"):
+        reference = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**PUBLISHED_V3))
+    parameters = sum(p.numel() for p in reference.parameters())
+    corrections = sum(b.numel() for n, b in reference.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert preset.num_params() == parameters + corrections  # spmdkit holds the correction biases as parameters
+    assert 671e9 < parameters < 672e9  # DeepSeek's 671B (its 14B of MTP weights not counted)
