@@ -228,8 +228,7 @@ def scan_blocks(
     def body(x: jax.Array, block: Block, positions: jax.Array, segment_ids: jax.Array | None):
         return block(x, positions, segment_ids, kind)
 
-    if remat.recomputes:
-        body = nnx.remat(body, policy=checkpoint_policy(remat))
+    body = nnx.remat(body, policy=checkpoint_policy(remat))  # `none` too: it keeps no elementwise intermediate
     scan = nnx.scan(
         body,
         in_axes=(nnx.Carry, 0, None, None),
