@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit.models.remat import ACTIVATION_NAMES, RematPolicy
@@ -32,9 +33,13 @@ ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
-def all_but_elementwise_saveable(prim: Any, *_: Any, **__: Any) -> bool:
+def all_but_elementwise_saveable(prim: Any, *args: Any, **params: Any) -> bool:
     """`none`'s policy: keep the result of every primitive but the cheap ones of `ELEMENTWISE` (GEMMs, attention
-    kernels, collectives, gathers, random bits: whatever costs FLOPs or communication is never recomputed)."""
+    kernels, collectives, gathers, random bits: whatever costs FLOPs or communication is never recomputed), and
+    every narrowing cast of float32 (the weights' compute-dtype casts: recomputed in the backward they would sit
+    between the weight and its FSDP all-gather, which XLA then no longer overlaps with the previous layer)."""
+    if prim.name == "convert_element_type" and args[0].dtype == jnp.float32:
+        return jnp.dtype(params["new_dtype"]).itemsize < 4
     return prim.name not in ELEMENTWISE
 
 

@@ -13,7 +13,7 @@ assignment); each parameter tensor divided by the mesh axes its logical names ma
 embed -> (fsdp, context) for parameters at ZeRO-3, for optimizer state at ZeRO >= 1, for gradients at ZeRO >= 2
 (the state axes: "over fsdp" below means over fsdp x context).
   Persistent: parameters p N/shards, AdamW moments 2 p N/shards, the residuals (tokens in flight x bytes kept
-  per token and layer under the remat policy, `activation_bytes`).
+  per token and layer under the remat policy, `activation_bytes`), without remat the layers' compute-dtype casts.
   LoRA: gradients and moments of the adapters only, the frozen base as stored (`spmdkit.plan.layout.BASE_BYTES`).
   Transient, the largest phase: the forward (attention scratch, gathered layers), the loss (gradients, the LM
   head's float32 gradient accumulators, its cast and gathered copy, one loss chunk's float32 logits and their

@@ -6,15 +6,17 @@ microbatch on a device, L_s the layers of a pipeline stage, S the sequence lengt
 
 Persistent through the step: parameters (p = 4 bytes, split as the rules split them), the optimizer moments (AdamW:
 residuals the forward keeps for the backward, L_s t_m x kept bytes per token and layer (`activation_bytes`; the
-pipeline adds its stashes, `estimate`'s docstring), a LoRA base's hoisted compute-dtype casts (`_casts_kept`),
-and under ZeRO-3 over fsdp a relaid-out float32 copy of two stacked weight shards (`_relayouts`).
+pipeline adds its stashes, `estimate`'s docstring), without remat the compute-dtype cast of every layer's weights
+as stored (a/4 of the stage's local layer parameters; the backward's matmuls read them), and under ZeRO-3 over
+fsdp a relaid-out float32 copy of two stacked weight shards (`_relayouts`).
 
 Kept per token and layer (what JAX's autodiff saves for `spmdkit.models.transformer.Block`; tests/test_plan.py
 compares it with the residuals of the step's vjp):
-  none: (`spmdkit.models.remat_policy.all_but_elementwise_saveable`: no GEMM, attention kernel or collective is
-        recomputed, the elementwise ops between them are) what dots_with_no_batch_dims_saveable keeps, + the
-        attention's outputs: the cudnn kernel's output and float32 log-sum-exp aHd + 4H; the blockwise and ring
-        kernels' float32 output and two row statistics 4Hd + 8H; the dot kernel's float32 scores and P V 4HS + aHd.
+  none: (`spmdkit.models.remat_policy.all_but_elementwise_saveable`: no GEMM, attention kernel, collective or
+        narrowing cast of float32 is recomputed, the other elementwise ops are) what dots_with_no_batch_dims_saveable
+        keeps, + the 2 RMSNorms' outputs in the compute dtype 2aE, + the attention's outputs: its output in the
+        compute dtype and the float32 log-sum-exp aHd + 4H (cudnn), + a second row statistic, aHd + 8H (blockwise,
+        ring); the dot kernel's float32 scores, P in the compute dtype and P V, (4 + a)HS + aHd.
   dots_with_no_batch_dims_saveable: the block input aEs, the q/k/v projections a(H + 2K)d, the attention
         projection's output aEs, gate and up 2aF (the MLP's down output is not read by the backward).
   dots_saveable: that + the attention's own matmuls, which have batch dims: dot: its float32 scores and P V,
@@ -131,8 +133,8 @@ def activation_bytes(
     s = 1 / T if sp else 1
     kernel = local_kernel(attention_kernel(m, C, platform, capability, context_parallel, T))
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
-    outputs = {"cudnn": a * H * d + 4 * H, "dot": 4 * H * seq + a * H * d}.get(kernel, 4 * H * d + 8 * H)
-    none = dots + outputs
+    outputs = {"cudnn": a * H * d + 4 * H, "dot": (4 + a) * H * seq + a * H * d}.get(kernel, a * H * d + 8 * H)
+    none = dots + 2 * a * E + outputs
     kept = {
         "none": none,
         "dots_with_no_batch_dims_saveable": dots,
@@ -246,14 +248,15 @@ def _residuals(s: Layout, kept: float) -> float:
 
 
 def _casts_kept(s: Layout, gathers: bool) -> bool:
-    """Whether the stacked weights' compute-dtype casts live through the step: for a LoRA run's frozen base
-    accumulating microbatches in a loop under a policy that saves the dots (measured on 8B, 1 x H100: XLA hoists the
-    loop-invariant cast out of the loop; not under full remat or the named policies, nor when ZeRO-3 gathers each
-    layer inside the loop). Every policy, `none` included, recomputes a layer's casts in the backward."""
+    """Whether the stacked weights' compute-dtype casts live through the step: without remat (the backward's
+    matmuls read them), and for a LoRA run's frozen base accumulating microbatches in a loop under a policy that
+    saves the dots (measured on 8B, 1 x H100: XLA hoists the loop-invariant cast out of the loop; not under full
+    remat or the named policies, nor when ZeRO-3 gathers each layer inside the loop)."""
     policy = s.model.remat_policy
     frozen = s.lora is not None and s.lora.enabled
     dots = policy.kind.startswith("dots")
-    return frozen and dots and s.microbatches > 1 and s["pipeline"] == 1 and not gathers
+    hoisted = frozen and dots and s.microbatches > 1 and s["pipeline"] == 1 and not gathers
+    return not policy.recomputes or hoisted
 
 
 def _relayouts(s: Layout) -> float:
