@@ -67,6 +67,18 @@ def test_every_policy_computes_the_loss_and_gradients_of_full(remat):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_none_keeps_the_gemm_outputs_and_no_elementwise_intermediate():
+    """`none` (#42) recomputes no matmul but keeps no elementwise result between them: of the MLP's [mlp]-wide
+    arrays the gate and up projections only (autodiff alone keeps six: those, sigmoid(gate), its derivative,
+    silu(gate), their product), and no float32 [embed] norm input. The layer scan stacks, and XLA zero-fills, one
+    buffer per kept array; every [layers]-stacked residual with the batch dim (3) counts."""
+    config = TransformerConfig(dtype="bfloat16", embed=128, layers=2, heads=8, kv_heads=2, head_dim=16, mlp=384)
+    _, kept = autodiff_kept_bytes(config.replace(vocab_size=512, remat="none"), seq=64)
+    wide = [x for x in kept if x.shape[-1] == 384]
+    assert len(wide) == 2 and all(x.dtype == np.dtype("bfloat16") for x in wide), wide
+    assert not [x for x in kept if x.shape[-1] == 128 and x.dtype == np.float32], kept
+
+
 def test_a_mixture_of_experts_with_a_shared_expert_takes_a_named_policy():
     moe = TransformerConfig(dtype="float32", layers=2, experts=4, top_k=2, shared_expert=True, dispatch="dense")
     loss, grads = loss_and_grads("minimal", moe)

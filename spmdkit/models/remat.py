@@ -13,9 +13,10 @@ E embed, F mlp width):
                           post_norm)
 
 The names are also set in the shared expert of a mixture-of-experts layer (it is an `MLP`); the routed experts are
-not named. Presets (`PRESETS`; MaxText's in spirit): `none` (keep everything), `full` (keep the block input only),
-JAX's `dots_saveable` and `dots_with_no_batch_dims_saveable`, and the named ones: `minimal` (every projection:
-q/k/v, out, gate, up, down), `save_dot_except_mlp` (q/k/v and out), `save_qkv_proj`, `save_out_proj`,
+not named. Presets (`PRESETS`; MaxText's in spirit): `none` (recompute no GEMM, attention or collective: only the
+elementwise ops between them, `remat_policy.ELEMENTWISE`, but float32's narrowing casts), `full` (keep the block
+input only), JAX's `dots_saveable` and `dots_with_no_batch_dims_saveable`, and the named ones: `minimal` (every
+projection: q/k/v, out, gate, up, down), `save_dot_except_mlp` (q/k/v and out), `save_qkv_proj`, `save_out_proj`,
 `offload_qkv_proj` and `offload_minimal` (those names offloaded to pinned host memory instead of kept on the
 device). Custom: `save:NAMES`, `offload:NAMES` or both joined by `+`, NAMES comma-separated, e.g.
 `save:q_proj,k_proj+offload:mlp_up`. Whatever a policy neither saves nor offloads is recomputed. Saving `context`
@@ -70,7 +71,8 @@ class RematPolicy:
 
     @property
     def recomputes(self) -> bool:
-        """Whether the blocks run under `jax.checkpoint` at all (every policy but `none`)."""
+        """Whether the backward recomputes any GEMM or attention (every policy but `none`, which recomputes only
+        elementwise ops)."""
         return self.kind != "none"
 
     @property

@@ -14,16 +14,41 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit.models.remat import ACTIVATION_NAMES, RematPolicy
 
+# Primitives whose results `none` recomputes in the backward instead of keeping: elementwise arithmetic and casts,
+# data movement (broadcasts, reshapes, slices, transposes), row reductions (a norm's mean of squares) and sharding
+# annotations. Cheap to redo from the kept GEMM and attention outputs, and not worth a stacked [layers, b, s, ...]
+# buffer each: autodiff without remat keeps every intermediate (a SwiGLU's gate, up, silu(gate), sigmoid(gate), its
+# product and their casts, the norms in float32), which the layer scan writes to stacked buffers it zero-fills first.
+ELEMENTWISE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type", "copy", "copy_p", "cos",
+    "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "le", "log", "log1p", "logistic", "lt",
+    "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reduce_max", "reduce_sum", "reshape", "reshard", "rsqrt",
+    "select_n", "sharding_constraint", "sign", "sin", "slice", "sqrt", "square", "squeeze", "stop_gradient", "sub",
+    "tanh", "transpose",
+})  # fmt: skip
+
+
+def all_but_elementwise_saveable(prim: Any, *args: Any, **params: Any) -> bool:
+    """`none`'s policy: keep the result of every primitive but the cheap ones of `ELEMENTWISE` (GEMMs, attention
+    kernels, collectives, gathers, random bits: whatever costs FLOPs or communication is never recomputed), and
+    every narrowing cast of float32 (the weights' compute-dtype casts: recomputed in the backward they would sit
+    between the weight and its FSDP all-gather, which XLA then no longer overlaps with the previous layer)."""
+    if prim.name == "convert_element_type" and args[0].dtype == jnp.float32:
+        return jnp.dtype(params["new_dtype"]).itemsize < 4
+    return prim.name not in ELEMENTWISE
+
 
 def checkpoint_policy(policy: RematPolicy) -> Any:
-    """The `jax.checkpoint` policy of a parsed `--model.remat` (None: recompute everything, `full`); not for `none`
-    (no remat)."""
+    """The `jax.checkpoint` policy of a parsed `--model.remat` (None: recompute everything, `full`). `none` recomputes
+    no GEMM, attention or collective, only the elementwise ops between them (`all_but_elementwise_saveable`)."""
     if not policy.named:
         return {
+            "none": all_but_elementwise_saveable,
             "full": None,
             "dots_saveable": jax.checkpoint_policies.dots_saveable,
             "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

@@ -229,8 +229,10 @@ def scan_blocks(
     def body(x: jax.Array, block: Block, positions: jax.Array, segment_ids: jax.Array | None):
         return block(x, positions, segment_ids, kind)
 
-    if remat.recomputes:
-        body = nnx.remat(body, policy=checkpoint_policy(remat))
+    # `none` too (it recomputes elementwise ops only), and without the CSE barrier: the scan already keeps XLA from
+    # merging the backward's recompute with the forward, and the barrier kept XLA from pipelining FSDP's gathers
+    # past it (the other policies keep it: without it XLA:GPU offloads other bytes than the planner counts).
+    body = nnx.remat(body, policy=checkpoint_policy(remat), prevent_cse=remat.recomputes)
     scan = nnx.scan(
         body,
         in_axes=(nnx.Carry, 0, None, None),

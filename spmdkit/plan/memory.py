@@ -12,11 +12,11 @@ fsdp a relaid-out float32 copy of two stacked weight shards (`_relayouts`).
 
 Kept per token and layer (what JAX's autodiff saves for `spmdkit.models.transformer.Block`; tests/test_plan.py
 compares it with the residuals of the step's vjp):
-  none: each of the 2 RMSNorms: x and x/rms(x) and two row statistics in float32, 8(E + 1)s, and its output in
-        the compute dtype, gathered to the whole sequence under SP, aE; attention: q and k (rotated), v and its
-        output, a(2H + 2K)d, and the kernel's statistics: the float32 log-sum-exp 4H (cudnn, blockwise, ring) or
-        the dot kernel's float32 softmax and its cast, (4 + a)HS; the gated MLP's six [F] arrays (gate, up,
-        sigmoid(gate), its derivative, silu(gate), their product), 6aF.
+  none: (`spmdkit.models.remat_policy.all_but_elementwise_saveable`: no GEMM, attention kernel, collective or
+        narrowing cast of float32 is recomputed, the other elementwise ops are) what dots_with_no_batch_dims_saveable
+        keeps, + the 2 RMSNorms' outputs in the compute dtype 2aE, + the attention's outputs: its output in the
+        compute dtype and the float32 log-sum-exp aHd + 4H (cudnn), + a second row statistic, aHd + 8H (blockwise,
+        ring); the dot kernel's float32 scores, P in the compute dtype and P V, (4 + a)HS + aHd.
   dots_with_no_batch_dims_saveable: the block input aEs, the q/k/v projections a(H + 2K)d, the attention
         projection's output aEs, gate and up 2aF (the MLP's down output is not read by the backward).
   dots_saveable: that + the attention's own matmuls, which have batch dims: dot: its float32 scores and P V,
@@ -63,7 +63,6 @@ from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
-MLP_KEPT = 6  # [F] arrays the gated MLP keeps without remat
 
 
 @functools.cache
@@ -134,9 +133,9 @@ def activation_bytes(
     K = m.kv_heads / T if m.kv_heads % T == 0 else m.kv_heads
     s = 1 / T if sp else 1
     kernel = local_kernel(attention_kernel(m, C, platform, capability, context_parallel, T))
-    statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
-    none = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + MLP_KEPT * a * F
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
+    outputs = {"cudnn": a * H * d + 4 * H, "dot": (4 + a) * H * seq + a * H * d}.get(kernel, a * H * d + 8 * H)
+    none = dots + 2 * a * E + outputs
     kept = {
         "none": none,
         "dots_with_no_batch_dims_saveable": dots,
@@ -177,12 +176,13 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
     def mlp(width: float, policy: RematPolicy) -> float:  # a dense MLP's kept bytes per token (activation_bytes')
         if policy.named:
             return mlp_named_bytes(policy, a, width)
-        return {"none": MLP_KEPT * a * width, "full": 0.0}.get(policy.kind, 2 * a * width)
+        return {"full": 0.0}.get(policy.kind, 2 * a * width)  # gate and up (`none` recomputes the rest)
 
     # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer
     policy, no_remat = m.remat_policy, RematPolicy("none")
-    none = slots_per_token * (4 * a * E + MLP_KEPT * a * R) + mlp(shared, no_remat) - mlp(F, no_remat)
-    per_slot = {"none": 4 * a * E + MLP_KEPT * a * R, "dots_saveable": a * E + 2 * a * R}.get(policy.kind, 0.0)
+    # per slot without recompute: its dispatched input and expert output (gathers), gate and up (GEMMs)
+    none = slots_per_token * (2 * a * E + 2 * a * R) + mlp(shared, no_remat) - mlp(F, no_remat)
+    per_slot = {"none": 2 * a * E + 2 * a * R, "dots_saveable": a * E + 2 * a * R}.get(policy.kind, 0.0)
     kept = slots_per_token * per_slot + mlp(shared, policy) - mlp(F, policy)
     return kept, (none if policy.recomputes else 0.0)
 
