@@ -8,7 +8,7 @@
 # The layout is what `spmdkit plan --model 70b --devices 64 --device-type h100` recommends (its defaults: a
 # 256 x 4096-token batch, bfloat16; tests/test_readme.py checks the flags below against it):
 #   mesh fsdp=32,tensor=2 with sequence parallelism, ZeRO-3, remat save_dot_except_mlp, 2 accumulation steps:
-#   ~70.6 of 80 GB per GPU, ~17.9 s per step, ~58,700 tokens/s, ~40% MFU (the planner's estimate; XLA:GPU
+#   ~73.3 of 80 GB per GPU, ~17.9 s per step, ~58,700 tokens/s, ~40% MFU (the planner's estimate; XLA:GPU
 #   compiles the step to 66.0 GB per GPU: `spmdkit compile --devices 64` with these flags).
 # SLURM's default block distribution puts ranks 0-7 on the first node, 8-15 on the second, ...: each tensor pair is
 # two GPUs of one node (NVLink) and each FSDP group of 32 spans all 8 nodes, so FSDP's traffic crosses InfiniBand.

@@ -63,6 +63,7 @@ from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
+AUTODIFF_MLP = 6  # [F] arrays plain autodiff keeps of a gated MLP (gate, up, sigmoid, its derivative, silu, product)
 
 
 @functools.cache
@@ -136,6 +137,10 @@ def activation_bytes(
     dots = 2 * a * E * s + a * (H + 2 * K) * d + 2 * a * F
     outputs = {"cudnn": a * H * d + 4 * H, "dot": (4 + a) * H * seq + a * H * d}.get(kernel, a * H * d + 8 * H)
     none = dots + 2 * a * E + outputs
+    # one recomputed layer's backward (full, dots*, named policies) is plain autodiff inside jax.checkpoint, which
+    # keeps every intermediate: the norms' float32 inputs, q/k/v/out, the kernel's statistics, the MLP's six [F]
+    statistics = (4 + a) * H * seq if kernel == "dot" else 4 * H
+    autodiff = 2 * (8 * (E + 1) * s + a * E) + a * (2 * H + 2 * K) * d + statistics + AUTODIFF_MLP * a * F
     kept = {
         "none": none,
         "dots_with_no_batch_dims_saveable": dots,
@@ -144,7 +149,7 @@ def activation_bytes(
     }
     policy = m.remat_policy  # named policies: spmdkit.plan.remat_cost
     kept = named_kept_bytes(m, T, sp) if policy.named else kept[policy.kind]
-    return kept, none - kept
+    return kept, (autodiff if policy.recomputes else none) - kept
 
 
 def attention_scratch(m: TransformerConfig, T: int, seq: int, seqs: float, kernel: str) -> float:
@@ -179,12 +184,12 @@ def moe_activation_bytes(m: TransformerConfig, T: int, slots_per_token: float) -
         return {"full": 0.0}.get(policy.kind, 2 * a * width)  # gate and up (`none` recomputes the rest)
 
     # slots of routed experts, plus the shared expert, less the dense MLP activation_bytes counted for this layer
-    policy, no_remat = m.remat_policy, RematPolicy("none")
-    # per slot without recompute: its dispatched input and expert output (gathers), gate and up (GEMMs)
-    none = slots_per_token * (2 * a * E + 2 * a * R) + mlp(shared, no_remat) - mlp(F, no_remat)
+    policy = m.remat_policy
+    # per slot under `none`: its dispatched input and expert output (gathers), gate and up (GEMMs)
     per_slot = {"none": 2 * a * E + 2 * a * R, "dots_saveable": a * E + 2 * a * R}.get(policy.kind, 0.0)
     kept = slots_per_token * per_slot + mlp(shared, policy) - mlp(F, policy)
-    return kept, (none if policy.recomputes else 0.0)
+    autodiff = slots_per_token * (4 * a * E + AUTODIFF_MLP * a * R) + AUTODIFF_MLP * a * (shared - F)  # recomputed
+    return kept, (autodiff if policy.recomputes else 0.0)
 
 
 def lora_activation_bytes(m: TransformerConfig, lora: LoraConfig, T: int) -> tuple[float, float]:
