@@ -35,7 +35,7 @@ Transient: the largest of three phases, each on top of the persistent part.
             runs in its shard_map over the token axes) + its cast aEV/T (XLA 0.11 on casts the head before it
             gathers it, and keeps one accumulator: 0.10 kept two and a float32 gathered copy) + one loss chunk's
             float32 logits and their gradient, 8V/(T n) per token, + aE + 4 per token (`spmdkit.models.loss`).
-  backward: the gradients + one layer's recompute t_m x (none - kept) + the blockwise scratch + the gathered
+  backward: the gradients + one layer's recompute t_m x (autodiff - kept) + the blockwise scratch + the gathered
             layers + one layer's float32 gradient before its reduce-scatter (gradients split over fsdp) + TP's.
 Gradients: float32, split as the rules split them; accumulation over M > 1 microbatches in a loop, and 1F1B's
 accumulator of the stage's layers: `_gradients`.
