@@ -85,3 +85,28 @@ def save_tokenizer(directory: Path, vocab_size: int) -> dict[str, int]:
 def max_relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     """max |ours - theirs| / max |theirs|: the parity measure (<= 1e-4 in float32)."""
     return float(np.abs(np.asarray(ours, np.float64) - theirs).max() / np.abs(theirs).max())
+
+
+def assert_matches_on_mesh(directory: Path, theirs: np.ndarray, tokens: np.ndarray, mesh: str) -> None:
+    """spmdkit's model of `directory` loaded onto `mesh`: its logits of `tokens` are transformers' (`theirs`) within
+    1e-4 of their scale, and its training loss (chunked over the sequence) of tokens[:, :-1] -> tokens[:, 1:] is
+    transformers' within 1e-5."""
+    import jax
+
+    from spmdkit.interop import load_model
+    from spmdkit.sharding.logical import use_rules
+    from spmdkit.sharding.mesh import make_mesh
+    from spmdkit.sharding.rules import make_rules
+
+    mesh, rules = make_mesh(mesh), make_rules()
+    model = load_model(directory, mesh=mesh, rules=rules)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def forward(model, tokens, inputs, targets):  # the training loss: chunked over the sequence
+        return model(tokens), model.loss(model.hidden(inputs)[0], targets)[0]
+
+    with use_rules(rules, mesh):
+        out, ce = jax.jit(forward)(model, tokens, inputs, targets)
+    assert max_relative_error(out, theirs) <= 1e-4
+    reference = loss(load(directory), inputs, targets)
+    assert abs(float(ce) - reference) <= 1e-5 * reference

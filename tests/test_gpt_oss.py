@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from fixtures import run_cli
-from hf_reference import load, logits, loss, max_relative_error, save_model, save_tokenizer
+from hf_reference import assert_matches_on_mesh, load, logits, max_relative_error, save_model, save_tokenizer
 
 import spmdkit
 from spmdkit.errors import SpmdkitError
@@ -62,18 +62,7 @@ def test_config_is_read_and_logits_match_transformers_on_one_device(saved):
 @pytest.mark.parametrize("mesh", ["expert=4,data=2", "fsdp=2,tensor=2,expert=2"])
 def test_logits_and_training_loss_match_transformers_on_a_mesh(saved, mesh):
     directory, theirs = saved
-    mesh, rules = make_mesh(mesh), make_rules()
-    model = load_model(directory, mesh=mesh, rules=rules)
-    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
-
-    def forward(model, tokens, inputs, targets):  # the training loss: chunked over the sequence
-        return model(tokens), model.loss(model.hidden(inputs)[0], targets)[0]
-
-    with use_rules(rules, mesh):
-        out, ce = jax.jit(forward)(model, TOKENS, inputs, targets)
-    assert max_relative_error(out, theirs) <= 1e-4
-    reference = loss(load(directory), inputs, targets)
-    assert abs(float(ce) - reference) <= 1e-5 * reference
+    assert_matches_on_mesh(directory, theirs, TOKENS, mesh)
 
 
 def test_greedy_generation_matches_transformers(saved):

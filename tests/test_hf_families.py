@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from hf_reference import load, logits, loss, max_relative_error, save_model, save_tokenizer
+from hf_reference import assert_matches_on_mesh, load, logits, loss, max_relative_error, save_model, save_tokenizer
 
 import spmdkit
 from spmdkit.interop import load_model
@@ -83,18 +83,7 @@ def test_logits_and_loss_match_transformers_on_one_device_and_on_a_mesh(name, sa
         assert getattr(ours.config, field) == value, field
     assert max_relative_error(ours(TOKENS), theirs) <= 1e-4
 
-    mesh, rules = make_mesh(_mesh(name)), make_rules()
-    sharded = load_model(directory, mesh=mesh, rules=rules)
-    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
-
-    def forward(model, tokens, inputs, targets):  # the training loss: chunked over the sequence
-        return model(tokens), model.loss(model.hidden(inputs)[0], targets)[0]
-
-    with use_rules(rules, mesh):
-        out, ce = jax.jit(forward)(sharded, TOKENS, inputs, targets)
-    assert max_relative_error(out, theirs) <= 1e-4
-    reference = loss(load(directory), inputs, targets)
-    assert abs(float(ce) - reference) <= 1e-5 * reference
+    assert_matches_on_mesh(directory, theirs, TOKENS, _mesh(name))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
