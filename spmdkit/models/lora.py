@@ -221,6 +221,14 @@ def quantized_weights(model: nnx.Module) -> dict[tuple[str, ...], Any]:
     return found
 
 
+def _quantizer(how: Any) -> Any:
+    """qwix's quantization of one weight as qwix's `HowToQuantize` `how` says (one block's: vmap it over layers)."""
+    return functools.partial(
+        qwix.quantize, qtype=how.qtype, channelwise_axes=how.channelwise_axes, tiled_axes=how.tiled_axes,
+        calibration_method=how.calibration_method,
+    )  # fmt: skip
+
+
 def quantize_base(params: dict, model: nnx.Module, shardings: dict) -> dict:
     """`params` (a pure dict of the base's float weights, as read onto `base_params(shardings)`) with each weight
     `model` holds quantized replaced by qwix's quantization of it, `{"array": {"qvalue", "scale"}}` as the train
@@ -238,10 +246,7 @@ def quantize_base(params: dict, model: nnx.Module, shardings: dict) -> dict:
     def quantize(weights: dict) -> dict:
         out = {}
         for path, how in hows.items():
-            one = functools.partial(
-                qwix.quantize, qtype=how.qtype, channelwise_axes=how.channelwise_axes, tiled_axes=how.tiled_axes,
-                calibration_method=how.calibration_method,
-            )  # fmt: skip
+            one = _quantizer(how)
             q = (jax.vmap(one) if path[0] in STACKS else one)(weights[path])
             out[path] = {"array": {"qvalue": _stored(q.qvalue), "scale": q.scale}}
         return out
@@ -267,10 +272,7 @@ def as_trained(params: dict, config: Any, lora: LoraConfig) -> dict:
     model = nnx.eval_shape(lambda: add_adapters(Transformer(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(1)))
     out = jax.tree.map(lambda x: x, params)  # a copy of the dict structure, the arrays shared
     for path, how in quantized_weights(model).items():
-        one = functools.partial(
-            qwix.quantize, qtype=how.qtype, channelwise_axes=how.channelwise_axes, tiled_axes=how.tiled_axes,
-            calibration_method=how.calibration_method,
-        )  # fmt: skip
+        one = _quantizer(how)
         roundtrip = lambda w, one=one: qwix.dequantize(one(w)).astype(w.dtype)  # noqa: E731
         parent = functools.reduce(lambda tree, key: tree[key], path[:-1], out)
         w = jnp.asarray(parent[path[-1]])
