@@ -22,6 +22,9 @@ Weights (logical names; `latent` dims are never split, the heads are over `tenso
 [embed, kv_lora_rank + rope], kv_a_norm [kv_lora_rank], kv_b [kv_lora_rank, heads, nope + V], o [heads, V, embed];
 with `qkv_bias`, q_a_bias [q_lora_rank] and kv_a_bias [kv_lora_rank + rope] (transformers' `attention_bias`); with
 `o_bias`, o_bias [embed].
+
+Generation caches (latent, rope(k_rope)) per token, not k and v (`compressed_kv`; `spmdkit.inference.cache`), and
+decodes with kv_b absorbed into the query and the output (`absorbed`; `spmdkit.inference.latent`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from spmdkit.models.layers import (
 from spmdkit.models.remat_policy import named
 from spmdkit.sharding.logical import constrain
 
+_HEADS = ("batch", "seq", "heads", None)
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm(q_lora_rank / kv_lora_rank): its default, not rms_norm_eps
 
 
@@ -92,27 +96,50 @@ class LatentAttention(Attention):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return rotary(x, positions, rope_frequencies(c, kind.local_rope), rope_scaling(c, kind.local_rope))
 
+    def queries(self, x: jax.Array, positions: jax.Array, kind: LayerKind) -> jax.Array:
+        """x [batch, seq, embed] -> q [batch, seq, heads, head_dim] = [q_nope | rope(q_rope)], heads over `tensor`."""
+        c, dt, nope = self.config, self.config.dtype, self.config.qk_nope_head_dim
+        if c.q_lora_rank:
+            q = jnp.einsum("bsr,rhd->bshd", self.q_a_norm(self._down(x, "q_a")), self.q_b[...].astype(dt))
+        else:
+            q = jnp.einsum("bse,ehd->bshd", x, self.q[...].astype(dt))
+        q = named(constrain(q, _HEADS), "q_proj")
+        return jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions, kind)], axis=-1)
+
+    def compressed_kv(self, x: jax.Array, positions: jax.Array, kind: LayerKind) -> tuple[jax.Array, jax.Array]:
+        """x [batch, seq, embed] -> (latent [batch, seq, kv_lora_rank], normalized: kv_a_norm's output; k_rope
+        [batch, seq, qk_rope_head_dim], rotated): all a token's keys and values depend on, whole on every device
+        (what the generation cache holds, `spmdkit.inference.cache`)."""
+        compressed = self._down(x, "kv_a")
+        latent, k_rope = compressed[..., : self.config.kv_lora_rank], compressed[..., self.config.kv_lora_rank :]
+        return self.kv_a_norm(latent), self._rope(k_rope[:, :, None], positions, kind)[:, :, 0]
+
+    def expand(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(latent [batch, seq, kv_lora_rank], k_rope [batch, seq, rope]) -> k, v [batch, seq, heads, head_dim]:
+        k = [latent kv_b_k | k_rope on every head], v = latent kv_b_v zero-padded from v_head_dim."""
+        c = self.config
+        kv = jnp.einsum("bsr,rhd->bshd", latent, self.kv_b[...].astype(c.dtype))
+        kv = named(constrain(kv, _HEADS), "k_proj")  # keys and values: remat names them as k_proj
+        k_rope = jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], k_rope.shape[-1]))
+        k, v = jnp.concatenate([kv[..., : c.qk_nope_head_dim], k_rope], axis=-1), kv[..., c.qk_nope_head_dim :]
+        if v.shape[-1] < c.head_dim:  # one head dim for every kernel: `out` drops the zeros
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, c.head_dim - v.shape[-1])))
+        return constrain(k, _HEADS), constrain(v, _HEADS)
+
+    def absorbed(self) -> tuple[jax.Array, jax.Array]:
+        """kv_b split into (W_UK [kv_lora_rank, heads, qk_nope_head_dim], W_UV [kv_lora_rank, heads, v_head_dim]),
+        heads over `tensor`, in the compute dtype: what decode multiplies queries and outputs by instead of
+        expanding the cached latent (`spmdkit.inference.latent`)."""
+        w = self.kv_b[...].astype(self.config.dtype)
+        return w[..., : self.config.qk_nope_head_dim], w[..., self.config.qk_nope_head_dim :]
+
     def qkv(
         self, x: jax.Array, positions: jax.Array, kind: LayerKind | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [batch, seq, embed] -> q, k, v [batch, seq, heads, head_dim] (v zero-padded from v_head_dim), heads
         split over `tensor`; RoPE of `positions` [batch, seq] on q's and k's trailing qk_rope_head_dim dims."""
-        c, dt, kind = self.config, self.config.dtype, kind or layer_kind(self.config, 0)
+        kind = kind or layer_kind(self.config, 0)
         x = constrain(x, HIDDEN)
-        nope, heads = c.qk_nope_head_dim, ("batch", "seq", "heads", None)
-        if c.q_lora_rank:
-            q = jnp.einsum("bsr,rhd->bshd", self.q_a_norm(self._down(x, "q_a")), self.q_b[...].astype(dt))
-        else:
-            q = jnp.einsum("bse,ehd->bshd", x, self.q[...].astype(dt))
-        q = named(constrain(q, heads), "q_proj")
-        compressed = self._down(x, "kv_a")
-        latent, k_rope = compressed[..., : c.kv_lora_rank], compressed[..., c.kv_lora_rank :]
-        kv = jnp.einsum("bsr,rhd->bshd", self.kv_a_norm(latent), self.kv_b[...].astype(dt))
-        kv = named(constrain(kv, heads), "k_proj")  # keys and values: remat names them as k_proj
-        k_rope = self._rope(k_rope[:, :, None], positions, kind)  # [batch, seq, 1, rope]: one key for every head
-        q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions, kind)], axis=-1)
-        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))], axis=-1)
-        v = kv[..., nope:]
-        if v.shape[-1] < c.head_dim:  # one head dim for every kernel and the cache: `out` drops the zeros
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, c.head_dim - v.shape[-1])))
-        return constrain(q, heads), constrain(k, heads), constrain(v, heads)
+        q = self.queries(x, positions, kind)
+        k, v = self.expand(*self.compressed_kv(x, positions, kind))
+        return constrain(q, _HEADS), k, v
