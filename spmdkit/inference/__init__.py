@@ -2,8 +2,9 @@
 latency (`tensor`) and throughput (`data`).
 
 - `cache`: the `KVCache` [layers, batch, max_len, kv_heads, head_dim], one buffer per layer (batch over data,
-  kv_heads over tensor).
+  kv_heads over tensor); latent attention's holds the latent and the rope key instead (replicated over tensor).
 - `attention`: `cache_attention`, new queries against the cache, grouped-query heads without repeating K/V.
+- `latent`: `absorbed_attention`, latent attention's decode against the latent cache with kv_b absorbed.
 - `forward`: `prefill` and `decode`, the model's own modules walked block by block around the cache.
 - `sampling`: `Sampling` (greedy, temperature, top-k, top-p, stop tokens, max new tokens, seed) and `sample`.
 - `engine`: `Generator`, the compiled programs per shape bucket and the loop; `Completion`, one prompt's result.
