@@ -9,10 +9,13 @@ Per device and decode step (every sequence advances one token):
   weights read  = each parameter / the mesh axes its logical names map to under the inference rules (heads,
                   kv_heads, mlp, vocab over tensor; nothing over data; norms replicated), in w bytes. A mixture-of-
                   experts layer reads only the experts its B/D tokens route to: E_moe (1 - (1 - k/E_moe)^(B/D)).
-  KV read       = 2 L (B/D) c K d a / T  (K / T when T divides K, else the KV heads are replicated: / 1)
+  KV read       = 2 L (B/D) c K d a / T  (K / T when T divides K, else the KV heads are replicated: / 1);
+                  latent attention (R = kv_lora_rank, P = qk_rope_head_dim) caches the latent and the rope key:
+                  L (B/D) c (R + P) a, replicated over T (`spmdkit.inference.cache`)
   memory time   = (weights read + KV read) / (HBM bandwidth x 0.8 achieved)
   compute time  = (2 N_mm + 4 L H d c) (B/D) / T / (peak x efficiency); N_mm: matmul parameters a token runs
-                  through (the active experts, the LM head; not the embedding gather); float32 at half the peak
+                  through (the active experts, the LM head; not the embedding gather); float32 at half the peak;
+                  latent attention 2 L H (2R + P) c for the attention (kv_b absorbed: its matmuls are in N_mm)
   TP traffic    = 2 all-reduces of [B/D, 1, E] per layer + 1 (vocab-parallel embedding) + the logits gathered for
                   sampling [B/D, V] float32, each a link latency + ring wire bytes / link bandwidth; none when T = 1
   step          = max(memory, compute) + TP traffic: one token per sequence. Latency per token = step;
@@ -63,10 +66,14 @@ def weight_bytes(m: TransformerConfig, mesh: Mapping[str, int], local_batch: flo
 
 
 def kv_bytes(m: TransformerConfig, mesh: Mapping[str, int], batch: int, context: int) -> float:
-    """KV cache bytes per device: 2 x L x (B / D) x c x K x d x a / T (T when it divides K)."""
+    """KV cache bytes per device: 2 x L x (B / D) x c x K x d x a / T (T when it divides K); latent attention's
+    L x (B / D) x c x (R + P) x a, whole on every tensor rank."""
     sizes = _sizes(mesh)
+    tokens = m.layers * (batch / sizes["data"]) * context * DTYPE_BYTES[m.dtype]
+    if m.kv_lora_rank:  # the latent and the rope key: no heads to split over tensor
+        return tokens * (m.kv_lora_rank + m.qk_rope_head_dim)
     split = sizes["tensor"] if m.kv_heads % sizes["tensor"] == 0 else 1  # else the KV heads are replicated
-    return 2 * m.layers * (batch / sizes["data"]) * context * m.kv_heads * m.head_dim * DTYPE_BYTES[m.dtype] / split
+    return tokens * 2 * m.kv_heads * m.head_dim / split
 
 
 def decode_memory(
@@ -83,8 +90,10 @@ def matmul_params(m: TransformerConfig) -> int:
 
 
 def _sequence_flops(m: TransformerConfig, context: int) -> float:
-    """FLOPs of one sequence's decode step at `context` positions: its matmuls and its attention over the cache."""
-    return 2 * matmul_params(m) + 4 * m.layers * m.heads * m.head_dim * context
+    """FLOPs of one sequence's decode step at `context` positions: its matmuls and its attention over the cache
+    (latent attention's absorbed form: scores over R + P and the latent context over R per head and position)."""
+    per_position = 2 * m.kv_lora_rank + m.qk_rope_head_dim if m.kv_lora_rank else 2 * m.head_dim
+    return 2 * matmul_params(m) + 2 * m.layers * m.heads * per_position * context
 
 
 @dataclasses.dataclass(frozen=True)
