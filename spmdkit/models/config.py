@@ -43,7 +43,8 @@ class TransformerConfig:
     (each sequence sends at most ceil(capacity_factor x seq x top_k / experts) tokens to an expert; the rest pass
     through the residual), "dropless" (grouped matmul, nothing dropped) or "dense" (every expert on every token:
     the reference). The loss adds `load_balance_weight` x the Switch load-balancing loss and `router_z_weight` x
-    the router z-loss.
+    the router z-loss; `balance_rate` > 0 balances the experts without a loss term, by moving the router's
+    correction bias after each step (`spmdkit.train.step.balance`).
     """
 
     vocab_size: Annotated[int, arg("tokens in the vocabulary")] = 264
@@ -170,6 +171,13 @@ class TransformerConfig:
     router_correction_bias: Annotated[
         bool, arg("mixture of experts: a bias added to the scores to choose experts, not to weight them (DeepSeek-V3)")
     ] = False
+    balance_rate: Annotated[
+        float,
+        arg(
+            "mixture of experts: > 0, auxiliary-loss-free load balancing: after each step every router correction "
+            "bias (implied) moves by this toward balance, outside the gradient (DeepSeek-V3: 0.001)"
+        ),
+    ] = 0.0
     router_groups: Annotated[
         int, arg("mixture of experts: experts in this many groups, a token routed within its best groups (n_group)")
     ] = 1
@@ -200,6 +208,8 @@ class TransformerConfig:
             raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
         if self.experts:
             check_experts(self)
+            if self.balance_rate:  # the balancing moves the correction bias: the model has one (and exports it)
+                object.__setattr__(self, "router_correction_bias", True)
         else:
             check_dense(self)
         if self.fp8 and self.experts:

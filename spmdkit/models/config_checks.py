@@ -61,6 +61,8 @@ def check_experts(config: TransformerConfig) -> None:
         )
     if groups > 1 and per_group < 2 or not (math.isfinite(config.routed_scaling) and config.routed_scaling > 0):
         raise SpmdkitError("router groups need 2 experts each (a group scores by its best two); routed_scaling > 0")
+    if not (math.isfinite(config.balance_rate) and config.balance_rate >= 0):
+        raise SpmdkitError(f"balance_rate={config.balance_rate} must be >= 0 (0: no auxiliary-loss-free balancing)")
     if config.shared_expert_gate and not config.shared_expert:
         raise SpmdkitError("shared_expert_gate gates the shared expert: set shared_expert too")
 
@@ -72,4 +74,9 @@ def check_dense(config: TransformerConfig) -> None:
         raise SpmdkitError(
             "dense_layers, router_bias, expert_bias, swiglu_limit, router_score, router_correction_bias and "
             "router_groups describe mixture-of-experts layers: set experts, or drop them"
+        )
+    if config.balance_rate:
+        raise SpmdkitError(
+            f"balance_rate={config.balance_rate} balances the experts of a mixture-of-experts model; this one is "
+            "dense (experts 0): set experts, or drop balance_rate"
         )

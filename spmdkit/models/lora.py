@@ -52,6 +52,7 @@ from qwix._src.utils import flax_util  # how qwix finds the module a call runs i
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import fp8
 from spmdkit.models.lora_config import PROJECTIONS, LoraConfig, is_adapter
+from spmdkit.models.moe import RoutingBias
 
 STACKS = ("blocks", "moe_blocks")  # `Transformer`'s stacked blocks
 PROJECT = "spmdkit.models.fp8.project"  # the function every projection of the blocks calls
@@ -195,9 +196,10 @@ def has_adapters(model: nnx.Module) -> bool:
     return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
 
 
-def trained_variables(model: nnx.Module) -> type[nnx.Param]:
-    """The variables that train: the adapters (`nnx.LoRAParam`) of a model that has them, else every `nnx.Param`."""
-    return nnx.LoRAParam if has_adapters(model) else nnx.Param
+def trained_variables(model: nnx.Module) -> nnx.filterlib.Filter:
+    """The variables that train: the adapters (`nnx.LoRAParam`) of a model that has them, else every `nnx.Param` but
+    the router's correction bias (`RoutingBias`: no gradient reaches it; the balancing rule moves it)."""
+    return nnx.LoRAParam if has_adapters(model) else nnx.All(nnx.Param, nnx.Not(RoutingBias))
 
 
 def base_params(tree: dict) -> dict:

@@ -12,6 +12,10 @@ bias (`router_bias`), expert biases (`expert_bias`) and its clamped SwiGLU (`swi
 over the top-k logits is the renormalised top-k of the softmax over all. DeepSeek-V3 scores by sigmoid, chooses
 by the scores plus a correction bias within the best groups of experts, and scales the weights (`route`).
 
+The correction bias is a `RoutingBias`: a parameter (saved, imported and exported as one) that no gradient
+trains, since it only chooses. Imported from DeepSeek-V3 it stays fixed; with `balance_rate` > 0 the train step moves
+it after each update toward balanced loads (`spmdkit.train.step.balance`: auxiliary-loss-free balancing).
+
 Aux losses, over all tokens of the batch (computed outside the shard_map, so they are global on any mesh):
 - load balance (Switch): E x sum_i f_i P_i, f_i = share of the token->expert assignments that chose expert i,
   P_i = mean router probability of expert i. 1 when perfectly balanced; its gradient (through P) pushes
@@ -31,6 +35,12 @@ from spmdkit.parallel.experts import ExpertWeights, Glu, expert_ffn
 from spmdkit.sharding.logical import constrain
 
 ROUTED = ("batch", "seq", None)
+
+
+class RoutingBias(nnx.Param):
+    """The router's correction bias [experts] (per layer: [layers, experts] in the stack). A parameter to checkpoints,
+    `--init-from` and exports, but not to the optimizer (`spmdkit.models.lora.trained_variables` leaves it out: no
+    gradient, moments or decay): it chooses experts only, so its gradient is zero; the balancing rule moves it."""
 
 
 def route(
@@ -91,8 +101,8 @@ class MoE(nnx.Module):
         self.down = normal_param(rngs, shape_out, names_out, f, pd)
         if c.router_bias:
             self.router_bias = zeros_param((c.experts,), (None,), pd)
-        if c.router_correction_bias:  # chooses experts only: no gradient reaches it, and it is not decayed
-            self.router_correction_bias = zeros_param((c.experts,), (None,), pd)
+        if c.router_correction_bias:  # chooses experts only: no gradient reaches it (`RoutingBias`)
+            self.router_correction_bias = RoutingBias(jnp.zeros((c.experts,), pd), out_sharding=(None,))
         if c.expert_bias:
             self.gate_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)
             self.up_bias = zeros_param((c.experts, f), ("experts", "mlp"), pd)

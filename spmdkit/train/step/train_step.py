@@ -30,6 +30,7 @@ from spmdkit.models.lora import trained_variables
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.sharding.logical import logical_to_spec, use_rules
 from spmdkit.sharding.rules import Rules
+from spmdkit.train.step.balance import LAYER_LOADS, balance_experts
 from spmdkit.train.step.state import TrainState
 
 # inputs, targets, positions: int32 [batch, seq]; optional segment_ids (int32, documents packed in a row, 0 padding)
@@ -94,6 +95,7 @@ def objective(
     if not aux:
         return total, metrics
     metrics.update({name: jnp.mean(value, axis=0) for name, value in aux.items()})
+    metrics[LAYER_LOADS] = aux["expert_load"]  # [moe_layers, experts]: the train step's balancing reads them
     total += c.load_balance_weight * metrics["load_balance_loss"] + c.router_z_weight * metrics["router_z_loss"]
     return total, metrics
 
@@ -220,10 +222,11 @@ def make_train_step(
 
     metrics: loss (cross-entropy), grad_norm, lr, skipped (1.0 when the gradients were not finite and the
     update was skipped), bad_steps (consecutive skipped steps so far); with `token_bytes` (int32 [vocab], UTF-8
-    bytes per token id) `bits_per_byte`; MoE models add their router metrics (see `objective`). `fail_steps`
-    (0-based optimizer steps) get NaN gradients: the test hook for the skip path. With a `pipeline` schedule the
-    loss and gradients come from the pipeline program (`spmdkit.train.step.pipeline`) instead of autodiff of the
-    whole model.
+    bytes per token id) `bits_per_byte`; MoE models add their router metrics (see `objective`) and
+    `expert_load_max_over_mean`, and with `balance_rate` move their correction biases after the update
+    (`spmdkit.train.step.balance`). `fail_steps` (0-based optimizer steps) get NaN gradients: the test hook for
+    the skip path. With a `pipeline` schedule the loss and gradients come from the pipeline program
+    (`spmdkit.train.step.pipeline`) instead of autodiff of the whole model.
     """
     graphdef, grad_shardings = train_state.graphdef, train_state.grad_shardings
 
@@ -244,6 +247,8 @@ def make_train_step(
             grad_norm = optax.tree.norm(grads)
             optimizer.update(model, grads)
             _overwrite_fp8_meta(model, fp8_meta, jnp.isfinite(grad_norm))
+            if LAYER_LOADS in model_metrics:  # mixture of experts: the imbalance metric, the bias update
+                model_metrics = balance_experts(model, model_metrics, jnp.isfinite(grad_norm))
             new_state = nnx.state((model, optimizer))
         bad = new_state[1]["opt_state"]["notfinite_count"][...]
         if token_bytes is not None:  # (`spmdkit.data.bits`): mean loss x scored tokens / their UTF-8 bytes / ln 2
