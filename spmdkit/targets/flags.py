@@ -34,6 +34,10 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_enable_while_loop_double_buffering=true",
     "--xla_gpu_enable_all_gather_combine_by_dim=false",
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    # Two async collectives in flight at once, not one (XLA's default). With one, Ulysses' q all-to-all waited
+    # for k's and v's to finish, found nothing left to run beside it and was made synchronous (4 of the 8B's 48 per
+    # step at 128k); with two, all 48 overlap, and the compiled memory is the same (docs/jax-limits.md).
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
 )
 # Enum-valued options: `XLA_FLAGS` takes the value's short name ("on"), a compile option the proto's enum name.
 ENUM_OPTIONS = {
