@@ -20,6 +20,7 @@ from flax import nnx
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import Transformer, TransformerConfig
+from spmdkit.plan.estimate import collectives
 from spmdkit.plan.layout import Layout
 from spmdkit.plan.memory import optimizer_bytes
 from spmdkit.sharding.mesh import make_mesh
@@ -140,6 +141,9 @@ def test_newton_schulz_runs_on_whole_matrices_without_collectives(reports):
     share = sum(padded * math.prod(shape[1:]) * 4 // 8 for shape in stacks)  # float32 bytes per device
     assert reports[5].count("all-to-all", executed=True) == 4 * len(stacks)
     assert reports[5].bytes("all-to-all") == 4 * share
+    # the planner counts them (its Newton-Schulz FLOPs: ns_steps x (4 m^2 n + 2 m^3) per matrix a device holds)
+    planned = collectives(Layout.of(CONFIG, Strategy("fsdp=4,tensor=2", muon=True), 8, 8, 32))
+    assert sum(c.operand_bytes for c in planned if c.opcode == "all-to-all") == reports[5].bytes("all-to-all")
 
 
 STEPS = 20  # the straight runs' steps; the interrupted one stops after STOP and resumes
