@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers, MuonState
 
 from spmdkit.sharding.logical import active_rules, logical_to_spec
+from spmdkit.sharding.rules import Rules
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # optax.contrib.muon's quintic (Keller Jordan's)
 EPS = 1e-8  # optax's: added to the frobenius norm before dividing
@@ -76,18 +77,18 @@ def orthogonalize(x: jax.Array, matrices: Matrices, coeffs: jax.Array, ns_steps:
     devices, the matrices are split over the whole mesh and the rows and columns made whole (`_moves`), the
     iterations run, and the moves are undone in reverse to `x`'s own layout."""
     inputs, outputs = ((d,) if isinstance(d, int) else tuple(d) for d in matrices.dims)
-    stack = tuple(i for i in range(x.ndim) if i not in inputs + outputs)
-    order = stack + inputs + outputs
+    own = None if (active := active_rules()) is None else _own_layout(x, matrices, *active)
+    # the stack's split axes first (experts over `expert` before the layers): the flat view's split is then theirs
+    stack = sorted((i for i in range(x.ndim) if i not in inputs + outputs), key=lambda i: not _split(own, i))
+    order = (*stack, *inputs, *outputs)
     shape = [x.shape[i] for i in order]
     view = (math.prod(shape[: len(stack)]), *(math.prod(x.shape[i] for i in axes) for axes in (inputs, outputs)))
-    active = active_rules()
-    if active is None:
+    if own is None:
         return _unflatten(newton_schulz(x.transpose(order).reshape(view), coeffs, ns_steps), shape, order)
-    rules, mesh = active
-    own = NamedSharding(mesh, logical_to_spec(matrices.names, x.shape, mesh, rules.optimizer, what="Muon's momentum"))
+    mesh = own.mesh
     # constrain `x` itself: left free, XLA reshards the momentum and the gradient it is made of (twice the bytes)
     flat = jax.lax.with_sharding_constraint(x, own).transpose(order).reshape(view)
-    dims = [tuple(a for i in group for a in _entry(own.spec, i)) for group in (stack, inputs, outputs)]
+    dims = [tuple(a for i in group for a in _split(own, i)) for group in (stack, inputs, outputs)]
     layouts = [NamedSharding(mesh, PartitionSpec(*(d or None for d in step))) for step in _moves(mesh.shape, *dims)]
     count, devices = flat.shape[0], math.prod(size for size in mesh.shape.values())
     flat = jnp.pad(flat, ((0, -count % devices), (0, 0), (0, 0)))
@@ -114,9 +115,14 @@ def _moves(
     return out + [(stack + rest, (), ())] if rest else out
 
 
-def _entry(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
-    """The mesh axes `spec` splits dimension `dim` over."""
-    entry = spec[dim] if dim < len(spec) else None
+def _own_layout(x: jax.Array, matrices: Matrices, rules: Rules, mesh: Mesh) -> NamedSharding:
+    """The momentum's layout between steps: its parameter's logical names under the optimizer's rules."""
+    return NamedSharding(mesh, logical_to_spec(matrices.names, x.shape, mesh, rules.optimizer, what="Muon's momentum"))
+
+
+def _split(layout: NamedSharding | None, dim: int) -> tuple[str, ...]:
+    """The mesh axes `layout` splits dimension `dim` over (none without a layout)."""
+    entry = None if layout is None or dim >= len(layout.spec) else layout.spec[dim]
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
