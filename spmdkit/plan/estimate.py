@@ -77,6 +77,7 @@ from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
 from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
 from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
+from spmdkit.plan.muon import muon_collectives, muon_flops
 from spmdkit.plan.remat_cost import REMAT_ORDER as REMAT_ORDER  # re-exported: the search's order
 from spmdkit.plan.remat_cost import forward_sums, host_kept_bytes, named_recompute_flops
 from spmdkit.sharding.strategy import Strategy, mesh_text
@@ -188,6 +189,8 @@ def collectives(s: Layout, reassociate: bool = True, kernel: str = "ring") -> li
     if s["expert"] > 1:  # dispatch and return, forward and backward; remat recomputes the forward's pair
         passes = 4 + (2 if m.remat_policy.recomputes else 0)
         add("all-to-all", ("expert",), passes * m.moe_layers / P * s.dispatch_bytes, overlapped=False)
+    if s.muon:  # Newton-Schulz on whole matrices: its stacks' reshards (spmdkit.plan.muon)
+        muon_collectives(s, add)
     return out
 
 
@@ -327,6 +330,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     fp8 = m.fp8_flops_per_token() * s.batch_size * s.seq_len * (4 / 3 if m.remat_policy.full else 1.0)
     fp8_peak = dev.fp8_peak_flops or peak
     compute = ((model_flops + extra - fp8) / peak + fp8 / fp8_peak) / devices / efficiency
+    if s.muon:  # Newton-Schulz per device, in float32 (the momentum's dtype): TF32, about half the peak
+        compute += muon_flops(s) / (dev.peak_flops * 0.5) / efficiency
     exposed = blocking + max(hidden - compute, hidden / s.stage_layers)
     P = sizes["pipeline"]
     bubble = pipeline_schedule(s.schedule, P, s.microbatches, s.virtual_stages).bubble_fraction() if P > 1 else 0.0

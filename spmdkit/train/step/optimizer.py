@@ -6,10 +6,12 @@ and counts consecutive bad steps (the loop stops the run after `max_bad_steps` o
 
 Muon (`--optimizer.name muon`) partitions the parameters (`optax.partition`): the hidden matrices
 (`spmdkit.models.matrices.matrix_axes`: attention, MLP, expert and router weights, each matrix of a `layers` /
-`experts` stack alone) get `optax.contrib.scale_by_muon` (Nesterov momentum, orthogonalised by Newton-Schulz), scaled
-to a shape-independent RMS, decayed and scaled by the lr, as `optax.contrib.muon` chains them; the embedding, head,
-norm scales and biases get the same AdamW as an AdamW run (its decay mask included). One momentum per matrix: the
-state is the parameters' shape, sharded as they are (`nnx.Optimizer` gives the moments the parameters' axis names).
+`experts` stack alone) get `optax.contrib.scale_by_muon`'s Nesterov momentum orthogonalised by Newton-Schulz, on
+whole matrices one device each (`spmdkit.train.step.muon`: all-to-alls per step, no collective per iteration),
+scaled to a shape-independent RMS, decayed and scaled by the lr, as `optax.contrib.muon` chains them; the
+embedding, head, norm scales and biases get the same AdamW as an AdamW run (its decay mask included). One momentum
+per matrix: the state is the parameters' shape, sharded as they are between steps (`nnx.Optimizer` gives the
+moments the parameters' axis names).
 
 With `offload` the optimizer's arrays (the AdamW moments, sharded as `rules.optimizer` says) live in pinned host
 memory between steps (`spmdkit.train.step.state`); `host_offloaded` moves them to the device for the update and back.
@@ -25,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers
 
 from spmdkit.errors import SpmdkitError
 from spmdkit.models import Transformer, TransformerConfig
 from spmdkit.models.matrices import matrix_axes
 from spmdkit.train.config import OptimizerConfig
 from spmdkit.train.optimizer_config import MUON_LR_SCALE
+from spmdkit.train.step.muon import Matrices, scale_by_muon
 
 
 def schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -80,7 +83,7 @@ def make_optimizer(
     return host_offloaded(tx) if config.offload else tx
 
 
-Dimensions = dict[tuple[str, ...], MuonDimensionNumbers | None]  # parameter path -> its matrices' axes (None: AdamW)
+Dimensions = dict[tuple[str, ...], Matrices | None]  # parameter path -> its matrices' axes (None: AdamW)
 _is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
 
@@ -90,14 +93,14 @@ def _key(path: tuple[Any, ...]) -> tuple[str, ...]:
 
 def matrix_dimensions(model: TransformerConfig) -> Dimensions:
     """Each parameter of `model` (by its path in the state) -> the input and output axes of the matrices Muon
-    orthogonalises in it, or None for AdamW's; read from the logical axis names of an abstract model (nothing is
+    orthogonalises in it and its logical axis names, or None for AdamW's; read from an abstract model (nothing is
     allocated)."""
     params = nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))), nnx.Param)
     out: Dimensions = {}
     for path, variable in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable):
         names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
         axes = matrix_axes(".".join(_key(path)), names)
-        out[_key(path)] = None if axes is None else MuonDimensionNumbers(*axes)
+        out[_key(path)] = None if axes is None else Matrices(MuonDimensionNumbers(*axes), tuple(names))
     return out
 
 
@@ -112,13 +115,12 @@ def muon(
     def on(tree: Any, leaf: Callable[[Any], Any]) -> Any:  # a tree of `leaf(dims[path])`; skips MaskedNodes
         return jax.tree_util.tree_map_with_path(lambda p, _: leaf(dims[_key(p)]), tree, is_leaf=_is_variable)
 
-    def dim_numbers(tree: Any) -> Any:
+    def stacks(tree: Any) -> Any:
         return on(tree, lambda d: d)
 
     matrices = optax.chain(
-        scale_by_muon(ns_steps=config.muon_ns_steps, beta=config.muon_beta, nesterov=config.muon_nesterov,
-                      weight_dimension_numbers=dim_numbers),
-        _scale_by_shape(dim_numbers, config.muon_rms),
+        scale_by_muon(stacks, ns_steps=config.muon_ns_steps, beta=config.muon_beta, nesterov=config.muon_nesterov),
+        _scale_by_shape(stacks, config.muon_rms),
         optax.add_decayed_weights(config.weight_decay),
         optax.scale_by_learning_rate(muon_lr),
     )  # fmt: skip
@@ -126,19 +128,19 @@ def muon(
     return optax.partition({"muon": matrices, "adamw": adamw}, labels)
 
 
-def _scale_by_shape(dim_numbers: Callable[[Any], Any], rms: float | None) -> optax.GradientTransformation:
+def _scale_by_shape(stacks: Callable[[Any], Any], rms: float | None) -> optax.GradientTransformation:
     """Each orthogonalised update (singular values ~1) times sqrt(max(fan_in, fan_out)) x `rms` (an RMS of about
     `rms` whatever the shape: Moonlight's match to AdamW), or with `rms` None sqrt(max(1, fan_out / fan_in))
     (Keller Jordan's); as optax.contrib.muon's `consistent_rms`."""
 
-    def scale(update: jax.Array, dims: MuonDimensionNumbers) -> jax.Array:
-        fan_in, fan_out = (math.prod(update.shape[i] for i in axes) for axes in dims)
+    def scale(update: jax.Array, matrices: Matrices) -> jax.Array:
+        fan_in, fan_out = (math.prod(update.shape[i] for i in axes) for axes in matrices.dims)
         return update * (
             math.sqrt(max(fan_in, fan_out)) * rms if rms is not None else math.sqrt(max(1, fan_out / fan_in))
         )
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        return jax.tree.map(scale, updates, dim_numbers(updates)), state
+        return jax.tree.map(scale, updates, stacks(updates)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
