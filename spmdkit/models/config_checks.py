@@ -73,3 +73,11 @@ def check_dense(config: TransformerConfig) -> None:
             "dense_layers, router_bias, expert_bias, swiglu_limit, router_score, router_correction_bias and "
             "router_groups describe mixture-of-experts layers: set experts, or drop them"
         )
+
+
+def check_mtp(config: TransformerConfig) -> None:
+    """Multi-token prediction: a depth >= 0, a finite weight >= 0, and no FP8 blocks (their scales are untested)."""
+    if config.mtp_depth < 0 or not (math.isfinite(config.mtp_weight) and config.mtp_weight >= 0):
+        raise SpmdkitError(f"mtp_depth={config.mtp_depth} and mtp_weight={config.mtp_weight} must be >= 0")
+    if config.mtp_depth and config.fp8:
+        raise SpmdkitError("--model.mtp-depth with --model.fp8: the MTP blocks have no FP8 path yet; drop one")
