@@ -59,9 +59,9 @@ def _without_mtp(spare: list[str], model: TransformerConfig, family: str, where:
     return [name for name in spare if name not in mtp]
 
 
-def _copies(files: TensorFiles, model: TransformerConfig, family: str) -> dict[str, str]:
-    """Tensor name -> the tensor it copies, of the copies the files hold (the MTP layers' embedding and head)."""
-    return {n: m.copy_of for m in tensor_maps(model, family) if m.copy_of for n in m.hf_names() if n in files.shapes}
+def _copies(model: TransformerConfig, family: str) -> dict[str, str]:
+    """Tensor name -> the tensor it copies (the MTP layers' embedding and head: optional in the files)."""
+    return {name: m.copy_of for m in tensor_maps(model, family) if m.copy_of for name in m.hf_names()}
 
 
 def _same(files: TensorFiles, name: str, original: str) -> bool:
@@ -78,8 +78,8 @@ def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> 
     """SpmdkitError (one line) unless the files hold exactly the model's tensors in `family`'s names, with the
     shapes it implies (the MTP layers' copies of the embedding and head may be left out, and must be exact)."""
     where, found, expected = files.directory, files.shapes, expected_tensors(model, family)
-    copies = _copies(files, model, family)
-    missing = [name for name in expected if name not in found and not _is_copy(name)]
+    copies = _copies(model, family)
+    missing = [name for name in expected if name not in found and name not in copies]
     if missing:
         raise SpmdkitError(
             f"{where} lacks {', '.join(missing[:3])}{_more(missing)}: its config.json does not describe these weights"
@@ -102,16 +102,11 @@ def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> 
             "tie_word_embeddings to false in config.json"
         )
     for name, original in copies.items():
-        if not _same(files, name, original):
+        if name in found and not _same(files, name, original):
             raise SpmdkitError(
                 f"{where}: {name} differs from {original}: spmdkit's multi-token-prediction modules share the "
                 "model's embedding and head, so their copies must be exact (or left out of the files)"
             )
-
-
-def _is_copy(name: str) -> bool:
-    """A multi-token-prediction layer's copy of the embedding or head (optional in the files)."""
-    return name.endswith((".embed_tokens.weight", ".shared_head.head.weight")) and name.startswith("model.layers.")
 
 
 def stored_dtype(files: TensorFiles) -> str:

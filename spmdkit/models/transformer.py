@@ -85,7 +85,9 @@ class Transformer(nnx.Module):
     The `layers` blocks are stacked on a leading `layers` dim (built with `nnx.vmap`) and run with `nnx.scan`,
     so compile time stays flat in depth and the pipeline can split the stack into stages. A mixture-of-experts
     model keeps its dense blocks in `blocks` and its MoE blocks in `moe_blocks` (two stacks: their parameters
-    differ); `forward` also returns the MoE layers' aux losses and loads.
+    differ); `forward` also returns the MoE layers' aux losses and loads. With `mtp_depth` > 0, `mtp` holds the
+    multi-token-prediction modules (`spmdkit.models.mtp`), which only `mtp_loss` runs: `forward` and generation
+    never read them.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
