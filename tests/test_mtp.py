@@ -145,3 +145,18 @@ def test_bad_values_are_refused_in_one_line():
         with pytest.raises(SpmdkitError) as error:
             CONFIG.replace(**changes)
         assert "\n" not in str(error.value) and "mtp" in str(error.value)
+
+
+def test_a_family_without_mtp_layers_exports_the_main_model_with_one_warning(tmp_path):
+    from safetensors.numpy import load_file
+
+    import spmdkit
+    from spmdkit.errors import SpmdkitWarning
+
+    with pytest.warns(SpmdkitWarning, match="multi-token-prediction") as caught:
+        ours = spmdkit.save_hf(_model(), tmp_path / "mtp", max_positions=S)
+    assert len([w for w in caught if issubclass(w.category, SpmdkitWarning)]) == 1
+    plain = spmdkit.save_hf(_model(CONFIG.replace(mtp_depth=0)), tmp_path / "plain", max_positions=S)
+    assert (ours / "config.json").read_text() == (plain / "config.json").read_text()
+    got, want = (load_file(str(d / "model.safetensors")) for d in (ours, plain))
+    assert got.keys() == want.keys() and all(got[k].tobytes() == want[k].tobytes() for k in want)
