@@ -2,7 +2,9 @@
 `save_pretrained` (random non-zero biases, norm scales and router correction biases; latent attention with and
 without a low-rank query, interleaved YaRN RoPE with mscale_all_dim; sigmoid routing within 2 of 4 groups, shared
 experts, the first layer dense) give transformers' logits and loss on one device and on two meshes, its greedy
-tokens, and export back bit-identically. Multi-token-prediction tensors are dropped on import with one warning."""
+tokens, and export back bit-identically. A checkpoint with a multi-token-prediction layer (DeepSeek's layout) imports
+it as spmdkit's MTP module (its loss DeepSeek's, computed with transformers' block), exports it bit-identically, and
+drops it with one warning for a model without MTP."""
 
 import json
 import warnings
@@ -120,24 +122,144 @@ def test_export_is_bit_identical_and_loads_in_transformers(variant, request, tmp
     assert max_relative_error(logits(again, TOKENS), theirs) <= 1e-6
 
 
-def test_multi_token_prediction_layers_are_dropped_with_one_warning(saved, tmp_path):
-    """DeepSeek-V3's checkpoints store their MTP layer as model.layers.{num_hidden_layers}: not run, not refused."""
+def _with_mtp(source, directory):
+    """`source` with a multi-token-prediction layer as DeepSeek-V3's checkpoints store it (model.layers.{L}, L =
+    num_hidden_layers: the last layer's block tensors, enorm, hnorm, eh_proj [hidden, 2 x hidden], shared_head.norm
+    and copies of the embedding and head), random non-zero values; config.json keeps num_nextn_predict_layers 1."""
     from safetensors.numpy import save_file
 
-    directory = tmp_path / "mtp"
     directory.mkdir()
-    for file in saved[0].iterdir():
+    for file in source.iterdir():
         if file.suffix != ".safetensors":
             (directory / file.name).write_bytes(file.read_bytes())
-    tensors = _tensors(saved[0])
-    extra = {"model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32)}
-    save_file(tensors | extra, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors, rng, last = _tensors(source), np.random.default_rng(5), SHAPE["num_hidden_layers"]
+    mtp = {}
+    for name, value in tensors.items():
+        if name.startswith(f"model.layers.{last - 1}."):
+            noise = rng.standard_normal(value.shape).astype(np.float32)
+            norm = value.ndim == 1 and name.endswith(("norm.weight", "layernorm.weight"))
+            mtp[name.replace(f".{last - 1}.", f".{last}.", 1)] = 1 + 0.1 * noise if norm else 0.2 * noise
+    hidden = SHAPE["hidden_size"]
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{last}.{name}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    mtp[f"model.layers.{last}.eh_proj.weight"] = (0.15 * rng.standard_normal((hidden, 2 * hidden))).astype(np.float32)
+    mtp[f"model.layers.{last}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+    mtp[f"model.layers.{last}.shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+    save_file(tensors | mtp, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mtp(saved, tmp_path_factory):
+    """The directory of `saved` with a multi-token-prediction layer."""
+    return _with_mtp(saved[0], tmp_path_factory.mktemp("deepseek_v3_mtp") / "model")
+
+
+def _transformers_loads(directory):
+    """transformers' model of `directory`: nothing missing, unexpected only the MTP layer's tensors (transformers
+    skips DeepSeek-V3's, model.layers.61.*, by name; this one is model.layers.3)."""
+    model, info = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    unexpected = info["unexpected_keys"]
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info.get("error_msgs")
+    assert unexpected and all(name.startswith("model.layers.3.") for name in unexpected), unexpected
+    return model.eval()
+
+
+def test_multi_token_prediction_layers_import_and_export_bit_identically(saved, mtp, tmp_path):
+    from spmdkit.interop.sources import source_model
+
+    directory = mtp
+    assert source_model(saved[0]).mtp_depth == 0  # its config counts 1 (transformers' default); its files hold none
+    ours = load_model(directory)
+    assert ours.config.mtp_depth == 1
+    assert max_relative_error(ours(TOKENS), saved[1]) <= 1e-4  # the main model's logits: transformers'
+    out = spmdkit.save_hf(ours, tmp_path / "hf", tokenizer=directory)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    want, got = _tensors(directory), _tensors(out)
+    assert want.keys() == got.keys()
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and got[key].tobytes() == tensor.tobytes(), key
+    assert max_relative_error(logits(_transformers_loads(out), TOKENS), saved[1]) <= 1e-6
+
+
+def _mtp_reference(directory, inputs, targets, tmp_path):
+    """DeepSeek-V3's MTP module 1 in torch, from the files: h' = eh_proj [enorm(emb(t_{i+1})); hnorm(h_i)] (h the
+    last layer's output), transformers' own block (its MoE included) run on h' as the model's last layer, then
+    shared_head (norm, head); the summed cross-entropy of t_{i+2}."""
+    from safetensors.numpy import save_file
+
+    tensors, prefix, last = _tensors(directory), "model.layers.3.", "model.layers.2."
+    own = tuple(prefix + n for n in ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens."))
+    block = {last + k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith(own)}
+    swapped = tmp_path / "swapped"  # the model with the MTP block as its last layer: transformers loads it
+    swapped.mkdir()
+    for file in directory.iterdir():
+        if file.suffix != ".safetensors":
+            (swapped / file.name).write_bytes(file.read_bytes())
+    rest = {k: v for k, v in tensors.items() if not k.startswith((prefix, last))}
+    save_file(rest | block, str(swapped / "model.safetensors"), metadata={"format": "pt"})
+    layer = tf.AutoModelForCausalLM.from_pretrained(swapped, dtype=torch.float32).eval().model.layers[-1]
+    main = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    t = {k: torch.tensor(v) for k, v in tensors.items() if k.startswith(own)}
+    seen = {}
+    main.model.layers[-1].register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
+    eps = main.config.rms_norm_eps
+    rms = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
+    with torch.no_grad():
+        ids = torch.tensor(inputs)
+        main(ids)
+        h = (seen["h"][0] if isinstance(seen["h"], tuple) else seen["h"])[:, :-1]
+        emb = torch.nn.functional.embedding(ids[:, 1:], t[prefix + "embed_tokens.weight"])
+        x = torch.cat([rms(emb, t[prefix + "enorm.weight"]), rms(h, t[prefix + "hnorm.weight"])], -1)
+        x = x @ t[prefix + "eh_proj.weight"].T
+        rows, n = x.shape[:2]
+        positions = torch.arange(n)[None].expand(rows, n)
+        mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None].expand(rows, 1, n, n)
+        out = layer(
+            x, attention_mask=mask, position_ids=positions, position_embeddings=main.model.rotary_emb(x, positions)
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        head = rms(out, t[prefix + "shared_head.norm.weight"]) @ t[prefix + "shared_head.head.weight"].T
+        flat = torch.tensor(targets)[:, 1:].reshape(-1)
+        return torch.nn.functional.cross_entropy(head.reshape(-1, head.shape[-1]), flat, reduction="sum").item()
+
+
+def test_the_imported_mtp_module_computes_deepseeks_mtp_loss(mtp, tmp_path):
+    """spmdkit's MTP loss of the imported layer is the torch one's sum over the scored tokens (DeepSeek's 1/T)."""
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    theirs = _mtp_reference(mtp, inputs, targets, tmp_path) / inputs.size
+    model = load_model(mtp)
+    x, _ = model.hidden(inputs)
+    ours, _ = model.mtp_loss(x, inputs, targets, np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape))
+    assert float(ours) == pytest.approx(theirs, rel=1e-5)
+
+
+def test_multi_token_prediction_layers_beyond_mtp_depth_are_dropped_with_one_warning(saved, mtp):
+    """A model of mtp_depth 0 reads a checkpoint with an MTP layer: its tensors are dropped, with one warning."""
+    from spmdkit.interop.sources import source_model
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ours = load_model(directory)
+        ours = load_model(mtp, config=source_model(mtp).replace(mtp_depth=0))
     dropped = [w for w in caught if issubclass(w.category, SpmdkitWarning)]
     assert len(dropped) == 1 and "multi-token-prediction" in str(dropped[0].message)
-    np.testing.assert_array_equal(np.asarray(ours.embedding[...]), tensors["model.embed_tokens.weight"])
+    assert not hasattr(ours, "mtp") and max_relative_error(ours(TOKENS), saved[1]) <= 1e-4
+
+
+def test_an_mtp_layers_copy_of_the_head_that_differs_is_refused_in_one_line(mtp, tmp_path):
+    from safetensors.numpy import save_file
+
+    directory = tmp_path / "edited"
+    directory.mkdir()
+    for file in mtp.iterdir():
+        if file.suffix != ".safetensors":
+            (directory / file.name).write_bytes(file.read_bytes())
+    tensors = _tensors(mtp)
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["model.layers.3.shared_head.head.weight"] * 2
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SpmdkitError, match="shared_head.head.weight differs from lm_head.weight") as error:
+        load_model(directory)
+    assert "\n" not in str(error.value)
 
 
 def test_ring_attention_takes_latent_attentions_head_dims(saved):

@@ -20,7 +20,8 @@ activation, tied embeddings) are read by `spmdkit.interop.hf_config`. What each 
   interleaved in one `gate_up_proj` [experts, embed, 2 x mlp] (`experts` "gpt_oss").
 - deepseek_v3: multi-head latent attention (low-rank q and kv, a RoPE key shared by the heads, interleaved RoPE,
   YaRN's mscale^2 on the softmax scale), sigmoid routing with a correction bias within groups of experts, shared
-  experts, the first k layers dense; its multi-token-prediction layers are dropped on import (`mtp_key`).
+  experts, the first k layers dense; its multi-token-prediction layers (`mtp_key`) are the model's `mtp_depth`
+  modules (`spmdkit.models.mtp`), as many as the files hold (`spmdkit.interop.sources.source_model`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Family:
     """One `model_type`: its class, readers and writers, and its tensor layout (`experts`: "mixtral" or "qwen"
     names of expert tensors, one per expert, "deepseek": qwen's with DeepSeek's router and shared experts, or
     "gpt_oss": one tensor of all; `fused`: Phi-3's qkv_proj / gate_up_proj; `mtp_key`: the key counting the
-    multi-token-prediction layers stored after the last layer, which spmdkit drops on import)."""
+    multi-token-prediction layers stored after the last layer, spmdkit's `mtp_depth`)."""
 
     architecture: str
     read: Callable[[Keys, int], dict[str, Any]]
@@ -277,7 +278,8 @@ def _write_gpt_oss(model: TransformerConfig) -> dict[str, Any]:
 def _deepseek_v3(keys: Keys, layers: int) -> dict[str, Any]:
     """DeepSeek-V3: latent attention (q_lora_rank null: a plain q_proj), sigmoid routing with a correction bias
     within groups, shared experts of n_shared_experts x moe_intermediate_size, the first k layers dense. Its
-    multi-token-prediction layers (`num_nextn_predict_layers`) are not run: `spmdkit.interop.loading` drops them."""
+    multi-token-prediction layers (`num_nextn_predict_layers`) are counted from the files, not read here
+    (transformers' default writes 1 with none stored): `spmdkit.interop.sources.source_model`."""
     heads, kv_heads = (
         keys.integer("num_attention_heads"),
         keys.get("num_key_value_heads") or keys.hf["num_attention_heads"],
@@ -317,7 +319,7 @@ def _write_deepseek_v3(model: TransformerConfig) -> dict[str, Any]:
         "norm_topk_prob": model.router_renormalize, "n_group": model.router_groups,
         "topk_group": model.router_top_groups, "routed_scaling_factor": model.routed_scaling,
         "moe_intermediate_size": model.routed_mlp, "n_shared_experts": shared, "first_k_dense_replace": dense,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": model.mtp_depth,
     }  # fmt: skip
 
 

@@ -37,6 +37,7 @@ MXFP4 = (
 RUN_FIELDS = frozenset({
     "dtype", "param_dtype", "remat", "attention", "attention_block", "loss_chunk", "z_loss", "dispatch",
     "capacity_factor", "load_balance_weight", "router_z_weight", "balance_rate", "max_positions", "fp8",
+    "mtp_weight",
 })  # fmt: skip
 
 
@@ -170,9 +171,12 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerConfig]
 
 
 def function_of(model: TransformerConfig) -> dict[str, Any]:
-    """What `model` computes as a Hugging Face config fixes it (every field but the run's numerics), its layer
-    patterns spelled out per layer, for comparisons."""
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in RUN_FIELDS}
+    """What `model` computes as a Hugging Face config fixes it (every field but the run's numerics and the
+    multi-token-prediction depth, which the files' tensors decide: `spmdkit.interop.sources.source_model`), its
+    layer patterns spelled out per layer, for comparisons."""
+    # Not `mtp_depth`: the multi-token-prediction modules do not change the logits (transformers ignores them)
+    skip = RUN_FIELDS | {"mtp_depth"}
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in skip}
     fields["window_pattern"] = tuple(model.window_of(i) for i in range(model.layers))
     fields["rope_pattern"] = tuple(model.rope_of(i) for i in range(model.layers))
     if not any(fields["window_pattern"]):

@@ -141,6 +141,8 @@ def hf_config(
     out |= {key: dtype for key in dtype_keys}
     out |= {key: value for key, value in tokens.items() if key in TOKEN_KEYS}
     out["max_position_embeddings"] = max_positions
+    if FAMILIES[out["model_type"]].mtp_key:  # the MTP layers the weights hold (`tensor_names._mtp_maps`)
+        out[FAMILIES[out["model_type"]].mtp_key] = model.mtp_depth
     return out
 
 

@@ -34,6 +34,7 @@ from spmdkit.sharding.partition import abstract_state, state_shardings
 from spmdkit.sharding.rules import Rules, make_rules
 
 PureTree = dict[str, Any]
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def _more(names: list[str]) -> str:
@@ -42,27 +43,43 @@ def _more(names: list[str]) -> str:
 
 def _without_mtp(spare: list[str], model: TransformerConfig, family: str, where: Any) -> list[str]:
     """`spare` less the multi-token-prediction layers a family stores after its last layer (DeepSeek-V3's
-    `num_nextn_predict_layers`), which spmdkit does not run: dropped with one warning."""
+    `num_nextn_predict_layers`) beyond the `mtp_depth` modules the model runs: dropped with one warning."""
     if not FAMILIES[family].mtp_key:
         return spare
-    mtp = [name for name in spare if re.match(r"model\.layers\.(\d+)\.", name) and
-           int(name.split(".")[2]) >= model.layers]  # fmt: skip
+    first = model.layers + model.mtp_depth
+    mtp = [name for name in spare if re.match(r"model\.layers\.(\d+)\.", name) and int(name.split(".")[2]) >= first]
     if mtp:
         warnings.warn(
             SpmdkitWarning(
-                f"{where}: dropping {len(mtp)} tensors of the multi-token-prediction layers (model.layers."
-                f"{model.layers}.* on, {FAMILIES[family].mtp_key}): spmdkit does not run them"
+                f"{where}: dropping {len(mtp)} tensors of the multi-token-prediction layers (model.layers.{first}.* "
+                f"on, {FAMILIES[family].mtp_key}): this model runs {model.mtp_depth} MTP module(s) (mtp_depth)"
             ),
             stacklevel=3,
         )
     return [name for name in spare if name not in mtp]
 
 
+def _copies(model: TransformerConfig, family: str) -> dict[str, str]:
+    """Tensor name -> the tensor it copies (the MTP layers' embedding and head: optional in the files)."""
+    return {name: m.copy_of for m in tensor_maps(model, family) if m.copy_of for name in m.hf_names()}
+
+
+def _same(files: TensorFiles, name: str, original: str) -> bool:
+    """Whether tensor `name` holds exactly `original`'s values (compared 4096 rows at a time)."""
+    rows = files.shapes[original][0]
+    for start in range(0, rows, 4096):
+        index = (slice(start, min(start + 4096, rows)), slice(None))
+        if not np.array_equal(files.read(name, index), files.read(original, index)):
+            return False
+    return True
+
+
 def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> None:
     """SpmdkitError (one line) unless the files hold exactly the model's tensors in `family`'s names, with the
-    shapes it implies."""
+    shapes it implies (the MTP layers' copies of the embedding and head may be left out, and must be exact)."""
     where, found, expected = files.directory, files.shapes, expected_tensors(model, family)
-    missing = [name for name in expected if name not in found]
+    copies = _copies(model, family)
+    missing = [name for name in expected if name not in found and name not in copies]
     if missing:
         raise SpmdkitError(
             f"{where} lacks {', '.join(missing[:3])}{_more(missing)}: its config.json does not describe these weights"
@@ -75,19 +92,20 @@ def check_tensors(files: TensorFiles, model: TransformerConfig, family: str) -> 
             "them (is a config key missing or wrong, e.g. attention_bias, mlp_bias, tie_word_embeddings?)"
         )
     for name, shape in expected.items():
-        if found[name] != shape:
+        if name in found and found[name] != shape:
             raise SpmdkitError(
                 f"{name} in {where} has shape {list(found[name])}, but config.json implies {list(shape)}"
             )
-    if not (model.tie_embeddings and "lm_head.weight" in found):
-        return
-    vocab = found["lm_head.weight"][0]
-    for start in range(0, vocab, 4096):
-        rows = (slice(start, min(start + 4096, vocab)), slice(None))
-        if not np.array_equal(files.read("lm_head.weight", rows), files.read("model.embed_tokens.weight", rows)):
+    if model.tie_embeddings and "lm_head.weight" in found and not _same(files, "lm_head.weight", EMBEDDING):
+        raise SpmdkitError(
+            f"{where}: tie_word_embeddings is true but lm_head.weight differs from {EMBEDDING}: set "
+            "tie_word_embeddings to false in config.json"
+        )
+    for name, original in copies.items():
+        if name in found and not _same(files, name, original):
             raise SpmdkitError(
-                f"{files.directory}: tie_word_embeddings is true but lm_head.weight differs from "
-                "model.embed_tokens.weight: set tie_word_embeddings to false in config.json"
+                f"{where}: {name} differs from {original}: spmdkit's multi-token-prediction modules share the "
+                "model's embedding and head, so their copies must be exact (or left out of the files)"
             )
 
 
@@ -141,6 +159,8 @@ def hf_params(files: TensorFiles, model: TransformerConfig, family: str, shardin
     check_tensors(files, model, family)
     params: PureTree = {}
     for m in tensor_maps(model, family):
+        if m.copy_of:  # the MTP layers' copies of the embedding and head: checked equal, read once
+            continue
         shape = (len(m.layers), *m.shape) if m.stacked else m.shape
         read = _reader(files, m, shape, dtype)
         if shardings is None:

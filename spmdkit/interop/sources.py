@@ -76,8 +76,29 @@ def source_model(path: str | Path, step: int | None = None) -> TransformerConfig
     """The model (shape and function) a Hugging Face source or an spmdkit checkpoint (its `step`, default the
     newest) holds."""
     if source_kind(path) == "hf":
-        return read_hf_config(hf_config_path(path))[1]
+        hf, model = read_hf_config(hf_config_path(path))
+        return model.replace(mtp_depth=_mtp_layers(path, hf, model))
     return build_model(saved_run_config(path, step)[2].get("model") or {}, source_model)
+
+
+def _mtp_layers(path: str | Path, hf: dict[str, Any], model: TransformerConfig) -> int:
+    """How many of the multi-token-prediction layers the config counts (DeepSeek-V3's `num_nextn_predict_layers`)
+    the files hold, `model.layers.{layers + k}` for k = 0, 1, ...: transformers writes the key (default 1) whatever
+    the model carries. 0 for a config without weights beside it."""
+    from spmdkit.interop.families import FAMILIES
+    from spmdkit.interop.safetensors_files import TensorFiles
+
+    key = FAMILIES[family_of(hf, str(path))].mtp_key
+    if not key or not hf.get(key):
+        return 0
+    try:
+        names = TensorFiles(path).shapes
+    except SpmdkitError:
+        return 0
+    present = 0
+    while present < hf[key] and any(n.startswith(f"model.layers.{model.layers + present}.") for n in names):
+        present += 1
+    return present
 
 
 SAMPLE = 1 << 12  # bytes hashed at each sampled place of a tensor (or file)

@@ -46,7 +46,10 @@ class TensorMap:
     shape's first dim is the experts, one Hugging Face tensor each; 0: none), `groups` (how many of the remaining
     spmdkit dims make each Hugging Face dim, in spmdkit's order), `transpose` (Hugging Face's dims are the groups
     reversed), `fused` ((first row, rows) of a tensor it shares with others, Phi-3; rows 0: its own) and
-    `interleave` ((i, n): its columns are every n-th of the tensor's last dim from the i-th, GPT-OSS's gate_up)."""
+    `interleave` ((i, n): its columns are every n-th of the tensor's last dim from the i-th, GPT-OSS's gate_up);
+    `copy_of`: the tensor of another map this one copies once per layer of `layers` (the multi-token-prediction
+    layers' `embed_tokens` and `shared_head.head`: spmdkit holds one embedding and one head), written on export,
+    compared on import, never read into the parameter."""
 
     path: tuple[str, ...]
     name: str
@@ -57,6 +60,7 @@ class TensorMap:
     experts: int = 0
     fused: tuple[int, int] = (0, 0)
     interleave: tuple[int, int] = (0, 1)
+    copy_of: str = ""
 
     @property
     def stacked(self) -> bool:
@@ -254,34 +258,61 @@ def _experts(model: TransformerConfig, family: str, add) -> None:
         add("mlp.shared_gate", "mlp.shared_expert_gate.weight", (E, 1), (1, 1), True)
 
 
+def _block_maps(model: TransformerConfig, family: str, maps: list, stack: tuple[str, ...], layers: tuple[int, ...],
+                moe: bool) -> None:  # fmt: skip
+    """Append the maps of a stack of blocks (`stack`: its path) that are Hugging Face layers `layers`."""
+
+    def add(path, name, shape, groups, transpose, *, experts=0, fused=(0, 0), interleave=(0, 1)):
+        full = "model.layers.{i}." + name
+        maps.append(TensorMap((*stack, *path.split(".")), full, layers, shape, groups, transpose, experts, fused,
+                              interleave))  # fmt: skip
+
+    E, norms = model.embed, _norm_names(model)
+    for norm in ("attention_norm", "attention_post_norm"):
+        if norm in norms and (model.pre_norm or norm != "attention_norm"):
+            add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
+    _attention(model, family, add)
+    for norm in ("mlp_norm", "mlp_post_norm"):
+        if norm in norms and (model.pre_norm or norm != "mlp_norm"):
+            add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
+    (_experts if moe else _mlp)(model, family, add)
+
+
+def _mtp_maps(model: TransformerConfig, family: str, maps: list) -> None:
+    """DeepSeek-V3's multi-token-prediction layers `model.layers.{layers + k}` (k < mtp_depth): `enorm`, `hnorm`,
+    `eh_proj` ([embed, 2 x embed]: the embedding's half first), a block, `shared_head.norm`, and the copies of the
+    embedding (`embed_tokens`) and head (`shared_head.head`) DeepSeek's checkpoints carry (`spmdkit.models.mtp`)."""
+    E, V = model.embed, model.vocab_size
+    layers = tuple(range(model.layers, model.layers + model.mtp_depth))
+    for name, hf in (("enorm", "enorm"), ("hnorm", "hnorm"), ("head_norm", "shared_head.norm")):
+        maps.append(TensorMap(("mtp", name), f"model.layers.{{i}}.{hf}.weight", layers, (E,), (1,), False))
+    maps.append(TensorMap(("mtp", "eh_proj"), "model.layers.{i}.eh_proj.weight", layers, (2, E, E), (2, 1), True))
+    moe = model.is_moe_layer(model.layers - 1)  # the MTP blocks are of the last layer's kind (`models.mtp`)
+    _block_maps(model, family, maps, ("mtp", "blocks"), layers, moe)
+    embedding = "model.embed_tokens.weight"
+    maps.append(TensorMap(("embedding",), "model.layers.{i}.embed_tokens.weight", layers, (V, E), (1, 1), False,
+                          copy_of=embedding))  # fmt: skip
+    head = ((("embedding",), (V, E), False, embedding) if model.tie_embeddings else
+            (("lm_head",), (E, V), True, "lm_head.weight"))  # fmt: skip
+    maps.append(TensorMap(head[0], "model.layers.{i}.shared_head.head.weight", layers, head[1], (1, 1), head[2],
+                          copy_of=head[3]))  # fmt: skip
+
+
 def tensor_maps(model: TransformerConfig, family: str) -> list[TensorMap]:
-    """Every parameter of `model` as a `TensorMap` in Hugging Face `family`'s names, in the order it lists them."""
+    """Every parameter of `model` as a `TensorMap` in Hugging Face `family`'s names, in the order it lists them
+    (the multi-token-prediction modules in a family that stores them; elsewhere they are not written)."""
     E, V = model.embed, model.vocab_size
     order = layer_order(model)
     maps = [TensorMap(("embedding",), "model.embed_tokens.weight", (), (V, E), (1, 1), False)]
     for stack in ("blocks", "moe_blocks"):
         layers = tuple(i for i, (s, _) in enumerate(order) if s == stack)
-        if not layers:
-            continue
-
-        def add(path, name, shape, groups, transpose, *, experts=0, fused=(0, 0), interleave=(0, 1), stack=stack,
-                layers=layers):  # fmt: skip
-            full = "model.layers.{i}." + name
-            maps.append(TensorMap((stack, *path.split(".")), full, layers, shape, groups, transpose, experts, fused,
-                                  interleave))  # fmt: skip
-
-        norms = _norm_names(model)
-        for norm in ("attention_norm", "attention_post_norm"):
-            if norm in norms and (model.pre_norm or norm != "attention_norm"):
-                add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
-        _attention(model, family, add)
-        for norm in ("mlp_norm", "mlp_post_norm"):
-            if norm in norms and (model.pre_norm or norm != "mlp_norm"):
-                add(f"{norm}.scale", f"{norms[norm]}.weight", (E,), (1,), False)
-        (_experts if stack == "moe_blocks" else _mlp)(model, family, add)
+        if layers:
+            _block_maps(model, family, maps, (stack,), layers, stack == "moe_blocks")
     maps.append(TensorMap(("final_norm", "scale"), "model.norm.weight", (), (E,), (1,), False))
     if not model.tie_embeddings:
         maps.append(TensorMap(("lm_head",), "lm_head.weight", (), (E, V), (1, 1), True))
+    if model.mtp_depth and FAMILIES[family].mtp_key:
+        _mtp_maps(model, family, maps)
     return maps
 
 

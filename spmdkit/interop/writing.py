@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from spmdkit.errors import SpmdkitError
+from spmdkit.errors import SpmdkitError, SpmdkitWarning
+from spmdkit.interop.families import FAMILIES
 from spmdkit.interop.hf_config_writer import generation_config, hf_config
 from spmdkit.interop.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, special_token_ids
 from spmdkit.interop.safetensors_files import INDEX, SINGLE
@@ -82,6 +84,8 @@ def _plan_shards(maps: list[TensorMap], itemsize: int, limit: int) -> list[list[
 
 def _parts(m: TensorMap, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """(Hugging Face name, this parameter's part of it) for every layer and expert of `value`."""
+    if m.copy_of:  # the same (unstacked) parameter once per layer: the MTP layers' embedding and head
+        return [(m.hf_name(i), m.to_hf(value)) for i in range(len(m.layers))]
     layers = [(i, value[i]) for i in range(len(m.layers))] if m.stacked else [(None, value)]
     if not m.experts:
         return [(m.hf_name(i), m.to_hf(v)) for i, v in layers]
@@ -167,6 +171,14 @@ def save_hf(
     hf = hf_config(
         config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
     )
+    if config.mtp_depth and not FAMILIES[hf["model_type"]].mtp_key:
+        warnings.warn(
+            SpmdkitWarning(
+                f"{hf['model_type']} stores no multi-token-prediction layers: the model's {config.mtp_depth} MTP "
+                "module(s) are not exported (they trained the main model, which is)"
+            ),
+            stacklevel=2,
+        )
     staging = _staging(out)
     try:
         write_weights(staging, config, hf["model_type"], params, dtype, limit)

@@ -17,7 +17,7 @@ import typing
 from typing import Annotated, Literal
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config_checks import check_dense, check_experts, check_latent
+from spmdkit.models.config_checks import check_dense, check_experts, check_latent, check_mtp
 from spmdkit.models.fields import arg, check_types
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.remat import RematPolicy, parse_remat
@@ -191,6 +191,12 @@ class TransformerConfig:
     fp8: Annotated[
         bool, arg("the blocks' dense matmuls (q, k, v, o, gate, up, down) in FP8 with delayed per-tensor scaling")
     ] = False
+    mtp_depth: Annotated[
+        int, arg("multi-token prediction: D modules after the last layer, module k predicting token i + k + 1 (0: off)")
+    ] = 0
+    mtp_weight: Annotated[
+        float, arg("multi-token prediction: the objective adds this x the mean of the D modules' losses")
+    ] = 0.3
 
     def __post_init__(self) -> None:
         check_types(self, "model")  # the types the fields declare: layers=2.5 is not a model
@@ -222,6 +228,7 @@ class TransformerConfig:
                 "second step); use --dtype bfloat16, or drop --model.fp8"
             )
         check_latent(self)
+        check_mtp(self)
         self._check_rope()
         self._check_scales()
 

@@ -80,3 +80,11 @@ def check_dense(config: TransformerConfig) -> None:
             f"balance_rate={config.balance_rate} balances the experts of a mixture-of-experts model; this one is "
             "dense (experts 0): set experts, or drop balance_rate"
         )
+
+
+def check_mtp(config: TransformerConfig) -> None:
+    """Multi-token prediction: a depth >= 0, a finite weight >= 0, and no FP8 blocks (their scales are untested)."""
+    if config.mtp_depth < 0 or not (math.isfinite(config.mtp_weight) and config.mtp_weight >= 0):
+        raise SpmdkitError(f"mtp_depth={config.mtp_depth} and mtp_weight={config.mtp_weight} must be >= 0")
+    if config.mtp_depth and config.fp8:
+        raise SpmdkitError("--model.mtp-depth with --model.fp8: the MTP blocks have no FP8 path yet; drop one")

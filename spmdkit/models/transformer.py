@@ -23,6 +23,7 @@ from spmdkit.models.layers import MLP, RESIDUAL, Attention, RMSNorm, embed_token
 from spmdkit.models.loss import HeadSpec, lm_loss
 from spmdkit.models.loss import head_logits as loss_head_logits
 from spmdkit.models.moe import MoE
+from spmdkit.models.mtp import MultiTokenPrediction, block_kind, shifted_targets
 from spmdkit.models.remat import RematPolicy
 from spmdkit.models.remat_policy import checkpoint_policy, naming
 from spmdkit.sharding.logical import constrain
@@ -84,7 +85,9 @@ class Transformer(nnx.Module):
     The `layers` blocks are stacked on a leading `layers` dim (built with `nnx.vmap`) and run with `nnx.scan`,
     so compile time stays flat in depth and the pipeline can split the stack into stages. A mixture-of-experts
     model keeps its dense blocks in `blocks` and its MoE blocks in `moe_blocks` (two stacks: their parameters
-    differ); `forward` also returns the MoE layers' aux losses and loads.
+    differ); `forward` also returns the MoE layers' aux losses and loads. With `mtp_depth` > 0, `mtp` holds the
+    multi-token-prediction modules (`spmdkit.models.mtp`), which only `mtp_loss` runs: `forward` and generation
+    never read them.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -109,6 +112,9 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(config)
         if not c.tie_embeddings:  # tied: one parameter, `embedding`, is both the lookup table and the head
             self.lm_head = normal_param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.embed, c.param_dtype)
+        if c.mtp_depth:  # after the main model's: its initial values are those of the same seed without MTP
+            blocks = _stacked_blocks(config, c.mtp_depth, block_kind(c).moe, rngs)
+            self.mtp = MultiTokenPrediction(config, blocks, rngs=rngs)
 
     def lm_head_weight(self) -> jax.Array:
         """The LM head [embed, vocab] in the parameter dtype (embed over fsdp under ZeRO-3, vocab over tensor):
@@ -175,6 +181,36 @@ class Transformer(nnx.Module):
         (`spmdkit.models.loss.lm_loss`)."""
         head = self.lm_head_weight()
         return lm_loss(x, self.final_norm.scale[...], head, targets, self.config, mask, denominator)
+
+    def mtp_loss(
+        self,
+        x: jax.Array,
+        tokens: jax.Array,
+        targets: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        denominator: jax.Array | float | None = None,
+    ) -> tuple[jax.Array, dict]:
+        """(the mean over the `mtp_depth` modules of their cross-entropies, aux of their MoE blocks stacked on a
+        leading [mtp_depth] dim) for the last block's output x [batch, seq, embed] of tokens [batch, seq] with
+        targets, mask and segment_ids as `loss` and `hidden` take them; each depth's sum is divided by the main
+        loss's count of scored tokens (or `denominator`): `spmdkit.models.mtp`."""
+        c, h, losses, auxes = self.config, x, [], []
+        scored = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+        count = jnp.maximum(scored.sum(), 1.0) if denominator is None else denominator
+        head = self.lm_head_weight()
+        for k in range(c.mtp_depth):
+            ahead_tokens, ahead_targets, weights = shifted_targets(tokens, targets, mask, segment_ids, k + 1)
+            h = self.mtp.block_input(k, self.embed(ahead_tokens), h)
+            h, aux = scan_blocks(
+                _layer_slice(self.mtp.blocks, k, k + 1), h, positions, c.remat_policy, segment_ids, block_kind(c)
+            )
+            scale = self.mtp.head_norm_scale(k)
+            losses.append(lm_loss(h, scale, head, ahead_targets, c, weights, count)[0])
+            auxes.append(aux)
+        aux = jax.tree.map(lambda *a: jnp.concatenate(a), *auxes) if auxes[0] else {}
+        return jnp.mean(jnp.stack(losses)), aux
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None

@@ -169,6 +169,9 @@ def check_levers(model: TransformerConfig, rules: Rules, mesh: Mesh) -> None:
         raise SpmdkitError("--overlap-tp's collective matmuls do not run inside pipeline stages yet: drop one")
     if model.fp8 and mesh.shape["pipeline"] > 1:  # the pipeline's own backward has no path for the FP8 scales
         raise SpmdkitError("--model.fp8 does not run with a pipeline axis yet: drop --model.fp8 or the pipeline")
+    for axis, why in (("pipeline", "its stages run the main model only"), ("context", "its sequence layout")):
+        if model.mtp_depth and mesh.shape[axis] > 1:  # MTP shifts targets along the sequence, after the last layer
+            raise SpmdkitError(f"--model.mtp-depth does not run with a {axis} axis yet ({why}): drop one")
 
 
 def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig, abstract: bool = False) -> None:
@@ -184,6 +187,7 @@ def check_lora_run(config: TrainConfig, mesh: Mesh, model: TransformerConfig, ab
         (config.mesh.overlap_tp, "--overlap-tp (its collective matmuls bypass the adapted projections)"),
         (config.optimizer.offload, "--optimizer.offload (the adapters' moments are small: keep them on the device)"),
         (config.optimizer.name == "muon", "--optimizer.name muon (it is set up for the base's matrices)"),
+        (model.mtp_depth > 0, "--model.mtp-depth (the MTP modules would stay frozen): pass --model.mtp-depth 0"),
     ):
         if on:
             raise SpmdkitError(f"--lora does not run with {what} yet: drop one")

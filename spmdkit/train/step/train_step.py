@@ -78,13 +78,14 @@ def objective(
     """The training objective of one batch and its metrics.
 
     objective = cross-entropy (+ z_loss x the LM head's z-loss) + load_balance_weight x load-balancing loss +
-    router_z_weight x router z-loss (the aux terms are means over the MoE layers; a dense model has none). The
-    cross-entropy is the chunked one (`Transformer.loss`: the full logits never exist), a mean over the tokens
-    the batch's `loss_mask` weights (all without one), or their sum over `denominator` when the batch is one of
-    several pieces (see the module docstring). metrics: `loss` (the cross-entropy alone, comparable with
-    eval loss), `z_loss` when weighted, and, for MoE, the aux losses, `dropped` (share of token->expert
-    assignments over capacity) and `expert_load` [experts] (share of assignments per expert), averaged over MoE
-    layers.
+    router_z_weight x router z-loss (the aux terms are means over the MoE layers; a dense model has none)
+    + mtp_weight x the multi-token-prediction modules' mean cross-entropy (`mtp_depth` > 0, `Transformer.mtp_loss`;
+    their MoE blocks' aux losses join with the same weights). The cross-entropy is the chunked one
+    (`Transformer.loss`: the full logits never exist), a mean over the tokens the batch's `loss_mask` weights (all
+    without one), or their sum over `denominator` when the batch is one of several pieces (see the module
+    docstring). metrics: `loss` (the main cross-entropy alone, comparable with eval loss), `z_loss` when weighted,
+    `mtp_loss` with MTP, and, for MoE, the aux losses, `dropped` (share of token->expert assignments over
+    capacity) and `expert_load` [experts] (share of assignments per expert), averaged over the main MoE layers.
     """
     x, aux = model.hidden(batch["inputs"], batch["positions"], batch.get("segment_ids"))
     loss, z_loss = model.loss(x, batch["targets"], batch.get("loss_mask"), denominator)
@@ -92,6 +93,13 @@ def objective(
     metrics, total = {"loss": loss}, loss
     if c.z_loss:
         metrics["z_loss"], total = z_loss, total + c.z_loss * z_loss
+    if c.mtp_depth:
+        keys = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+        mtp_loss, mtp_aux = model.mtp_loss(x, *(batch.get(k) for k in keys), denominator)
+        metrics["mtp_loss"], total = mtp_loss, total + c.mtp_weight * mtp_loss
+        if mtp_aux:
+            total += c.load_balance_weight * jnp.mean(mtp_aux["load_balance_loss"])
+            total += c.router_z_weight * jnp.mean(mtp_aux["router_z_loss"])
     if not aux:
         return total, metrics
     metrics.update({name: jnp.mean(value, axis=0) for name, value in aux.items()})
