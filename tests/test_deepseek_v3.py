@@ -180,6 +180,11 @@ def test_multi_token_prediction_layers_import_and_export_bit_identically(saved, 
     for key, tensor in want.items():
         assert got[key].dtype == tensor.dtype and got[key].tobytes() == tensor.tobytes(), key
     assert max_relative_error(logits(_transformers_loads(out), TOKENS), saved[1]) <= 1e-6
+    from spmdkit.tools.hf_checkpoint import import_hf  # `spmdkit ckpt import-hf` keeps the layer too
+
+    assert import_hf(directory, tmp_path / "ckpt").mtp_depth == 1
+    again = spmdkit.save_hf(load_model(tmp_path / "ckpt"), tmp_path / "hf_again", tokenizer=directory)
+    assert all(_tensors(again)[key].tobytes() == tensor.tobytes() for key, tensor in want.items())
 
 
 def _mtp_reference(directory, inputs, targets, tmp_path):

@@ -50,7 +50,14 @@ from spmdkit.interop.hf_files import (
 )
 from spmdkit.interop.loading import check_tensors, hf_params, param_sharding_tree, stored_dtype
 from spmdkit.interop.safetensors_files import TensorFiles
-from spmdkit.interop.sources import OVERRIDES, hf_config_path, hf_family, source_kind, weights_checksum
+from spmdkit.interop.sources import (
+    OVERRIDES,
+    hf_config_path,
+    hf_family,
+    source_kind,
+    source_model,
+    weights_checksum,
+)
 from spmdkit.interop.writing import NUMPY_DTYPES, check_target, save_hf
 from spmdkit.models import Transformer
 from spmdkit.models.config import TransformerConfig
@@ -77,7 +84,7 @@ def import_hf(path: str | Path, out: str | Path, dtype: str | None = None, mesh:
     out = fresh_output(check_output(out, [source if source.is_dir() else source.parent]))
     with writing_into(out, "spmdkit ckpt import-hf"):
         config_path = hf_config_path(path)
-        _, model = read_hf_config(config_path)
+        model = source_model(path)  # with the multi-token-prediction layers the files hold
         files, family = TensorFiles(path), hf_family(path)
         check_tensors(files, model, family)  # every refusal comes before anything is written
         if dtype is not None and dtype not in NUMPY_DTYPES:
