@@ -265,12 +265,16 @@ def test_planner_predicts_the_all_to_alls_of_expert_parallelism():
     assert report.count("all-to-all", executed=True) == 4 * MOE_CONFIG.moe_layers
     assert planned.collective_bytes["all-to-all"] == 4 * MOE_CONFIG.moe_layers * 1 * 8 * 10 * 64 * 4
     assert planned.collective_bytes["all-to-all"] == pytest.approx(report.bytes("all-to-all"), rel=0.02)
-    # The expert weights' gradients are reduced over data (2) only, not over expert: the rest over all 8.
+    # The expert weights' gradients are reduced over data (2) only, not over expert. The other weights' state is
+    # sharded over expert like fsdp (ZeRO-3): their gradients are reduce-scattered over expert (4), their shards
+    # summed over data (2), and the weights gathered over expert.
     expert_grads = 3 * 4 * MOE_CONFIG.moe_layers * 2 * MOE_CONFIG.embed * MOE_CONFIG.mlp  # 2 of 8 experts here
-    by_group = {c.group_size: 0 for c in report.collectives}
+    found: dict[tuple[str, int], int] = {}
     for c in report.collectives:
-        by_group[c.group_size] += c.operand_bytes * c.executions if c.opcode == "all-reduce" else 0
-    assert by_group[2] == expert_grads
+        found[c.opcode, c.group_size] = found.get((c.opcode, c.group_size), 0) + c.operand_bytes * c.executions
+    assert found["all-reduce", 2] > expert_grads and found["reduce-scatter", 4] > 0 and found["all-gather", 4] > 0
+    reductions = planned.collective_bytes["all-reduce"] + planned.collective_bytes["reduce-scatter"]
+    assert reductions == pytest.approx(report.bytes("all-reduce") + report.bytes("reduce-scatter"), rel=0.05)
 
 
 # --- the command ---------------------------------------------------------------------------------------------

@@ -235,21 +235,21 @@ def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> N
     # by one psum over them all (the transpose of the shard_map's pcast), sliced to the fsdp shard after.
     routed = p.routed and s.expert_shard_map
     expert = () if routed else ("expert",)
-    split = state_axes(p.grads)  # fsdp, context: the gradient's shard
+    split = state_axes(p.grads, p.routed)  # fsdp, context (and expert but for expert weights): the gradient's shard
     if routed and split and s["data"] * s["context"] > 1:
         add("all-reduce", ("data", "fsdp", "context"), full)
     elif split:
         add("reduce-scatter", split, full)
-        rest = ("data", *expert, *(() if "context" in split else ("context",)))
+        rest = tuple(x for x in ("data", *expert, "context") if x not in split)
         add("all-reduce", rest, full / math.prod(s[x] for x in split))
     else:  # replicated gradients; norm scales under SP (and q/k norms: over heads) also sum on `tensor`
         norm_sp = ("tensor",) if p.name.endswith("norm") and (s.sequence_parallel or "attention." in p.name) else ()
         add("all-reduce", ("data", "fsdp", *expert, "context", *norm_sp), full)
     if not p.stacked and P > 1:  # embedding and head are replicated over pipeline: psum of their gradients
         add("all-reduce", ("pipeline",), s.local(p, "grads"))
-    if state_axes(p.optimizer) and s.zero < 3:
-        add("all-gather", state_axes(p.optimizer), s.local(p, "optimizer"))  # the updated parameters, once per step
-    elif state_axes(p.params):
+    if state_axes(p.optimizer, p.routed) and s.zero < 3:  # the updated parameters, gathered once per step
+        add("all-gather", state_axes(p.optimizer, p.routed), s.local(p, "optimizer"))
+    elif state_axes(p.params, p.routed):
         # Per microbatch: the scanned layers are gathered in the forward and again in the backward; the head,
         # outside the scan, once; the embedding table once, cast to the compute dtype before the gather; expert
         # weights once at the shard_map's edge (the backward keeps that input) unless remat recomputes it.
@@ -257,7 +257,7 @@ def _parameter_collectives(s: Layout, p: Sharded, add: Callable[..., None]) -> N
         if p.name == "embedding" and m.tie_embeddings:  # tied: gathered for the lookup and for the head
             gathers, nbytes = 2, (a / 4 + 1) / 2
         gathers = 1 if p.routed and s.expert_shard_map and not m.remat_policy.recomputes else gathers
-        add("all-gather", state_axes(p.params), M * gathers * nbytes * s.local(p, "params"))
+        add("all-gather", state_axes(p.params, p.routed), M * gathers * nbytes * s.local(p, "params"))
 
 
 def estimate(

@@ -194,7 +194,7 @@ def adapters(m: TransformerConfig, lora: LoraConfig) -> list[Param]:
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """One parameter's float32 bytes, the mesh axes its value, optimizer moments and gradient are split over, and
-    `divisor[kind]`: (the product of those axes, the same without the state axes fsdp and context). `routed`: an
+    `divisor[kind]`: (the product of those axes, the same without the state axes fsdp, context and expert). `routed`: an
     expert weight (it has the `experts` dim and runs inside the expert shard_map)."""
 
     name: str
@@ -218,12 +218,13 @@ class Sharded:
         return self.name.split(".")[0] if self.stacked else None
 
 
-STATE_AXES = ("fsdp", "context")  # what ZeRO shards the state over (`embed`'s rule)
+STATE_AXES = ("fsdp", "context", "expert")  # what ZeRO shards the state over (`embed`'s rule)
 
 
-def state_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The state axes among a parameter's `axes` (its value's, optimizer's or gradient's): what gathers it."""
-    return tuple(x for x in STATE_AXES if x in axes)
+def state_axes(axes: tuple[str, ...], routed: bool = False) -> tuple[str, ...]:
+    """The state axes among a parameter's `axes` (its value's, optimizer's or gradient's): what gathers it. A
+    routed expert weight's `expert` splits its experts (each device computes with its own), not its state."""
+    return tuple(x for x in STATE_AXES if x in axes and not (routed and x == "expert"))
 
 
 @functools.cache
@@ -242,7 +243,7 @@ def sharded(
     inventory = [(p, frozen_bytes(m, lora, p[0], p[1]) if tuned else 4.0, not tuned) for p in parameters(m)]
     inventory += [(p, float(DTYPE_BYTES[m.param_dtype]), True) for p in (adapters(m, lora) if tuned else [])]
     for (name, shape, names), element, trained in inventory:
-        axes = {}
+        axes, routed = {}, "experts" in names
         for kind, table in tables.items():
             axes[kind] = []
             for size, logical in zip(shape, names, strict=True):
@@ -259,14 +260,12 @@ def sharded(
                     )
                 axes[kind] += dim_axes
         divisor = {
-            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x not in STATE_AXES))
+            k: (math.prod(sizes[x] for x in v), math.prod(sizes[x] for x in v if x not in state_axes(v, routed)))
             for k, v in axes.items()
         }
         kinds = (tuple(axes[k]) for k in ("params", "optimizer", "grads"))
         matrix = matrix_axes(name, names) is not None
-        out.append(
-            Sharded(name, element * math.prod(shape), *kinds, divisor, "experts" in names, matrix, trained, element)
-        )
+        out.append(Sharded(name, element * math.prod(shape), *kinds, divisor, routed, matrix, trained, element))
     return tuple(out)
 
 

@@ -9,12 +9,12 @@ and `heads, kv_heads, mlp, vocab` as for the weights.
 
 | strategy | what the rules say |
 |---|---|
-| DP, HSDP, FSDP | `batch -> (data, fsdp, expert)`; ZeRO-3 also `embed -> (fsdp, context)` for parameters |
-| ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> (fsdp, context)` |
+| DP, HSDP, FSDP | `batch -> (data, fsdp, expert)`; ZeRO-3 also `embed -> (fsdp, context, expert)` for parameters |
+| ZeRO-1/2 | parameters replicated; optimizer state (and for ZeRO-2 gradients) `embed -> (fsdp, context, expert)` |
 | TP | `heads, kv_heads, mlp, vocab -> tensor` |
 | SP | as TP, plus `act_seq -> tensor` |
 | CP | `seq, act_seq -> context`; the state is sharded over `context` with `fsdp` (ZeRO over both) |
-| EP | `experts -> expert` (expert weights); tokens are split over `expert` like any batch axis |
+| EP | `experts -> expert` (expert weights); tokens and the other weights' state are split over `expert` too |
 | PP | `layers -> pipeline` |
 
 Your own model's names: `make_rules(extra={"patch": None, "channels": "tensor"})` adds (or overrides) names,
@@ -153,9 +153,10 @@ def make_rules(
         "layers": ("pipeline",),
         "norm": (),
     }
-    # The state is sharded over context too: its devices hold different tokens (they reduce gradients like fsdp's),
-    # so a context-heavy mesh holds what an FSDP mesh of the same size holds (MaxText's ZeRO over both).
-    sharded_embed = {**common, "embed": ("fsdp", "context"), **own}
+    # The state is sharded over context and expert too: their devices hold different tokens (they reduce gradients
+    # like fsdp's), so a context- or expert-heavy mesh holds what an FSDP mesh of the same size holds (MaxText's ZeRO
+    # over all three). An expert weight's `experts` dim takes `expert` first, so its `embed` shards over the rest.
+    sharded_embed = {**common, "embed": ("fsdp", "context", "expert"), **own}
     replicated_embed = {**common, "embed": (), **own}
     return Rules(
         params=sharded_embed if zero_stage == 3 else replicated_embed,
