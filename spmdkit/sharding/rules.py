@@ -40,7 +40,7 @@ FlaxAxes = str | tuple[str, ...] | None
 
 # Logical names that fall back to replication (with a warning) when the mesh axis doesn't divide them:
 # grouped-query attention has fewer KV heads than TP ranks at scale, and Megatron replicates them then.
-REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
+REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "latent"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,6 @@ def make_rules(
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "head_dim": (),
-        "latent": (),  # latent attention's low-rank dims (q_lora_rank, kv_lora_rank): whole on every device
         "mlp": ("tensor",),
         "vocab": ("tensor",),
         "experts": ("expert",),
@@ -156,8 +155,11 @@ def make_rules(
     # The state is sharded over context and expert too: their devices hold different tokens (they reduce gradients
     # like fsdp's), so a context- or expert-heavy mesh holds what an FSDP mesh of the same size holds (MaxText's ZeRO
     # over all three). An expert weight's `experts` dim takes `expert` first, so its `embed` shards over the rest.
-    sharded_embed = {**common, "embed": ("fsdp", "context", "expert"), **own}
-    replicated_embed = {**common, "embed": (), **own}
+    # Latent attention's low-rank dims (q_lora_rank, kv_lora_rank: q_b's and kv_b's inputs) are whole in compute
+    # and sharded like `embed` in the state (replicated where they do not divide: a bias of kv_lora_rank + rope).
+    state = ("fsdp", "context", "expert")
+    sharded_embed = {**common, "embed": state, "latent": state, **own}
+    replicated_embed = {**common, "embed": (), "latent": (), **own}
     return Rules(
         params=sharded_embed if zero_stage == 3 else replicated_embed,
         optimizer=sharded_embed if zero_stage >= 1 else replicated_embed,
