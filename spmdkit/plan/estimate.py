@@ -75,6 +75,7 @@ from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
+from spmdkit.plan.dispatch import resolve_dispatch
 from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
 from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
 from spmdkit.plan.remat_cost import REMAT_ORDER as REMAT_ORDER  # re-exported: the search's order
@@ -284,6 +285,8 @@ def estimate(
     if not isinstance(layout, Strategy):
         layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
     planned = Layout.of(m, layout, devices, batch_size, seq_len, lora)
+    # --moe-dispatch auto: what build_program would pick on this device and batch split
+    planned = dataclasses.replace(planned, model=resolve_dispatch(m, seq_len, planned.replicas > 1, dev.backend))
     check_layout(planned)
     return evaluate(planned, dev, efficiency, comm_efficiency)
 
