@@ -75,7 +75,7 @@ from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
-from spmdkit.plan.dispatch import resolve_dispatch
+from spmdkit.plan.dispatch import expert_flops_ratio, resolve_dispatch
 from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
 from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
 from spmdkit.plan.remat_cost import REMAT_ORDER as REMAT_ORDER  # re-exported: the search's order
@@ -308,9 +308,12 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         row["wire_bytes"], row["seconds"] = float(row["wire_bytes"]) + wire, float(row["seconds"]) + seconds
         hidden, blocking = hidden + seconds * c.overlapped, blocking + seconds * (not c.overlapped)
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
-    # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens;
-    # 6 FLOPs per weight and slot (forward and backward), 3 E F weights per expert.
-    padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
+    # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens, or
+    # a dense ragged_dot's E top_k S (`spmdkit.plan.dispatch`); 6 FLOPs per weight and slot (forward and
+    # backward), 3 E F weights per expert.
+    routed = m.top_k * s.seq_len
+    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, s.replicas > 1, dev.backend) * routed if m.moe_layers else 0
+    padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (executed - routed) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
     repeated = {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}
