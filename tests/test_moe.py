@@ -240,9 +240,9 @@ def test_auto_dispatch_takes_dropless_only_where_it_costs_no_more_expert_flops(m
     cheap and exact. On one batch shard dropless is a ragged_dot: dense (E x) where it is not grouped, 1 x where
     it is. build_program stores the choice in the model config and says why."""
     moe = model_preset("tiny-moe").replace(dispatch="auto")
-    choice = choose_dispatch(moe, 128, batch_split=True, platform="gpu")
+    choice = choose_dispatch(moe, 128, batch_split=True, platform="cuda")
     assert choice.dispatch == "capacity" and choice.ratios == {"dropless": 4.0, "capacity": 1.25}
-    assert choose_dispatch(moe.replace(capacity_factor=4.0), 128, True, "gpu").dispatch == "dropless"
+    assert choose_dispatch(moe.replace(capacity_factor=4.0), 128, True, "cuda").dispatch == "dropless"
     assert choose_dispatch(moe, 128, batch_split=False, platform="cpu").ratios["dropless"] == 8.0
     monkeypatch.setattr("spmdkit.plan.dispatch.GROUPED_RAGGED_DOT", frozenset({"cpu"}))
     assert choose_dispatch(moe, 128, batch_split=False, platform="cpu").dispatch == "dropless"

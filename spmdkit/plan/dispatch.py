@@ -24,8 +24,9 @@ from typing import NamedTuple
 from spmdkit.models.config import TransformerConfig
 from spmdkit.parallel.capacity import capacity
 
-# Platforms (`jax.Device.platform`) whose compiler turns `jax.lax.ragged_dot` into a grouped GEMM, forward and
-# backward. None measured yet (see the module docstring); TPU is untested here.
+# Platforms (as `spmdkit.targets.device_facts.device_platform` names them: "cuda", "cpu", "tpu", ...) whose compiler
+# turns `jax.lax.ragged_dot` into a grouped GEMM, forward and backward. None measured yet (the module docstring);
+# TPU is untested here.
 GROUPED_RAGGED_DOT: frozenset[str] = frozenset()
 
 
@@ -39,7 +40,7 @@ class DispatchChoice(NamedTuple):
 
 def expert_flops_ratio(m: TransformerConfig, dispatch: str, seq_len: int, batch_split: bool, platform: str) -> float:
     """Executed expert FLOPs / routed ones of `dispatch` (the table above); `batch_split`: the experts run in
-    `expert_ffn`'s shard_map (some batch axis > 1), `platform` the devices' (`gpu`, `cpu`, ...)."""
+    `expert_ffn`'s shard_map (some batch axis > 1), `platform` the devices' (`cuda`, `cpu`, ...)."""
     e, k = m.experts, m.top_k
     if dispatch == "capacity":
         return e * capacity(seq_len, k, e, m.capacity_factor) / (k * seq_len)

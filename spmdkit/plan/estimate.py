@@ -286,7 +286,8 @@ def estimate(
         layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
     planned = Layout.of(m, layout, devices, batch_size, seq_len, lora)
     # --moe-dispatch auto: what build_program would pick on this device and batch split
-    planned = dataclasses.replace(planned, model=resolve_dispatch(m, seq_len, planned.replicas > 1, dev.backend))
+    resolved = resolve_dispatch(m, seq_len, planned.replicas > 1, planner_platform(dev))
+    planned = dataclasses.replace(planned, model=resolved)
     check_layout(planned)
     return evaluate(planned, dev, efficiency, comm_efficiency)
 
@@ -312,7 +313,8 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
     # a dense ragged_dot's E top_k S (`spmdkit.plan.dispatch`); 6 FLOPs per weight and slot (forward and
     # backward), 3 E F weights per expert.
     routed = m.top_k * s.seq_len
-    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, s.replicas > 1, dev.backend) * routed if m.moe_layers else 0
+    split, platform = s.replicas > 1, planner_platform(dev)
+    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, split, platform) * routed if m.moe_layers else 0
     padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (executed - routed) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
