@@ -13,16 +13,21 @@ import optax
 import pytest
 from flax import nnx
 
+from spmdkit.cli.train import parse_flags
 from spmdkit.errors import SpmdkitError
 from spmdkit.inspect.hlo import collective_report
 from spmdkit.models import TransformerConfig
 from spmdkit.models.moe import route
+from spmdkit.models.presets import model_preset
 from spmdkit.models.transformer import Transformer
 from spmdkit.parallel.experts import ExpertWeights, capacity, dense_moe, expert_ffn, sequential_drops, slots
+from spmdkit.plan.dispatch import choose_dispatch
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
 from spmdkit.sharding.rules import make_rules
+from spmdkit.train.config import TrainConfig
 from spmdkit.train.step.optimizer import OptimizerConfig, make_optimizer
+from spmdkit.train.step.program import build_program
 from spmdkit.train.step.state import create_train_state
 from spmdkit.train.step.train_step import loss_and_grads, make_train_step
 
@@ -224,6 +229,31 @@ def test_moe_errors():
     index, weight = jnp.zeros((8, 4, 1), jnp.int32), jnp.ones((8, 4, 1))
     with use_rules(rules, mesh), pytest.raises(SpmdkitError, match="experts=4 is not divisible by mesh axis expert=8"):
         expert_ffn(jnp.zeros((8, 4, 8)), index, weight, w, dispatch_kind="capacity", factor=1.0)
+    with pytest.raises(SpmdkitError, match="dispatch 'auto' is not resolved: build the model through build_program"):
+        expert_ffn(jnp.zeros((8, 4, 8)), index, weight, w, dispatch_kind="auto", factor=1.0)
+
+
+def test_auto_dispatch_takes_dropless_only_where_it_costs_no_more_expert_flops(monkeypatch):
+    """`--moe-dispatch auto` by the planner's count (`spmdkit.plan.dispatch`): tiny-moe (8 experts, top-2, seq 128)
+    with the batch split pads dropless to 128 slots per expert, 4 x the routed FLOPs, against capacity's 40 slots,
+    1.25 x: capacity. At a capacity factor of 4 = E / k the capacity is the whole sequence, so dropless is as
+    cheap and exact. On one batch shard dropless is a ragged_dot: dense (E x) where it is not grouped, 1 x where
+    it is. build_program stores the choice in the model config and says why."""
+    moe = model_preset("tiny-moe").replace(dispatch="auto")
+    choice = choose_dispatch(moe, 128, batch_split=True, platform="cuda")
+    assert choice.dispatch == "capacity" and choice.ratios == {"dropless": 4.0, "capacity": 1.25}
+    assert choose_dispatch(moe.replace(capacity_factor=4.0), 128, True, "cuda").dispatch == "dropless"
+    assert choose_dispatch(moe, 128, batch_split=False, platform="cpu").ratios["dropless"] == 8.0
+    monkeypatch.setattr("spmdkit.plan.dispatch.GROUPED_RAGGED_DOT", frozenset({"cpu"}))
+    assert choose_dispatch(moe, 128, batch_split=False, platform="cpu").dispatch == "dropless"
+    assert choose_dispatch(moe, 128, batch_split=True, platform="cpu").dispatch == "capacity"
+    monkeypatch.undo()
+    flags = "--model tiny-moe --moe-dispatch auto --seq-len 128 --batch-size 8 --mesh expert=8"
+    program = build_program(parse_flags(flags.split(), TrainConfig()))
+    assert program.model_config.dispatch == "capacity" and program.config.model.dispatch == "auto"
+    assert program.dispatch_reason.startswith("capacity 1.25: 1.25 x the routed FLOPs; dropless pads"), program
+    explicit = build_program(parse_flags(f"{flags} --moe-dispatch dropless".split(), TrainConfig()))
+    assert explicit.model_config.dispatch == "dropless" and explicit.dispatch_reason == "dropless: as configured"
 
 
 def test_training_job_reports_router_metrics(tmp_path):

@@ -24,7 +24,7 @@ from spmdkit.models.remat import RematPolicy, parse_remat
 
 Remat = str  # a preset of `spmdkit.models.remat.PRESETS` or save:/offload: names (`parse_remat` checks it)
 Attention = Literal["auto", "dot", "blockwise", "cudnn", "ring", "ulysses_dot", "ulysses_blockwise", "ulysses_cudnn"]
-Dispatch = Literal["capacity", "dropless", "dense"]
+Dispatch = Literal["capacity", "dropless", "dense", "auto"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 QkNormScope = Literal["head", "layer"]
@@ -41,10 +41,11 @@ class TransformerConfig:
     (`experts` > 0): every `moe_every`-th block (1: all) replaces its MLP by `experts` SwiGLU experts of hidden width
     `mlp`, each token routed to `top_k` of them (plus a dense `shared_expert` when set). `dispatch`: "capacity"
     (each sequence sends at most ceil(capacity_factor x seq x top_k / experts) tokens to an expert; the rest pass
-    through the residual), "dropless" (grouped matmul, nothing dropped) or "dense" (every expert on every token:
-    the reference). The loss adds `load_balance_weight` x the Switch load-balancing loss and `router_z_weight` x
-    the router z-loss; `balance_rate` > 0 balances the experts without a loss term, by moving the router's
-    correction bias after each step (`spmdkit.train.step.balance`).
+    through the residual), "dropless" (grouped matmul, nothing dropped), "dense" (every expert on every token:
+    the reference) or "auto" (`build_program` picks capacity or dropless for the devices). The loss adds
+    `load_balance_weight` x the Switch load-balancing loss and `router_z_weight` x the router z-loss;
+    `balance_rate` > 0 balances the experts without a loss term, by moving the router's correction bias after each
+    step (`spmdkit.train.step.balance`).
     """
 
     vocab_size: Annotated[int, arg("tokens in the vocabulary")] = 264
@@ -76,7 +77,13 @@ class TransformerConfig:
         int, arg("mixture of experts: every k-th block is an MoE block, less the layers dense_layers names")
     ] = 1
     shared_expert: Annotated[bool, arg("mixture of experts: add a dense MLP that every token runs through")] = False
-    dispatch: Annotated[Dispatch, arg("mixture of experts: capacity, dropless or dense (the reference)")] = "capacity"
+    dispatch: Annotated[
+        Dispatch,
+        arg(
+            "mixture of experts: capacity, dropless, dense (the reference) or auto (dropless where it executes no "
+            "more expert FLOPs than capacity on the devices, else capacity: spmdkit.plan.dispatch)"
+        ),
+    ] = "capacity"
     capacity_factor: Annotated[float, arg("mixture of experts: expert slots per sequence x top_k / experts")] = 1.25
     load_balance_weight: Annotated[float, arg("mixture of experts: weight of the Switch load-balancing loss")] = 0.01
     router_z_weight: Annotated[float, arg("mixture of experts: weight of the router z-loss")] = 0.001

@@ -211,6 +211,11 @@ def expert_ffn(
     """
     b, s, _ = x.shape
     k, e = expert_index.shape[-1], w.gate.shape[0]
+    if dispatch_kind not in ("capacity", "dropless", "dense"):  # "auto" is build_program's to resolve
+        raise SpmdkitError(
+            f"MoE dispatch {dispatch_kind!r} is not resolved: build the model through build_program (it picks "
+            "for the devices), or pass capacity, dropless or dense"
+        )
     if dispatch_kind == "dense":
         return dense_moe(x, expert_index, weight, w, glu), jnp.zeros((), jnp.float32)
     active = active_rules()

@@ -75,6 +75,7 @@ from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.presets import PRESETS, model_preset
 from spmdkit.parallel.context.chunks import ring_balance, ring_steps
 from spmdkit.plan.devices import Device, make_device, mixed_peak, node_local_axes, wire_bytes
+from spmdkit.plan.dispatch import expert_flops_ratio, resolve_dispatch
 from spmdkit.plan.layout import Layout, Sharded, check_layout, state_axes
 from spmdkit.plan.memory import layout_kernel, manual_region, memory, optimizer_bytes, pipeline_schedule
 from spmdkit.plan.muon import muon_collectives, muon_flops
@@ -287,6 +288,9 @@ def estimate(
     if not isinstance(layout, Strategy):
         layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
     planned = Layout.of(m, layout, devices, batch_size, seq_len, lora)
+    # --moe-dispatch auto: what build_program would pick on this device and batch split
+    resolved = resolve_dispatch(m, seq_len, planned.replicas > 1, planner_platform(dev))
+    planned = dataclasses.replace(planned, model=resolved)
     check_layout(planned)
     return evaluate(planned, dev, efficiency, comm_efficiency)
 
@@ -308,9 +312,13 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         row["wire_bytes"], row["seconds"] = float(row["wire_bytes"]) + wire, float(row["seconds"]) + seconds
         hidden, blocking = hidden + seconds * c.overlapped, blocking + seconds * (not c.overlapped)
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
-    # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens;
-    # 6 FLOPs per weight and slot (forward and backward), 3 E F weights per expert.
-    padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (s.slots - m.top_k * s.seq_len) * s.batch_size
+    # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens, or
+    # a dense ragged_dot's E top_k S (`spmdkit.plan.dispatch`); 6 FLOPs per weight and slot (forward and
+    # backward), 3 E F weights per expert.
+    routed = m.top_k * s.seq_len
+    split, platform = s.replicas > 1, planner_platform(dev)
+    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, split, platform) * routed if m.moe_layers else 0
+    padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (executed - routed) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
     repeated = {"full": run / 3, "dots_with_no_batch_dims_saveable": attention_forward}

@@ -265,12 +265,18 @@ def _casts_kept(s: Layout, gathers: bool) -> bool:
     return not policy.recomputes or hoisted
 
 
+# The stacked weights whose relaid-out copy XLA:GPU keeps under ZeRO-3 (`_relayouts`): a dense block's MLP gate,
+# an MoE block's three expert weights (gpt-oss-20b on fsdp=2,expert=4: f32[1440, 24, 8, 2880] each), and the query.
+RELAID_OUT = ("blocks.mlp.gate", "blocks.attention.q", "moe_blocks.attention.q", *(
+    f"moe_blocks.mlp.{w}" for w in ("gate", "up", "down")))  # fmt: skip
+
+
 def _relayouts(s: Layout) -> float:
-    """Under ZeRO-3 over fsdp XLA:GPU keeps a relaid-out (layers inward) float32 copy of the stacked shards of one
-    MLP input projection and of the query projection, the operands of its per-layer all-gathers."""
+    """Under ZeRO-3 over fsdp XLA:GPU keeps a relaid-out (the fsdp-split dim outermost, layers inward) float32 copy
+    of the stacked shards of `RELAID_OUT`, the operands of its per-layer all-gathers."""
     if s.zero < 3 or s["fsdp"] * s["context"] == 1:
         return 0.0
-    return sum(s.local(p, "params") for p in s.params if p.name in ("blocks.mlp.gate", "blocks.attention.q"))
+    return sum(s.local(p, "params") for p in s.params if p.name in RELAID_OUT)
 
 
 def _gradients(s: Layout) -> float:

@@ -144,18 +144,32 @@ def lower_train_step(program: TrainProgram) -> Any:
 
 
 def moe_gemm(text: str, program: TrainProgram, devices: int) -> dict[str, Any] | None:
-    """How the experts' GEMMs compiled (None without experts): `grouped` (a grouped GEMM per weight) or `dense`
-    (dense matmuls: `jax.lax.ragged_dot` lowered to a masked matmul over every expert, or the capacity buffers of
-    an expert-parallel mesh), with their FLOPs per device against the routed ones (each token through its
-    top_k experts, forward and backward: 18 x embed x routed_mlp x top_k per token and MoE layer). `ratio` counts
-    what the compiled step runs, recomputation included (remat runs the forward's share again)."""
+    """How the experts' GEMMs compiled (None without experts): `kind` `grouped` (a grouped GEMM per weight) or
+    `dense` (dense matmuls: `jax.lax.ragged_dot` lowered to a masked matmul over every expert, or batched GEMMs over
+    the capacity slots; `loop`, a loop over experts, is what no spmdkit dispatch compiles to), the `dispatch` that
+    ran and why, and their FLOPs per device: forward, `recompute` (remat reruns the forward inside the backward:
+    its op_name holds `rematted_computation`) and backward (`transpose(`), each against the routed FLOPs of that
+    pass (each token through its top_k experts: 6 x embed x routed_mlp x top_k per token and MoE layer forward,
+    twice that backward, the forward again where the program recomputes it: the remat factor)."""
     m, run = program.model_config, program.config.run
     if not m.moe_layers:
         return None
     found = expert_gemms(text, EXPERT_OPS)
-    routed = 18 * m.embed * m.routed_mlp * m.top_k * m.moe_layers * run.batch_size * run.seq_len / devices
+    ops = "(?:" + "|".join(re.escape(n) for n in EXPERT_OPS) + ")"
+    backward_all = hlo_flops(text, where=re.compile(rf'op_name="[^"]*transpose\([^"]*{ops}'))["matmul"]
+    recompute = hlo_flops(text, where=re.compile(rf'op_name="[^"]*rematted_computation[^"]*{ops}'))["matmul"]
+    forward, backward = found["flops"] - backward_all, backward_all - recompute
+    per_pass = 6 * m.embed * m.routed_mlp * m.top_k * m.moe_layers * run.batch_size * run.seq_len / devices
+    remat_factor = 1 + (recompute > 0)  # how often the routed forward runs
+    routed = per_pass * (remat_factor + 2)
     kind = "grouped" if found["grouped"] and not found["dense"] else "dense"
-    return {"kind": kind, **found, "routed_flops": routed, "ratio": found["flops"] / routed if routed else None}
+    return {
+        "kind": kind, "dispatch": m.dispatch, "dispatch_reason": program.dispatch_reason, **found,
+        "forward_flops": forward, "recompute_flops": recompute, "backward_flops": backward, "routed_flops": routed,
+        "remat_factor": remat_factor, "ratio": found["flops"] / routed if routed else None,
+        "forward_ratio": (forward + recompute) / (per_pass * remat_factor) if routed else None,
+        "backward_ratio": backward / (2 * per_pass) if routed else None,
+    }  # fmt: skip
 
 
 def compile_decode(config: TrainConfig, devices: list[Any]) -> tuple[Any, Any, dict[str, float]]:
@@ -320,7 +334,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.insert(
             -2,
             f"MoE GEMMs    {g['kind']}: {g['ratio']:.2f} x the routed FLOPs ({g['flops'] / 1e12:.3f} TFLOP per device; "
-            "grouped: one grouped GEMM per weight, dense: matmuls over every expert slot)",
+            f"forward {g['forward_ratio']:.2f} x{' run twice (remat)' if g['remat_factor'] > 1 else ''}, backward "
+            f"{g['backward_ratio']:.2f} x); dispatch {g['dispatch_reason']}",
         )
     if r.get("roofline"):
         lines += ["roofline     per device per call, each kernel at the peak FLOP/s or HBM bandwidth (whichever "

@@ -69,6 +69,7 @@ def _describe_experts(trainer: Trainer) -> str:
         f"experts      {c.moe_layers} MoE layers of {c.experts} experts, top-{c.top_k}, {c.dispatch} dispatch"
         + (f" (capacity factor {c.capacity_factor})" if c.dispatch == "capacity" else "")
         + f", over expert={trainer.mesh.shape['expert']}; {c.num_params(active=True):,} parameters active per token"
+        + f"\n             dispatch {trainer.program.dispatch_reason}"  # which runs and why (--moe-dispatch auto)
     )
 
 

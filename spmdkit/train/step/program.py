@@ -28,6 +28,7 @@ from spmdkit.models.lora_config import LoraConfig
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.context.chunks import ring_balance
 from spmdkit.parallel.pipeline.schedule import Schedule
+from spmdkit.plan.dispatch import choose_dispatch
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.sharding.mesh import MeshConfig, make_mesh
 from spmdkit.sharding.rules import Rules, make_rules
@@ -54,6 +55,7 @@ class TrainProgram:
     pipeline: Schedule | None
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
+    dispatch_reason: str = ""  # MoE: which dispatch runs and why (`--moe-dispatch auto`'s count); "" without experts
 
     @property
     def context(self) -> int:
@@ -212,6 +214,20 @@ def ulysses_factor(factor: int | None, sizes: Mapping[str, int], model: Transfor
     return factor
 
 
+def moe_dispatch(
+    config: TrainConfig, mesh: Mesh, model: TransformerConfig, platform: str
+) -> tuple[TransformerConfig, str]:
+    """The MoE dispatch that runs on `platform` (`--moe-dispatch auto` resolved by the planner's count of expert
+    FLOPs, `spmdkit.plan.dispatch`) and why, for the reports; a dense model is returned as it is, with ""."""
+    if not model.moe_layers:
+        return model, ""
+    if model.dispatch != "auto":
+        return model, f"{model.dispatch}: as configured"
+    split = layout(config, mesh, model).replicas > 1  # the experts run in expert_ffn's shard_map
+    choice = choose_dispatch(model, config.run.seq_len, split, platform)
+    return model.replace(dispatch=choice.dispatch), f"{choice.reason} (--moe-dispatch auto)"
+
+
 def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abstract: bool = False) -> TrainProgram:
     """The program of `config` on `devices` (default: every device of every process). Everything the mesh, model
     and batch must agree on is checked here, before any array exists; an explicit attention kernel that cannot run
@@ -228,6 +244,7 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abs
         sinks=model.attention_sinks,
         context_parallel=config.mesh.context_parallel, head_split=0 if model.heads % split else model.heads // split,
     )  # fmt: skip
+    model, dispatch_reason = moe_dispatch(config, mesh, model, device_platform(device))
     windows = [model.window_of(i) for i in range(model.layers)]
     ring_layout = ring_balance(windows, config.run.seq_len, mesh.shape["context"] // ulysses)
     settings = config.mesh
@@ -244,4 +261,6 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abs
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
     tx = make_optimizer(config.optimizer, run.steps, model)
     model = model.replace(attention=kernel)  # decided once, here: the model runs what its config says
-    return TrainProgram(config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps))
+    return TrainProgram(
+        config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps), dispatch_reason
+    )
