@@ -67,7 +67,7 @@ PRESETS["mistral-7b"] = TransformerConfig(  # Mistral-7B-v0.1: a 4096-token wind
 )  # fmt: skip
 PRESETS["qwen3-30b-a3b"] = TransformerConfig(  # 128 experts of width 768, 8 per token, renormalised
     vocab_size=151_936, embed=2048, layers=48, heads=32, kv_heads=4, head_dim=128, mlp=6144, rope_theta=1_000_000.0,
-    norm_eps=1e-6, qk_norm=True, experts=128, top_k=8, expert_mlp=768, dispatch="dropless", max_positions=40_960,
+    norm_eps=1e-6, qk_norm=True, experts=128, top_k=8, expert_mlp=768, dispatch="auto", max_positions=40_960,
 )  # fmt: skip
 PRESETS["gemma3-12b"] = TransformerConfig(  # five 1024-token local layers, then a global one; linear RoPE x8 globally
     vocab_size=262_208, embed=3840, layers=48, heads=16, kv_heads=8, head_dim=256, mlp=15360, norm_eps=1e-6,
@@ -82,7 +82,7 @@ _GPT_OSS = dict(
     vocab_size=201_088, embed=2880, heads=64, kv_heads=8, head_dim=64, mlp=2880, rope_theta=150_000.0,
     rope_type="yarn", rope_factor=32.0, rope_original_max_positions=4096, rope_truncate=False, sliding_window=128,
     window_pattern="LG", qkv_bias=True, o_bias=True, attention_sinks=True, top_k=4, router_bias=True,
-    expert_bias=True, swiglu_limit=7.0, dispatch="dropless", max_positions=131_072,
+    expert_bias=True, swiglu_limit=7.0, dispatch="auto", max_positions=131_072,
 )  # fmt: skip
 PRESETS["gpt-oss-20b"] = TransformerConfig(layers=24, experts=32, **_GPT_OSS)
 PRESETS["gpt-oss-120b"] = TransformerConfig(layers=36, experts=128, **_GPT_OSS)
@@ -95,7 +95,7 @@ PRESETS["deepseek-v3"] = TransformerConfig(
     rope_factor=40.0, rope_original_max_positions=4096, rope_attention_factor=1.0, rope_mscale_all_dim=1.0,
     max_positions=163_840, experts=256, top_k=8, router_score="sigmoid", router_correction_bias=True,
     router_groups=8, router_top_groups=4, routed_scaling=2.5, expert_mlp=2048, shared_expert=True,
-    shared_expert_mlp=2048, dense_layers=(0, 1, 2), dispatch="dropless",
+    shared_expert_mlp=2048, dense_layers=(0, 1, 2), dispatch="auto",
 )  # fmt: skip
 
 

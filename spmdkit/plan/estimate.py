@@ -288,15 +288,19 @@ def estimate(
     if not isinstance(layout, Strategy):
         layout = Strategy(layout if isinstance(layout, str) else mesh_text(layout))
     planned = Layout.of(m, layout, devices, batch_size, seq_len, lora)
-    # --moe-dispatch auto: what build_program would pick on this device and batch split
-    resolved = resolve_dispatch(m, seq_len, planned.replicas > 1, planner_platform(dev))
-    planned = dataclasses.replace(planned, model=resolved)
     check_layout(planned)
     return evaluate(planned, dev, efficiency, comm_efficiency)
 
 
+def with_dispatch(s: Layout, platform: str) -> Layout:
+    """`s` with `--moe-dispatch auto` resolved as `build_program` would on `platform` and this batch split."""
+    return dataclasses.replace(s, model=resolve_dispatch(s.model, s.seq_len, s.replicas > 1, platform))
+
+
 def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
-    """The Estimate of a checked layout on `dev`."""
+    """The Estimate of a checked layout on `dev` (`--moe-dispatch auto` resolved first, as `build_program` would
+    on this device and batch split: `estimate` and the search's layouts alike)."""
+    s = with_dispatch(s, planner_platform(dev))
     m, sizes = s.model, s.sizes
     devices, local = math.prod(sizes.values()), node_local_axes(sizes, dev.gpus_per_node)
     by_opcode: dict[str, float] = {}

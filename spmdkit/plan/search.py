@@ -13,7 +13,7 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.lora_config import LoraConfig
 from spmdkit.plan.devices import Device
-from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, planner_platform
+from spmdkit.plan.estimate import REMAT_ORDER, Estimate, evaluate, planner_platform, with_dispatch
 from spmdkit.plan.layout import Layout, check_layout
 from spmdkit.plan.limits import LIMITS
 from spmdkit.plan.memory import memory
@@ -131,6 +131,7 @@ def search(
                     check_layout(layout)
                 except SpmdkitError:
                     continue
+                layout = with_dispatch(layout, planner_platform(dev))  # --moe-dispatch auto, as evaluate has it
                 need = sum(memory(layout, planner_platform(dev), dev.compute_capability).values())
                 if need <= dev.hbm_bytes:
                     fit.append(evaluate(layout, dev, efficiency, comm_efficiency))
