@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import same_file
 
 MARK = ".spmdkit-prepare"
 CACHE = "cache"  # scratch space inside the staging directory (e.g. the `datasets` Arrow cache), removed at the end
@@ -80,11 +81,8 @@ class Staging:
                     f"another `spmdkit data prepare` ({holder}) is writing --out {self.out}: wait for it to end or "
                     "choose another --out"
                 ) from None
-            try:
-                if os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
+            if same_file(self.lock, fd):
+                return fd
             os.close(fd)  # its holder unlinked it as we opened it: take the one there now
 
     def remove_stale(self) -> None:
