@@ -228,16 +228,6 @@ def _read_text(path: Path, name: str, piece_chars: int) -> Iterator[Record]:
         raise SpmdkitError(f"{path} changed while it was read (it is no longer UTF-8): run again") from None
 
 
-def _text_value(record: Any, key: str, where: str, kind_of_record: str, chat: bool = False) -> Record | str | list:
-    """The text (`chat`: the messages) under `key` of a JSON-like record, or a `Bad` saying why not."""
-    if not isinstance(record, dict):
-        return Bad(where, f"{kind_of_record} is {type(record).__name__}, not an object with key {key!r}", "not JSON")
-    if key not in record:
-        keys = ", ".join(list(record)[:8]) or "none"
-        return Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
-    return _checked_value(record[key], key, where, chat)
-
-
 def _checked_value(value: Any, key: str, where: str, chat: bool) -> Bad | str | list:
     if not chat:
         return _checked_text(value, key, where)
@@ -289,8 +279,15 @@ def _read_json_lines(path: Path, name: str, key: str, chat: bool = False) -> Ite
             except json.JSONDecodeError as error:
                 yield Bad(where, f"not JSON ({error.msg} at column {error.colno})", "not JSON")
                 continue
-            value = _text_value(record, key, where, "the JSON line", chat)
-            yield value if isinstance(value, Bad) else _document(f"{name}:{number}", value)
+            if not isinstance(record, dict):
+                what = type(record).__name__
+                yield Bad(where, f"the JSON line is {what}, not an object with key {key!r}", "not JSON")
+            elif key not in record:
+                keys = ", ".join(list(record)[:8]) or "none"
+                yield Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
+            else:
+                value = _checked_value(record[key], key, where, chat)
+                yield value if isinstance(value, Bad) else _document(f"{name}:{number}", value)
     if not found:
         yield Bad(f"{path}:1", "empty file (no JSON lines)", "empty")
 
