@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.data.prepare.text import PIECE_CHARS, check_text_file, text_pieces
+from spmdkit.data.sources import stdlib_texts
 from spmdkit.data.tokenizer.tokenizer import first_line
 from spmdkit.errors import SpmdkitError
 
@@ -92,8 +93,6 @@ def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
     total = 0
     for spec in inputs:
         if spec == STDLIB:
-            from spmdkit.data.sources import stdlib_texts
-
             total += sum(len(data) for _, data in stdlib_texts())
         elif Path(spec).is_file():
             total += Path(spec).stat().st_size
@@ -195,8 +194,6 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _read_stdlib() -> Iterator[Record]:
-    from spmdkit.data.sources import stdlib_texts
-
     for relpath, data in stdlib_texts():
         yield Document(relpath, data.decode("utf-8"))
 
