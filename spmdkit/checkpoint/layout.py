@@ -67,7 +67,7 @@ class Layout:
 
     def record(self, tree: Any, found: dict[str, tuple[str, int]], data: Any, config: Any) -> dict[str, Any]:
         """The step's checksums and item digests (`integrity.checksum_record`); per process, also its layout."""
-        return checksum_record(found, data, config, layout_digest(tree) if self.per_process else None)
+        return checksum_record(found, data, config, self.wanted(tree))
 
     def items_problem(self, step_dir: Path, listed: set[str], record: dict[str, Any] | None) -> str | None:
         """What is wrong with the step's items (per process: this process's), as `integrity.item_problem` says."""

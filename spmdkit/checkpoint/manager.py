@@ -76,18 +76,18 @@ class Checkpointer:
         self._saved: int | None = None
         self._pending: int | None = None  # the step whose asynchronous save may still be running
 
-    def _stores(self) -> list[Checkpointer]:
+    def stores(self) -> list[Checkpointer]:
         """This store and its local tier's, persistent first."""
         return [self] if self.local is None else [self, self.local.store]
 
     @property
     def last_saved(self) -> int | None:
-        saved = [store._saved for store in self._stores() if store._saved is not None]
+        saved = [store._saved for store in self.stores() if store._saved is not None]
         return max(saved) if saved else None
 
     @last_saved.setter
     def last_saved(self, step: int | None) -> None:  # a resumed step is saved by no tier again
-        for store in self._stores():
+        for store in self.stores():
             store._saved = step
 
     # -- saving -------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Raise (as one line) the failure of an asynchronous save that has finished; never blocks."""
-        for store in self._stores():
+        for store in self.stores():
             if store._pending is not None and not store.manager.is_saving_in_progress():
                 store.wait()
 
@@ -175,7 +175,7 @@ class Checkpointer:
         """'step N' of the newest complete step (a local tier's named with its directory), 'none', or 'unknown' for
         a directory that cannot be listed; for messages: no other process is asked."""
         newest, unknown = None, False
-        for store in self._stores():
+        for store in self.stores():
             try:
                 steps = store.own_steps()
             except Exception:  # noqa: BLE001 - only for messages: a broken disk must not hide the first error
@@ -230,7 +230,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The steps any process holds, of either tier."""
-        return sorted({step for store in self._stores() for steps in store.held() for step in steps})
+        return sorted({step for store in self.stores() for steps in store.held() for step in steps})
 
     # -- reading ------------------------------------------------------------------------------------------------
 

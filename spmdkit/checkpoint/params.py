@@ -20,6 +20,7 @@ by Orbax synchronously, one block's worth of bytes in flight at a time.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Iterator
@@ -89,13 +90,10 @@ def host_target(saved: dict[str, tuple]) -> PureTree:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target: PureTree = {}
     for name, (shape, dtype) in saved.items():
-        keys = name.split("/")
-        if not _is_param(name):
-            continue
-        node = target
-        for key in keys[1:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        if _is_param(name):
+            *outer, leaf = name.split("/")[1:]  # below "model"
+            node = functools.reduce(lambda tree, key: tree.setdefault(key, {}), outer, target)
+            node[leaf] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
     return target
 
 

@@ -130,7 +130,8 @@ def claim_steps(checkpointer: Checkpointer, kept: str | None, run_dir: Path) -> 
     `kept` (the id the run directory keeps), else the one the persistent directory's newest step records, else a new
     one; process 0's decides. SpmdkitError when a tier holds a step another run saved: it would be resumed, or
     rotated away by this run's saves. A collective (each process checks its own local steps)."""
-    stores = [(store, flag, store.owners()) for store, flag in _flagged(checkpointer)]  # each step's metadata once
+    flags = ("--checkpoint-dir", LOCAL_FLAG)  # the flag naming each store's directory; each step's metadata read once
+    stores = [(store, flag, store.owners()) for store, flag in zip(checkpointer.stores(), flags, strict=False)]
     persistent = [run["id"] for run in stores[0][2].values() if run is not None]
     run_id = gather_over_processes(kept or (persistent[-1] if persistent else new_run_id()))[0]
     own = next(filter(None, (_foreign(store, owners, run_id, flag) for store, flag, owners in stores)), "")
@@ -140,12 +141,6 @@ def claim_steps(checkpointer: Checkpointer, kept: str | None, run_dir: Path) -> 
     for store, _, _ in stores:
         store.run = {"id": run_id, "run_dir": str(run_dir)}
     return run_id
-
-
-def _flagged(checkpointer: Checkpointer) -> list[tuple[Checkpointer, str]]:
-    """Each store of `checkpointer` with the flag that names its directory."""
-    local = [] if checkpointer.local is None else [(checkpointer.local.store, LOCAL_FLAG)]
-    return [(checkpointer, "--checkpoint-dir"), *local]
 
 
 def _foreign(store: Checkpointer, owners: dict[int, dict[str, str] | None], run_id: str, flag: str) -> str:

@@ -38,10 +38,10 @@ TIMEOUTS = {  # variable -> (jax.distributed.initialize keyword, default seconds
 }
 HEARTBEAT_MARGIN = 60  # s: JAX's heartbeat above a watchdog's longest deadline (it fires, asks the store, exits)
 FORCED_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-# What a collective or the coordination service says when another process of the job died or stopped
 # The status a process exits with when a collective failed because another process of the job died: the launcher
 # names the process that died, not this one (76: EX_PROTOCOL; 75, EX_TEMPFAIL, is the watchdog's).
 PEER_LOST_STATUS = 76
+# What a collective or the coordination service says when another process of the job died or stopped
 PEER_LOST = re.compile(r"Gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|UNAVAILABLE|heartbeat")
 
 

@@ -12,15 +12,14 @@ When the job fails, the launcher names the process that stopped first: a process
 file (`SPMDKIT_HEARTBEAT_DIR`, kept by the trainer's watchdog) stood still for more than 5 s (frozen, e.g. by
 SIGSTOP, while the others' watchdogs ended them) rather than the first that exited.
 
-With `--max-restarts N` (at most 100) a failed job is started again, whole (all processes, a fresh coordinator
-port), and resumes from its newest checkpoint; a job that keeps failing at one step gets at most N restarts in a row
-there, the first at once and each further one after twice the wait of the one before: 1 s, 2 s, 4 s, ... up to
-60 s (`spmdkit.distributed.restarts`). A usage error (status 2) is never restarted. Ctrl-C or SIGTERM to the
+With `--max-restarts N` a failed job is started again, whole (all processes, a fresh coordinator port), and resumes
+from its newest checkpoint, by the rule and back-off of `spmdkit.distributed.restarts`. Ctrl-C or SIGTERM to the
 launcher stops the job and never restarts it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -165,16 +164,13 @@ def _describe(code: int) -> str:
 
 def stop_all(children: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM each running child's process group (the trainer saves and stops); SIGKILL it after `grace` s."""
-    deadline = time.monotonic() + grace
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for child in children:
             if child.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(c.poll() is None for c in children):
-            time.sleep(0.1)
+        if sig == signal.SIGTERM:
+            settle(children, grace)
     for child in children:
         child.wait()
 

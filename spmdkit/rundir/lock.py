@@ -52,6 +52,14 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     )
 
 
+def same_file(path: Path, fd: int) -> bool:
+    """Whether the open file `fd` is the one at `path` now (not one a releasing holder unlinked meanwhile)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
         text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
@@ -99,7 +107,7 @@ class RunLock:
                     f"{self.label} is in use by {describe_holder(holder)}: one writer per run directory; wait for it "
                     f"to end, or pass another {flag}"
                 ) from None
-            if not self._same_file(fd):
+            if not same_file(self.path, fd):
                 os.close(fd)
                 continue
             self.fd = fd
@@ -110,12 +118,6 @@ class RunLock:
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             return
         raise SpmdkitError(f"cannot lock {self.path}: it keeps being replaced; is another run starting there?")
-
-    def _same_file(self, fd: int) -> bool:
-        try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            return False
 
     def _take_over(self, stale: dict[str, Any] | None) -> None:
         """A record left in a free lock file: its writer ended without releasing (killed): warn, naming it."""
@@ -140,7 +142,7 @@ class RunLock:
             return
         fd, self.fd = self.fd, None
         with contextlib.suppress(OSError):
-            if self._same_file(fd):
+            if same_file(self.path, fd):
                 self.path.unlink()
         os.close(fd)
         if failed:

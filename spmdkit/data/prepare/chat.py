@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.data.tokenizer import Tokenizer
-from spmdkit.data.tokenizer.tokenizer import CONFIG_FILE, first_line
+from spmdkit.data.tokenizer.tokenizer import CONFIG_FILE, config_token, first_line
 from spmdkit.errors import SpmdkitError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -127,13 +127,8 @@ def _environment() -> Any:
 
 def special_token_text(config: dict[str, Any] | None) -> dict[str, str]:
     """The special tokens a template may name (`bos_token`, ...), as text, from `tokenizer_config.json`."""
-    out = {}
-    for name in SPECIAL_NAMES:
-        value = (config or {}).get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[name] = value
-    return out
+    tokens = {name: config_token((config or {}).get(name)) for name in SPECIAL_NAMES}
+    return {name: token for name, token in tokens.items() if isinstance(token, str)}
 
 
 class ChatRenderer:

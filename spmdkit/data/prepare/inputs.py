@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.data.prepare.text import PIECE_CHARS, check_text_file, text_pieces
+from spmdkit.data.sources import stdlib_texts
 from spmdkit.data.tokenizer.tokenizer import first_line
 from spmdkit.errors import SpmdkitError
 
@@ -92,8 +93,6 @@ def input_bytes(inputs: list[str], options: InputOptions) -> int | None:
     total = 0
     for spec in inputs:
         if spec == STDLIB:
-            from spmdkit.data.sources import stdlib_texts
-
             total += sum(len(data) for _, data in stdlib_texts())
         elif Path(spec).is_file():
             total += Path(spec).stat().st_size
@@ -195,8 +194,6 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _read_stdlib() -> Iterator[Record]:
-    from spmdkit.data.sources import stdlib_texts
-
     for relpath, data in stdlib_texts():
         yield Document(relpath, data.decode("utf-8"))
 
@@ -226,16 +223,6 @@ def _read_text(path: Path, name: str, piece_chars: int) -> Iterator[Record]:
             yield Document(name, text, first, last)
     except UnicodeDecodeError:
         raise SpmdkitError(f"{path} changed while it was read (it is no longer UTF-8): run again") from None
-
-
-def _text_value(record: Any, key: str, where: str, kind_of_record: str, chat: bool = False) -> Record | str | list:
-    """The text (`chat`: the messages) under `key` of a JSON-like record, or a `Bad` saying why not."""
-    if not isinstance(record, dict):
-        return Bad(where, f"{kind_of_record} is {type(record).__name__}, not an object with key {key!r}", "not JSON")
-    if key not in record:
-        keys = ", ".join(list(record)[:8]) or "none"
-        return Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
-    return _checked_value(record[key], key, where, chat)
 
 
 def _checked_value(value: Any, key: str, where: str, chat: bool) -> Bad | str | list:
@@ -289,8 +276,15 @@ def _read_json_lines(path: Path, name: str, key: str, chat: bool = False) -> Ite
             except json.JSONDecodeError as error:
                 yield Bad(where, f"not JSON ({error.msg} at column {error.colno})", "not JSON")
                 continue
-            value = _text_value(record, key, where, "the JSON line", chat)
-            yield value if isinstance(value, Bad) else _document(f"{name}:{number}", value)
+            if not isinstance(record, dict):
+                what = type(record).__name__
+                yield Bad(where, f"the JSON line is {what}, not an object with key {key!r}", "not JSON")
+            elif key not in record:
+                keys = ", ".join(list(record)[:8]) or "none"
+                yield Bad(where, f"no key {key!r} (keys: {keys}): pass --text-key", "missing key")
+            else:
+                value = _checked_value(record[key], key, where, chat)
+                yield value if isinstance(value, Bad) else _document(f"{name}:{number}", value)
     if not found:
         yield Bad(f"{path}:1", "empty file (no JSON lines)", "empty")
 

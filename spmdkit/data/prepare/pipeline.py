@@ -23,7 +23,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from zlib import crc32
 
@@ -34,7 +33,7 @@ from spmdkit.data.prepare.inputs import Bad, Document, InputOptions, check_input
 from spmdkit.data.prepare.text import PIECE_CHARS, split_text
 from spmdkit.data.prepare.workers import Pieces, encode, steady_heap
 from spmdkit.data.store import DatasetWriter
-from spmdkit.data.store.staging import Staging
+from spmdkit.data.store.staging import Staging, check_new_directory
 from spmdkit.data.tokenizer import Tokenizer, load_tokenizer, parse_bpe_spec, train_bpe
 from spmdkit.errors import SpmdkitError
 from spmdkit.rundir.ownership import check_output
@@ -135,19 +134,6 @@ def resolve_tokenizer(spec: str, options: PrepareOptions, input_options: InputOp
         tokenizer = train_bpe(texts(), vocab)
     log(f"trained {spec} in {time.perf_counter() - started:.1f} s: {tokenizer.vocab_size:,} ids")
     return tokenizer
-
-
-def check_new_directory(out: str | Path) -> None:
-    """SpmdkitError unless `out` does not exist yet and could be created (its nearest existing ancestor is a
-    writable directory); nothing is created. Checked before any input is read."""
-    path = Path(out).expanduser().absolute()
-    if path.exists():
-        raise SpmdkitError(f"--out {out} already exists: choose a new directory (prepared data is never overwritten)")
-    existing = next(p for p in path.parents if p.exists())
-    if not existing.is_dir():
-        raise SpmdkitError(f"--out {out} lies under {existing}, which is a file: pass a new directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SpmdkitError(f"--out {out} cannot be created ({existing} is not writable): pass a writable place")
 
 
 WORKERS_PER_CPU = 4  # more tokenizer processes than this only add memory: each is one process on one core

@@ -34,6 +34,7 @@ Every file name in `dataset.json` is a plain name inside DIR (no absolute path, 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import zlib
 from collections.abc import Iterable
@@ -78,7 +79,7 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def chunk_crcs(path: str, itemsize: int, chunk_tokens: int = CHUNK_TOKENS) -> tuple[str, list[int]]:
+def chunk_crcs(path: str | os.PathLike, itemsize: int, chunk_tokens: int = CHUNK_TOKENS) -> tuple[str, list[int]]:
     """(sha256, [crc32 of each chunk of `chunk_tokens` tokens]) of a shard file, read once in chunks."""
     digest, crcs = hashlib.sha256(), []
     with open(path, "rb") as f:

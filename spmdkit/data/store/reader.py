@@ -72,15 +72,14 @@ class PreparedDataset:
         self.lengths = np.diff(self.offsets).astype(np.int64)
         counts = [s["tokens"] for s in self.meta["shards"]]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._shards = [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r") for s in self.meta["shards"]]
-        self._masks = [
+        shards = self.meta["shards"]
+        # per shard, then per mask file: its entry, its mapped tokens (mask bytes), which chunks were checked (the
+        # first read of a chunk checks it), and how many are left
+        self._entries = [*shards, *(s["mask"] for s in shards if self.has_mask)]
+        self._arrays = [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r") for s in shards] + [
             np.memmap(self.path / s["mask"]["file"], dtype=np.uint8, mode="r") if s["tokens"] else np.zeros(0, np.uint8)
-            for s in self.meta["shards"]
-        ] if self.has_mask else []  # fmt: skip
-        # per shard, then per mask file: which chunks were checked (the first read of a chunk checks it), and how
-        # many are left
-        self._entries = [*self.meta["shards"], *(s["mask"] for s in self.meta["shards"] if self.has_mask)]
-        self._arrays = [*self._shards, *self._masks]
+            for s in shards if self.has_mask
+        ]  # fmt: skip
         self._checked = [bytearray(len(e.get("chunks", ()))) for e in self._entries]
         self._unchecked = [len(c) for c in self._checked]
 
@@ -196,20 +195,19 @@ class PreparedDataset:
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
         """Tokens `start:stop` of document `doc`, as stored (uint16/uint32), without copying; the first read of a
         chunk checks its checksum (`check_chunks`)."""
-        shard = self._doc_shard[doc]
-        base = int(self.offsets[doc]) - int(self._shard_starts[shard])
-        if self._unchecked[shard] and stop > start:  # nothing to do once every chunk of the shard was checked
-            self.check_chunks(int(shard), base + start, base + stop)
-        return self._shards[shard][base + start : base + stop]
+        return self._read(doc, start, stop, mask=False)
 
     def read_mask(self, doc: int, start: int, stop: int) -> np.ndarray:
         """uint8 [stop - start]: the loss mask of tokens `start:stop` of document `doc` (a masked dataset's)."""
-        shard = self._doc_shard[doc]
+        return self._read(doc, start, stop, mask=True)
+
+    def _read(self, doc: int, start: int, stop: int, mask: bool) -> np.ndarray:
+        shard = int(self._doc_shard[doc])
         base = int(self.offsets[doc]) - int(self._shard_starts[shard])
-        index = len(self._shards) + int(shard)  # its checksums follow the shards'
-        if self._unchecked[index] and stop > start:
+        index = shard + len(self.meta["shards"]) * mask  # a mask file's checksums follow the shards'
+        if self._unchecked[index] and stop > start:  # nothing to do once every chunk of the file was checked
             self.check_chunks(index, base + start, base + stop)
-        return self._masks[shard][base + start : base + stop]
+        return self._arrays[index][base + start : base + stop]
 
     def check_chunks(self, shard: int, start: int, stop: int) -> None:
         """Check the crc32 of each chunk of shard `shard` (a mask file: the shard count + its shard) that tokens
@@ -235,21 +233,15 @@ class PreparedDataset:
 
     def verify(self) -> dict[str, Any]:
         """Read every shard and index file and compare their sha256 (and the content hash) with `dataset.json`."""
-        hashes = []
-        shards = self.meta["shards"]
-        for k, entry in enumerate([*shards, *(self.meta["index"][name] for name in fmt.INDEX_FILES)]):
-            if k < len(shards):  # a shard: every chunk's crc32 first
-                self._checked[k] = bytearray(len(self._checked[k]))
-                self._unchecked[k] = len(self._checked[k])
-                self.check_chunks(k, 0, entry["tokens"])
-            hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
-            if hashes[-1] != entry["sha256"]:
-                self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")
-        for k, (shard, entry) in enumerate((s, s["mask"]) for s in shards if self.has_mask):
-            index = len(shards) + k  # every chunk's crc32 first, as for the shards
-            self._checked[index] = bytearray(len(self._checked[index]))
-            self._unchecked[index] = len(self._checked[index])
-            self.check_chunks(index, 0, shard["tokens"])
+        shards, hashes = self.meta["shards"], []
+        index = [self.meta["index"][name] for name in fmt.INDEX_FILES]
+        # the order of the content hash: the shards, the index files, then the mask files (`self._entries[k]`)
+        for item in [*range(len(shards)), *index, *range(len(shards), len(self._entries))]:
+            entry = item if isinstance(item, dict) else self._entries[item]
+            if not isinstance(item, dict):  # a shard or mask file: every chunk's crc32 first
+                self._checked[item] = bytearray(len(self._checked[item]))
+                self._unchecked[item] = len(self._checked[item])
+                self.check_chunks(item, 0, shards[item % len(shards)]["tokens"])
             hashes.append(fmt.file_sha256(str(self.path / entry["file"])))
             if hashes[-1] != entry["sha256"]:
                 self._damaged(f"{self.path / entry['file']} does not match its sha256 in {fmt.META_FILE}")

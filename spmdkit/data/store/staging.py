@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdkit.errors import SpmdkitError
+from spmdkit.rundir.lock import same_file
 
 MARK = ".spmdkit-prepare"
 CACHE = "cache"  # scratch space inside the staging directory (e.g. the `datasets` Arrow cache), removed at the end
@@ -31,6 +32,20 @@ def staging_dirs(out: Path) -> list[Path]:
         return []
     prefix = f".{out.name}{MARK}-"
     return sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink())
+
+
+def check_new_directory(out: str | Path) -> None:
+    """SpmdkitError unless `out` does not exist yet and could be created (its nearest existing ancestor is a
+    writable directory); nothing is created. `prepare` checks it before any input is read, `Staging` once it holds
+    the lock."""
+    path = Path(out).expanduser().absolute()
+    if path.exists():
+        raise SpmdkitError(f"--out {out} already exists: choose a new directory (prepared data is never overwritten)")
+    existing = next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        raise SpmdkitError(f"--out {out} lies under {existing}, which is a file: pass a new directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpmdkitError(f"--out {out} cannot be created ({existing} is not writable): pass a writable place")
 
 
 class Staging:
@@ -50,10 +65,7 @@ class Staging:
             os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
             for stale in staging_dirs(self.out):
                 shutil.rmtree(stale)
-            if self.out.exists():
-                raise SpmdkitError(
-                    f"--out {self.out} already exists: choose a new directory (prepared data is never overwritten)"
-                )
+            check_new_directory(self.out)
             self.directory = Path(tempfile.mkdtemp(prefix=f".{self.out.name}{MARK}-", dir=self.out.parent))
         except BaseException:
             self._release()
@@ -80,11 +92,8 @@ class Staging:
                     f"another `spmdkit data prepare` ({holder}) is writing --out {self.out}: wait for it to end or "
                     "choose another --out"
                 ) from None
-            try:
-                if os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
+            if same_file(self.lock, fd):
+                return fd
             os.close(fd)  # its holder unlinked it as we opened it: take the one there now
 
     def remove_stale(self) -> None:

@@ -68,9 +68,14 @@ class DatasetWriter:
             if f is not None:
                 f.close()
 
-    def _add_index(self, ends: Any, text_bytes: Any, keys: Any) -> None:
+    def _index_documents(self, lengths: Any, text_bytes: Any, keys: Any) -> None:
+        """Append documents of `lengths` tokens (written to the shards already) to the index and the counts."""
+        ends = self.tokens + np.cumsum(lengths, dtype=np.int64)
         for name, values in zip(INDEX_DTYPES, (ends, text_bytes, keys), strict=True):
             self._index[name].write(np.asarray(values, INDEX_DTYPES[name]).tobytes())
+        self.documents += len(lengths)
+        self.tokens += int(np.sum(lengths))
+        self.text_bytes += int(np.sum(text_bytes))
 
     # -- shards ----------------------------------------------------------------------------------------------
 
@@ -82,18 +87,16 @@ class DatasetWriter:
             self._mask_file = open(self.tmp / fmt.mask_file(len(self.shards) - 1), "wb")
 
     def _close_shard(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            shard = self.shards[-1]
-            path = str(self.tmp / shard["file"])
-            shard["sha256"], shard["chunks"] = fmt.chunk_crcs(path, self.itemsize, self.chunk_tokens)
-            if self._mask_file is not None:
-                self._mask_file.close()
-                self._mask_file = None
-                name = fmt.mask_file(len(self.shards) - 1)
-                sha256, chunks = fmt.chunk_crcs(str(self.tmp / name), 1, self.chunk_tokens)
-                shard["mask"] = {"file": name, "sha256": sha256, "chunks": chunks}
+        if self._file is None:
+            return
+        shard, mask = self.shards[-1], fmt.mask_file(len(self.shards) - 1)
+        self._file.close()
+        shard["sha256"], shard["chunks"] = fmt.chunk_crcs(self.tmp / shard["file"], self.itemsize, self.chunk_tokens)
+        if self._mask_file is not None:
+            self._mask_file.close()
+            sha256, chunks = fmt.chunk_crcs(self.tmp / mask, 1, self.chunk_tokens)
+            shard["mask"] = {"file": mask, "sha256": sha256, "chunks": chunks}
+        self._file = self._mask_file = None
 
     def _write(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         if len(tokens):
@@ -150,10 +153,7 @@ class DatasetWriter:
             shard["documents"] += fit
             shard["tokens"] += stop - done_tokens
             done_docs, done_tokens = done_docs + fit, stop
-        self._add_index(self.tokens + ends, text_bytes, keys)
-        self.documents += len(lengths)
-        self.tokens += int(ends[-1]) if len(ends) else 0
-        self.text_bytes += int(np.sum(text_bytes))
+        self._index_documents(lengths, text_bytes, keys)
 
     def add_pieces(
         self,
@@ -196,10 +196,7 @@ class DatasetWriter:
                 if start > 0 and start + count > self.shard_tokens:
                     self._move_open_document(start)
                 self.shards[-1]["documents"] += 1
-                self._add_index([self.tokens + count], [size], [key])
-                self.documents += 1
-                self.tokens += count
-                self.text_bytes += size
+                self._index_documents([count], [size], [key])
             k += 1
 
     # -- the end ---------------------------------------------------------------------------------------------

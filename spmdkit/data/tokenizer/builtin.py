@@ -71,9 +71,8 @@ def parse_bpe_spec(spec: str) -> int:
     return int(size)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None) -> Tokenizer:
-    """A byte-level BPE of at most `vocab_size` ids trained on `texts` (an iterator is read once; `length`: how many
-    texts, for the library's bookkeeping)."""
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of at most `vocab_size` ids trained on `texts` (an iterator is read once)."""
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -84,7 +83,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = Non
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    hf.train_from_iterator(texts, trainer, length=length)
+    hf.train_from_iterator(texts, trainer)
     hf.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A {EOS_TOKEN}",
         special_tokens=[(BOS_TOKEN, hf.token_to_id(BOS_TOKEN)), (EOS_TOKEN, hf.token_to_id(EOS_TOKEN))],

@@ -189,7 +189,8 @@ def _parts(spec: dict[str, Any], key: str, sequence_key: str) -> list[dict[str, 
     return component.get(sequence_key, [component]) if component.get("type") == "Sequence" else [component]
 
 
-def _config_token(value: Any) -> str | None:
+def config_token(value: Any) -> str | None:
+    """A special token of `tokenizer_config.json`: a string or `{"content": ...}`."""
     return value.get("content") if isinstance(value, dict) else value
 
 
@@ -213,7 +214,7 @@ def _special_tokens(
 ) -> tuple[str | None, str | None]:
     """(BOS token, EOS token) by the rules of the module docstring."""
     if config is not None and ("bos_token" in config or "eos_token" in config):
-        return _config_token(config.get("bos_token")), _config_token(config.get("eos_token"))
+        return config_token(config.get("bos_token")), config_token(config.get("eos_token"))
     bos, eos = _template_tokens(spec)
     if bos is not None or eos is not None:
         return bos, eos
