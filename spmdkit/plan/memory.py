@@ -8,7 +8,7 @@ Persistent through the step: parameters (p = 4 bytes, split as the rules split t
 residuals the forward keeps for the backward, L_s t_m x kept bytes per token and layer (`activation_bytes`; the
 pipeline adds its stashes, `estimate`'s docstring), without remat the compute-dtype cast of every layer's weights
 as stored (a/4 of the stage's local layer parameters; the backward's matmuls read them), and under ZeRO-3 over
-fsdp a relaid-out float32 copy of two stacked weight shards (`_relayouts`).
+the state axes (fsdp, context, expert) a second float32 copy of a few stacked weight shards (`_relayouts`).
 
 Kept per token and layer (what JAX's autodiff saves for `spmdkit.models.transformer.Block`; tests/test_plan.py
 compares it with the residuals of the step's vjp):
@@ -265,16 +265,23 @@ def _casts_kept(s: Layout, gathers: bool) -> bool:
     return not policy.recomputes or hoisted
 
 
-# The stacked weights whose relaid-out copy XLA:GPU keeps under ZeRO-3 (`_relayouts`): a dense block's MLP gate,
-# an MoE block's three expert weights (gpt-oss-20b on fsdp=2,expert=4: f32[1440, 24, 8, 2880] each), and the query.
+# The stacked weights of which XLA:GPU keeps a second float32 copy under ZeRO-3 (`_relayouts`): a dense block's MLP
+# gate and the query, relaid out for their gathers; an MoE block's three expert weights, relaid out under fsdp
+# (gpt-oss-20b on fsdp=2,expert=4: f32[1440, 24, 8, 2880] each) or, on expert=8, their stacked and scaled gradients
+# beside the per-layer products they are assembled from (f32[24, 4, 2880, 2880] each; buffer assignment, #39).
 RELAID_OUT = ("blocks.mlp.gate", "blocks.attention.q", "moe_blocks.attention.q", *(
     f"moe_blocks.mlp.{w}" for w in ("gate", "up", "down")))  # fmt: skip
 
 
+def _state_split(s: Layout) -> int:
+    """How many ways ZeRO splits the dense weights' state: fsdp x context x expert (`embed`'s rule)."""
+    return s["fsdp"] * s["context"] * s["expert"]
+
+
 def _relayouts(s: Layout) -> float:
-    """Under ZeRO-3 over fsdp XLA:GPU keeps a relaid-out (the fsdp-split dim outermost, layers inward) float32 copy
-    of the stacked shards of `RELAID_OUT`, the operands of its per-layer all-gathers."""
-    if s.zero < 3 or s["fsdp"] * s["context"] == 1:
+    """Under ZeRO-3 over the state axes XLA:GPU keeps a second float32 copy of the stacked shards of `RELAID_OUT`
+    (their comment: relaid out, the split dim outermost and layers inward, or an assembled gradient)."""
+    if s.zero < 3 or _state_split(s) == 1:
         return 0.0
     return sum(s.local(p, "params") for p in s.params if p.name in RELAID_OUT)
 
@@ -325,7 +332,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     (module docstring); `platform` decides what attention "auto" runs (None: an O(seq) kernel)."""
     m, a, E, T = s.model, s.a, s.model.embed, s["tensor"]
     kept, recompute, kernel = _kept(s, platform, capability)
-    mb, gathers = s.tokens / s.microbatches, s.zero == 3 and s["fsdp"] * s["context"] > 1
+    mb, gathers = s.tokens / s.microbatches, s.zero == 3 and _state_split(s) > 1
     # the stacked weights cast to the compute dtype (those stored in it need no copy)
     stacked = sum(s.local(p, "params") * a / p.element_bytes for p in s.params if p.stacked and p.element_bytes != a)
     persistent = {
@@ -343,9 +350,7 @@ def memory(s: Layout, platform: str | None = None, capability: int = 0) -> dict[
     if m.remat_policy.kind == "dots_saveable" and kernel in ("ring", "blockwise"):  # a layer's scores, twice
         forward += 2 * mb * kernel_scores(m, kernel, T, s["context"], s.seq_len)
     grads, loss = _gradients(s), _loss_phase(s)
-    split = (
-        s["fsdp"] * s["context"] > 1 and s.zero >= 2 and not manual_region(s)
-    )  # a layer's gradient before its reduce-scatter
+    split = _state_split(s) > 1 and s.zero >= 2 and not manual_region(s)  # a layer's gradient before its reduce-scatter
     phases = [
         {"comm_buffers": layers + tp, "activations": scratch + forward},  # forward: no gradients yet
         {**loss, "gradients": grads + loss["gradients"]},
