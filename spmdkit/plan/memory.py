@@ -59,7 +59,7 @@ from spmdkit.models.config import TransformerConfig, loss_chunks
 from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.remat import RematPolicy
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
-from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded
+from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded, state_axes
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
@@ -265,10 +265,9 @@ def _casts_kept(s: Layout, gathers: bool) -> bool:
     return not policy.recomputes or hoisted
 
 
-# The stacked weights of which XLA:GPU keeps a second float32 copy under ZeRO-3 (`_relayouts`): a dense block's MLP
-# gate and the query, relaid out for their gathers; an MoE block's three expert weights, relaid out under fsdp
-# (gpt-oss-20b on fsdp=2,expert=4: f32[1440, 24, 8, 2880] each) or, on expert=8, their stacked and scaled gradients
-# beside the per-layer products they are assembled from (f32[24, 4, 2880, 2880] each; buffer assignment, #39).
+# The stacked weights whose relaid-out float32 copy XLA:GPU keeps under ZeRO-3 (`_relayouts`), the operands of
+# their gathers: a dense block's MLP gate and the query (the state axes split them), an MoE block's three expert
+# weights where fsdp or context splits them (gpt-oss-20b on fsdp=2,expert=4: f32[1440, 24, 8, 2880] each).
 RELAID_OUT = ("blocks.mlp.gate", "blocks.attention.q", "moe_blocks.attention.q", *(
     f"moe_blocks.mlp.{w}" for w in ("gate", "up", "down")))  # fmt: skip
 
@@ -279,11 +278,13 @@ def _state_split(s: Layout) -> int:
 
 
 def _relayouts(s: Layout) -> float:
-    """Under ZeRO-3 over the state axes XLA:GPU keeps a second float32 copy of the stacked shards of `RELAID_OUT`
-    (their comment: relaid out, the split dim outermost and layers inward, or an assembled gradient)."""
+    """Under ZeRO-3 XLA:GPU keeps a relaid-out (the split dim outermost, layers inward) float32 copy of the stacked
+    shards of `RELAID_OUT` that the state axes split (an expert weight's `expert` splits its experts, not its
+    state). Not modelled: on gpt-oss-20b's expert=8 under full remat XLA also holds the expert weights' gradients
+    twice (the stacked, scaled gradient beside the per-layer products it is assembled from; 9.6 GB, #39)."""
     if s.zero < 3 or _state_split(s) == 1:
         return 0.0
-    return sum(s.local(p, "params") for p in s.params if p.name in RELAID_OUT)
+    return sum(s.local(p, "params") for p in s.params if p.name in RELAID_OUT and state_axes(p.params, p.routed))
 
 
 def _gradients(s: Layout) -> float:
