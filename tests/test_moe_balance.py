@@ -118,3 +118,16 @@ def test_balance_rate_implies_the_bias_and_bad_values_are_refused():
     for bad in (-0.001, float("nan")):
         with pytest.raises(SpmdkitError, match=r"balance_rate=.* must be >= 0"):
             TransformerConfig(experts=4, balance_rate=bad)
+
+
+def test_with_multi_token_prediction_only_the_main_stacks_bias_moves(tmp_path):
+    """An MTP block of an MoE model is an MoE block with its own correction bias; the step's loads are the main
+    stack's, so that bias moves and the MTP block's stays at its start (it crashed the step before: #39)."""
+    config = _config(tmp_path, balance=True)
+    config = TrainConfig(
+        model=ModelSettings(**{**config.model.__dict__, "mtp_depth": 1}), mesh=config.mesh,
+        run=RunSettings(**{**config.run.__dict__, "steps": 2, "grad_accum": 1}),
+    )  # fmt: skip
+    state = Trainer(config, log=lambda _: None).run().state.state[0]
+    assert np.abs(np.asarray(state["moe_blocks"]["mlp"][BIAS][...])).max() == pytest.approx(2 * RATE)
+    assert not np.asarray(state["mtp"]["blocks"]["mlp"][BIAS][...]).any()

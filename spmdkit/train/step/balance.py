@@ -50,8 +50,8 @@ def balance_experts(model: nnx.Module, metrics: dict[str, jax.Array], finite: ja
     load = metrics.pop(LAYER_LOADS)
     metrics[RATIO] = max_over_mean(load)
     rate = model.config.balance_rate
-    if rate:
-        old = nnx.state(model, RoutingBias)  # one leaf: the MoE stack's [moe_layers, experts]
+    if rate:  # the main MoE stack's bias, one leaf [moe_layers, experts]; MTP blocks' keep theirs (not measured)
+        old = nnx.state(model.moe_blocks, RoutingBias)
         new = jax.tree.map(lambda b: jnp.where(finite, balanced_bias(b, load, rate), b), old)
-        nnx.update(model, new)
+        nnx.update(model.moe_blocks, new)
     return metrics
