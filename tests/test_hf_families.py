@@ -179,7 +179,9 @@ def test_family_presets_are_their_published_configs_and_count_their_parameters(n
     from spmdkit.models.presets import PRESETS
 
     preset = PRESETS[name]
-    assert from_hf_config(PUBLISHED[name]) == preset
+    imported = from_hf_config(PUBLISHED[name])  # dispatch is the run's: an import drops nothing, as transformers
+    assert imported.replace(dispatch=preset.dispatch) == preset
+    assert imported.dispatch == ("dropless" if preset.experts else "capacity")
     config = tf.AutoConfig.for_model(**PUBLISHED[name])
     with torch.device("meta"):
         reference = tf.AutoModelForCausalLM.from_config(config)
