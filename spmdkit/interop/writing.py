@@ -159,26 +159,14 @@ def save_hf(
     out = Path(out_dir).expanduser().absolute()
     _settle(out)
     check_target(out, force)
-    dtype = dtype or str(np.dtype(jax.tree.leaves(params)[0].dtype))
-    if dtype not in NUMPY_DTYPES:
-        raise SpmdkitError(f"unknown export dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
-    positions = max_positions or config.max_positions
-    if not positions:
-        raise SpmdkitError("the model records no max_positions: pass max_positions= (the context it was trained for)")
+    dtype, positions = _stored_as(config, params, dtype, max_positions)
     limit = parse_size(max_shard_size)
     tokenizer = Path(tokenizer).expanduser() if tokenizer is not None else None
     ids = {**special_token_ids(tokenizer), **(tokens or {})}
     hf = hf_config(
         config.replace(param_dtype=dtype), dtype=dtype, max_positions=positions, tokens=ids, base=base_config
     )
-    if config.mtp_depth and not FAMILIES[hf["model_type"]].mtp_key:
-        warnings.warn(
-            SpmdkitWarning(
-                f"{hf['model_type']} stores no multi-token-prediction layers: the model's {config.mtp_depth} MTP "
-                "module(s) are not exported (they trained the main model, which is)"
-            ),
-            stacklevel=2,
-        )
+    _warn_unexported_mtp(config, hf["model_type"])
     staging = _staging(out)
     try:
         write_weights(staging, config, hf["model_type"], params, dtype, limit)
@@ -195,6 +183,28 @@ def save_hf(
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _stored_as(config: TransformerConfig, params: Any, dtype: str | None, max_positions: int | None) -> tuple[str, int]:
+    """(the export's dtype: `dtype` or the parameters', its max_position_embeddings: `max_positions` or the
+    model's), each refused in one line where it cannot be written."""
+    dtype = dtype or str(np.dtype(jax.tree.leaves(params)[0].dtype))
+    if dtype not in NUMPY_DTYPES:
+        raise SpmdkitError(f"unknown export dtype {dtype!r}: choose one of {', '.join(NUMPY_DTYPES)}")
+    positions = max_positions or config.max_positions
+    if not positions:
+        raise SpmdkitError("the model records no max_positions: pass max_positions= (the context it was trained for)")
+    return dtype, positions
+
+
+def _warn_unexported_mtp(config: TransformerConfig, model_type: str) -> None:
+    """One warning where the family stores no multi-token-prediction layers and the model has some."""
+    if config.mtp_depth and not FAMILIES[model_type].mtp_key:
+        message = (
+            f"{model_type} stores no multi-token-prediction layers: the model's {config.mtp_depth} MTP module(s) are "
+            "not exported (they trained the main model, which is)"
+        )
+        warnings.warn(SpmdkitWarning(message), stacklevel=3)
 
 
 def _beside(out: Path, what: str) -> Path:

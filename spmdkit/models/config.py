@@ -17,7 +17,14 @@ import typing
 from typing import Annotated, Literal
 
 from spmdkit.errors import SpmdkitError
-from spmdkit.models.config_checks import check_dense, check_experts, check_latent, check_mtp
+from spmdkit.models.config_checks import (
+    check_dense,
+    check_experts,
+    check_latent,
+    check_mtp,
+    check_rope,
+    check_scales,
+)
 from spmdkit.models.fields import arg, check_types
 from spmdkit.models.remat import HELP as REMAT_HELP
 from spmdkit.models.remat import RematPolicy, parse_remat
@@ -236,42 +243,8 @@ class TransformerConfig:
             )
         check_latent(self)
         check_mtp(self)
-        self._check_rope()
-        self._check_scales()
-
-    def _check_rope(self) -> None:
-        if not (math.isfinite(self.rope_factor) and self.rope_factor > 0):
-            raise SpmdkitError(f"rope_factor={self.rope_factor} must be positive")
-        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-            raise SpmdkitError(
-                f"llama3 RoPE needs 0 < rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
-                f"({self.rope_high_freq_factor})"
-            )
-        if self.rope_type == "yarn" and not (self.rope_beta_fast > 0 and self.rope_beta_slow > 0):
-            raise SpmdkitError("yarn RoPE needs positive rope_beta_fast and rope_beta_slow")
-        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
-            raise SpmdkitError(f"rope_attention_factor={self.rope_attention_factor} must be >= 0 (0: derived)")
-        if self.rope_original_max_positions < 1 or self.max_positions < 0:
-            raise SpmdkitError("rope_original_max_positions must be positive and max_positions >= 0")
-        rotated = self.rotary_dims
-        if not 0 < self.rope_fraction <= 1 or rotated < 2 or rotated % 2:
-            raise SpmdkitError(f"rope_fraction={self.rope_fraction} must rotate an even number of head_dim's dims")
-        for name, letters in (("rope_pattern", "RN"), ("window_pattern", "LG")):
-            pattern = getattr(self, name)
-            if set(pattern) - set(letters):
-                raise SpmdkitError(f"{name}={pattern!r} may hold only the letters {' and '.join(letters)}")
-        if self.sliding_window < 0 or not (math.isfinite(self.local_rope_theta) and self.local_rope_theta >= 0):
-            raise SpmdkitError(f"sliding_window={self.sliding_window} and local_rope_theta must be >= 0")
-        if not self.sliding_window and (self.window_pattern or self.local_rope_theta):
-            raise SpmdkitError("window_pattern and local_rope_theta describe local layers: set sliding_window too")
-
-    def _check_scales(self) -> None:
-        for name in ("attention_scale", "attention_softcap", "logit_softcap"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise SpmdkitError(f"{name}={getattr(self, name)} must be a number >= 0 (0: off)")
-        for name in ("logit_divisor", "embed_scale", "residual_scale"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise SpmdkitError(f"{name}={getattr(self, name)} must be a positive number")
+        check_rope(self)
+        check_scales(self)
 
     # ------------------------------------------------------------------ what each layer is
 

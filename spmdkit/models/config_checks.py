@@ -88,3 +88,41 @@ def check_mtp(config: TransformerConfig) -> None:
         raise SpmdkitError(f"mtp_depth={config.mtp_depth} and mtp_weight={config.mtp_weight} must be >= 0")
     if config.mtp_depth and config.fp8:
         raise SpmdkitError("--model.mtp-depth with --model.fp8: the MTP blocks have no FP8 path yet; drop one")
+
+
+def check_rope(config: TransformerConfig) -> None:
+    """RoPE's factors, patterns and windows are in range."""
+    if not (math.isfinite(config.rope_factor) and config.rope_factor > 0):
+        raise SpmdkitError(f"rope_factor={config.rope_factor} must be positive")
+    if config.rope_type == "llama3" and not 0 < config.rope_low_freq_factor < config.rope_high_freq_factor:
+        raise SpmdkitError(
+            f"llama3 RoPE needs 0 < rope_low_freq_factor ({config.rope_low_freq_factor}) < rope_high_freq_factor "
+            f"({config.rope_high_freq_factor})"
+        )
+    if config.rope_type == "yarn" and not (config.rope_beta_fast > 0 and config.rope_beta_slow > 0):
+        raise SpmdkitError("yarn RoPE needs positive rope_beta_fast and rope_beta_slow")
+    if not (math.isfinite(config.rope_attention_factor) and config.rope_attention_factor >= 0):
+        raise SpmdkitError(f"rope_attention_factor={config.rope_attention_factor} must be >= 0 (0: derived)")
+    if config.rope_original_max_positions < 1 or config.max_positions < 0:
+        raise SpmdkitError("rope_original_max_positions must be positive and max_positions >= 0")
+    rotated = config.rotary_dims
+    if not 0 < config.rope_fraction <= 1 or rotated < 2 or rotated % 2:
+        raise SpmdkitError(f"rope_fraction={config.rope_fraction} must rotate an even number of head_dim's dims")
+    for name, letters in (("rope_pattern", "RN"), ("window_pattern", "LG")):
+        pattern = getattr(config, name)
+        if set(pattern) - set(letters):
+            raise SpmdkitError(f"{name}={pattern!r} may hold only the letters {' and '.join(letters)}")
+    if config.sliding_window < 0 or not (math.isfinite(config.local_rope_theta) and config.local_rope_theta >= 0):
+        raise SpmdkitError(f"sliding_window={config.sliding_window} and local_rope_theta must be >= 0")
+    if not config.sliding_window and (config.window_pattern or config.local_rope_theta):
+        raise SpmdkitError("window_pattern and local_rope_theta describe local layers: set sliding_window too")
+
+
+def check_scales(config: TransformerConfig) -> None:
+    """Attention and logit scales and caps are finite and in range."""
+    for name in ("attention_scale", "attention_softcap", "logit_softcap"):
+        if not (math.isfinite(getattr(config, name)) and getattr(config, name) >= 0):
+            raise SpmdkitError(f"{name}={getattr(config, name)} must be a number >= 0 (0: off)")
+    for name in ("logit_divisor", "embed_scale", "residual_scale"):
+        if not (math.isfinite(getattr(config, name)) and getattr(config, name) > 0):
+            raise SpmdkitError(f"{name}={getattr(config, name)} must be a positive number")

@@ -297,16 +297,15 @@ def with_dispatch(s: Layout, platform: str) -> Layout:
     return dataclasses.replace(s, model=resolve_dispatch(s.model, s.seq_len, s.replicas > 1, platform))
 
 
-def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
-    """The Estimate of a checked layout on `dev` (`--moe-dispatch auto` resolved first, as `build_program` would
-    on this device and batch split: `estimate` and the search's layouts alike)."""
-    s = with_dispatch(s, planner_platform(dev))
-    m, sizes = s.model, s.sizes
-    devices, local = math.prod(sizes.values()), node_local_axes(sizes, dev.gpus_per_node)
+def _traffic(
+    s: Layout, dev: Device, kernel: str, comm_efficiency: float
+) -> tuple[dict[str, float], dict[str, dict[str, float | str]], float, float]:
+    """The step's collectives on `dev`: (operand bytes by opcode, wire bytes and seconds by axes with their link,
+    seconds overlapped with compute, seconds that block it)."""
+    sizes, local = s.sizes, node_local_axes(s.sizes, dev.gpus_per_node)
     by_opcode: dict[str, float] = {}
     traffic: dict[str, dict[str, float | str]] = {}
     hidden = blocking = 0.0
-    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability)
     for c in collectives(s, reassociate=dev.backend != "cpu", kernel=kernel):
         by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.operand_bytes
         n, link = math.prod(sizes[x] for x in c.axes), "nvlink" if set(c.axes) <= local else "infiniband"
@@ -315,6 +314,17 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         row = traffic.setdefault("+".join(c.axes), {"link": link, "wire_bytes": 0.0, "seconds": 0.0})
         row["wire_bytes"], row["seconds"] = float(row["wire_bytes"]) + wire, float(row["seconds"]) + seconds
         hidden, blocking = hidden + seconds * c.overlapped, blocking + seconds * (not c.overlapped)
+    return by_opcode, traffic, hidden, blocking
+
+
+def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
+    """The Estimate of a checked layout on `dev` (`--moe-dispatch auto` resolved first, as `build_program` would
+    on this device and batch split: `estimate` and the search's layouts alike)."""
+    s = with_dispatch(s, planner_platform(dev))
+    m, sizes = s.model, s.sizes
+    devices = math.prod(sizes.values())
+    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability)
+    by_opcode, traffic, hidden, blocking = _traffic(s, dev, kernel, comm_efficiency)
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
     # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens, or
     # a dense ragged_dot's E top_k S (`spmdkit.plan.dispatch`); 6 FLOPs per weight and slot (forward and

@@ -214,6 +214,18 @@ def check_bad_steps(
         )
 
 
+def _metrics_and_grads(
+    model: nnx.Module, batch: Batch, grad_accum: int, mesh: Mesh, rules: Rules, pipeline: Schedule | None
+) -> tuple[dict[str, jax.Array], nnx.State]:
+    """`loss_and_grads`, or with a `pipeline` schedule the pipeline program's loss and gradients."""
+    if pipeline is None:
+        return loss_and_grads(model, batch, grad_accum, mesh, rules)
+    from spmdkit.train.step.pipeline import pipeline_loss_and_grads
+
+    loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
+    return {"loss": loss}, grads
+
+
 def make_train_step(
     train_state: TrainState,
     mesh: Mesh,
@@ -241,13 +253,7 @@ def make_train_step(
     def step(state: nnx.State, batch: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
         with use_rules(rules, mesh):
             model, optimizer = nnx.merge(graphdef, state)
-            if pipeline is None:
-                model_metrics, grads = loss_and_grads(model, batch, grad_accum, mesh, rules)
-            else:
-                from spmdkit.train.step.pipeline import pipeline_loss_and_grads
-
-                loss, grads = pipeline_loss_and_grads(model, batch, mesh=mesh, rules=rules, schedule=pipeline)
-                model_metrics = {"loss": loss}
+            model_metrics, grads = _metrics_and_grads(model, batch, grad_accum, mesh, rules, pipeline)
             grads, fp8_meta = nnx.split_state(grads, nnx.Param, Fp8Meta)
             opt_step = optimizer.step[...]
             grads = _guarded(grads, model_metrics["loss"], opt_step, fail_steps)
