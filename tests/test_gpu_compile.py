@@ -317,14 +317,20 @@ def test_the_dropless_moe_step_reports_how_its_expert_gemms_compiled(h100):
 def test_llama3_8b_at_128k_tokens_on_8_h100_fits_under_ulysses_with_cudnn(h100):
     """131,072 tokens of Llama-3-8B on one node, context=8, remat full (#38): auto runs Ulysses around cuDNN (both
     fused kernels in the program), the state is sharded over context (12 GB of arguments per device, not 8 x), it
-    fits, every all-to-all is an async pair XLA overlaps with compute (none made synchronous: two collectives
-    may be in flight, `targets/flags.py`), and the planner's memory and all-to-all bytes are XLA's within 10%."""
+    fits, every all-to-all is an async pair XLA overlaps with compute (none made synchronous on jaxlib 0.12: two
+    collectives may be in flight, `targets/flags.py`), and the planner's memory and all-to-all bytes are XLA's
+    within 10%."""
     report = compile_run("llama3_8b_128k")
     assert report["fits"] and report["attention_kernel"] == "ulysses_cudnn"
     assert report["per_device_bytes"]["argument"] < 16e9  # 16 GB of float32 parameters and moments / 8, + batch
     exchange = report["collectives"]["all-to-all"]
     assert exchange["executions"] == 12 * 32  # q, k, v, out: forward, again under full remat, backward; 32 layers
-    assert exchange["asynchronous"] == exchange["instructions"] and exchange["nothing_to_overlap"] == 0, exchange
+    # jaxlib 0.12 overlaps all 48; 0.11.2's scheduler leaves one backward exchange with nothing beside it
+    import jaxlib
+
+    synchronous = 0 if tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 12) else 1
+    assert exchange["nothing_to_overlap"] <= synchronous, exchange
+    assert exchange["asynchronous"] + exchange["nothing_to_overlap"] == exchange["instructions"], exchange
     assert 0.9 < report["planner_ratio"] < 1.1, (report["planner_ratio"], report["planner_memory"])
     planned = report["planner_collective_bytes"]["all-to-all"]
     assert 0.9 < planned / exchange["operand_bytes"] < 1.1
