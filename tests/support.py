@@ -123,3 +123,16 @@ def read_only_dir(path: Path) -> bool:
         return True
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
     return done.returncode == 0
+
+
+def pieces_as_rows(fields: dict, pieces: list[tuple[int, int, int]], length: int) -> dict:
+    """Packed documents one per row: for each (row, start, n) of `pieces`, the packed `fields`' inputs, targets,
+    positions and loss_mask [rows, length] at row[start : start + n], copied to column 0 of its own row and
+    zero-padded after (causal attention never lets a token see what follows it)."""
+    import numpy as np
+
+    out = {k: np.zeros((len(pieces), length), np.int32) for k in ("inputs", "targets", "positions", "loss_mask")}
+    for i, (r, start, n) in enumerate(pieces):
+        for k in out:
+            out[k][i, :n] = fields[k][r, start : start + n]
+    return out

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import pieces_as_rows
 
 from spmdkit.data.packing import pack_documents
 from spmdkit.errors import SpmdkitError
@@ -47,14 +48,8 @@ def _rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _pieces() -> dict[str, np.ndarray]:
-    """The pieces alone, one per row from column 0 at their positions, zero-padded at the end (causal attention
-    never lets a token see what follows it)."""
-    fields, pieces = packed()
-    out = {k: np.zeros((len(pieces), S), np.int32) for k in ("inputs", "targets", "positions", "loss_mask")}
-    for i, (r, start, n) in enumerate(pieces):
-        for k in out:
-            out[k][i, :n] = fields[k][r, start : start + n]
-    return out
+    """The pieces alone, one per row from column 0 at their positions, zero-padded at the end."""
+    return pieces_as_rows(*packed(), S)
 
 
 @nnx.jit(static_argnums=3)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support import pieces_as_rows
 
 from spmdkit.data.packing import pack_documents
 from spmdkit.models import TransformerConfig
@@ -59,12 +60,7 @@ def packed():
 def separate():
     """The pieces alone: one per row, from column 0 at their positions, no segment ids (zero-padded at the end,
     which causal attention never lets an earlier token see); their loss mask is the packed batch's."""
-    fields, pieces = packed()
-    out = {k: np.zeros((len(pieces), S), np.int32) for k in ("inputs", "targets", "positions", "loss_mask")}
-    for i, (r, start, n) in enumerate(pieces):
-        for k in out:
-            out[k][i, :n] = fields[k][r, start : start + n]
-    return out
+    return pieces_as_rows(*packed(), S)
 
 
 def _state(mesh, rules, config):
