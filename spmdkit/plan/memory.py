@@ -51,6 +51,7 @@ residual stacks); the planner counts the schedule that needs the least, one micr
 from __future__ import annotations
 
 import functools
+import math
 
 from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.block_plan import BlockPlan
@@ -59,7 +60,7 @@ from spmdkit.models.config import TransformerConfig, loss_chunks
 from spmdkit.models.lora_config import LoraConfig
 from spmdkit.models.remat import RematPolicy
 from spmdkit.parallel.pipeline.schedule import Schedule, make_schedule
-from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, Layout, Sharded, state_axes
+from spmdkit.plan.layout import BATCH_AXES, DTYPE_BYTES, STATE_AXES, Layout, Sharded, state_axes
 from spmdkit.plan.remat_cost import mlp_named_bytes, named_kept_bytes
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "compute_copies", "comm_buffers", "activations")
@@ -273,8 +274,8 @@ RELAID_OUT = ("blocks.mlp.gate", "blocks.attention.q", "moe_blocks.attention.q",
 
 
 def _state_split(s: Layout) -> int:
-    """How many ways ZeRO splits the dense weights' state: fsdp x context x expert (`embed`'s rule)."""
-    return s["fsdp"] * s["context"] * s["expert"]
+    """How many ways ZeRO splits the dense weights' state: the product of `STATE_AXES` (`embed`'s rule)."""
+    return math.prod(s[x] for x in STATE_AXES)
 
 
 def _relayouts(s: Layout) -> float:
