@@ -3,7 +3,7 @@ with `--moe-dispatch auto` the expert matmuls execute the routed FLOPs (each tok
 times at most 1.3, counted from the compiled program's dots, forward, remat recompute and backward alike, and
 `spmdkit compile` names how they compiled (`moe_gemm`) and which dispatch ran.
 
-Two tiny steps with experts over the whole node (`expert=8`, seq 128, remat full): a Mixtral-shaped one (8 experts,
+Tiny steps with experts over the whole node (`expert=8`, seq 128, remat full): a Mixtral-shaped one (8 experts,
 top-2) and a GPT-OSS-shaped one (32 experts, top-4, router and expert biases, the clamped SwiGLU). Dropless there
 would pad every expert to whole sequences (E / k = 4 and 8 x the routed FLOPs; `tests/test_gpu_compile.py` shows
 its dense ragged_dot on one batch shard), so `auto` runs capacity 1.25. Both compile once, two at a time.
@@ -24,11 +24,20 @@ GPT_OSS = (
     "--model.swiglu-limit 7.0"
 )
 SHAPES = {"mixtral": f"--model tiny-moe {STEP}", "gpt_oss": f"--model tiny-moe {GPT_OSS} {STEP}"}
+# DeepSeek-V3's pieces on a tiny step: latent attention, sigmoid routing within groups, the correction bias moved by
+# auxiliary-loss-free balancing, one multi-token-prediction module (an MoE block: its experts are not routed FLOPs
+# of the main model's count)
+DEEPSEEK = (
+    "--model tiny-moe --model.kv-lora-rank 16 --model.kv-heads 8 --model.head-dim 16 --model.qk-rope-head-dim 8 "
+    "--model.rope-interleave True --model.router-score sigmoid --model.router-groups 2 --model.router-top-groups 1 "
+    f"--model.balance-rate 0.001 --model.mtp-depth 1 {STEP}"
+)
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
-    configs = {name: parse_flags(flags.split(), TrainConfig()) for name, flags in SHAPES.items()}
+    shapes = {**SHAPES, "deepseek": DEEPSEEK}
+    configs = {name: parse_flags(flags.split(), TrainConfig()) for name, flags in shapes.items()}
     done = in_parallel([functools.partial(compile_for_target, config, "h100") for config in configs.values()])
     return dict(zip(configs, done, strict=True))
 
@@ -49,3 +58,12 @@ def test_auto_dispatch_executes_at_most_1_3_x_the_routed_expert_flops(reports, s
     text = format_report(report)
     assert f"MoE GEMMs    dense: {gemm['ratio']:.2f} x the routed FLOPs" in text and "run twice (remat)" in text
     assert report["fits"] and report["collectives"]["all-to-all"]["executions"] > 0
+
+
+def test_a_deepseek_shaped_step_with_balancing_and_mtp_compiles_with_cudnn_and_fits(reports):
+    """Latent attention runs cuDNN's fused kernel, the step fits, and the expert GEMMs stay at capacity's 1.25 x:
+    the main model's routed FLOPs times (its MoE layers + the MTP block) / its MoE layers."""
+    report, model = reports["deepseek"], parse_flags(DEEPSEEK.split(), TrainConfig()).model.build()
+    assert report["fits"] and report["attention_kernel"] == "cudnn", report["attention_kernel"]
+    blocks = (model.moe_layers + model.mtp_depth) / model.moe_layers
+    assert report["moe_gemm"]["dispatch"] == "capacity" and report["moe_gemm"]["ratio"] <= 1.3 * blocks
