@@ -10,6 +10,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import error_lines, run_spmdkit
@@ -22,7 +23,7 @@ from spmdkit.models.attention import KERNEL_TABLE, _fused_local, dot_attention
 from spmdkit.models.attention_choice import choose_attention
 from spmdkit.parallel.context.exchange import kv_repeat
 from spmdkit.parallel.context.ring_attention import RingLayout, ring_attention
-from spmdkit.parallel.context.ulysses import UlyssesLayout, ulysses_attention
+from spmdkit.parallel.context.ulysses import HeadParts, UlyssesLayout, choose_parts, ulysses_attention
 from spmdkit.parallel.context.zigzag import from_zigzag, ring_balance, ring_steps, to_zigzag
 from spmdkit.sharding.logical import use_rules
 from spmdkit.sharding.mesh import make_mesh
@@ -89,6 +90,53 @@ def test_ulysses_equals_dense_attention(mesh_text, batch, seq, heads, kv_heads, 
         with use_rules(rules, mesh), jax.set_mesh(mesh):
             got = _out_and_grads(KERNEL_TABLE[kind], segments, spec)(q, k, v, dout)
         _assert_close(got, want)
+
+
+# (mesh, batch, seq, heads, kv_heads, head_dim, parts): parts of 1 head inside a kv group, of whole groups, of a
+# group each, under SP with tensor; the kv heads repeated for the degree (kv 1 on context 4)
+PART_CASES = [
+    ("context=8", 1, 64, 16, 2, 64, 2),
+    ("context=4,fsdp=2", 2, 32, 16, 4, 64, 2),
+    ("context=4,fsdp=2", 2, 32, 16, 1, 128, 4),
+    ("context=2,tensor=2,fsdp=2", 2, 32, 16, 4, 64, 2),
+]
+
+
+@pytest.mark.parametrize("mesh_text,batch,seq,heads,kv_heads,head_dim,parts", PART_CASES)
+def test_ulysses_output_parts_project_to_the_dense_output(mesh_text, batch, seq, heads, kv_heads, head_dim, parts):
+    """The output in head parts, each part times its rows of a projection W [heads, head_dim, 24], summed: dense
+    attention's output times W, forward and gradients (q, k, v and W) within 1e-5, packed and windowed."""
+    q, k, v, _, segments = _inputs(batch, seq, heads, kv_heads, head_dim, True)
+    w = np.random.default_rng(1).standard_normal((heads, head_dim, 24), dtype=np.float32)
+    dout = np.random.default_rng(2).standard_normal((batch, seq, 24), dtype=np.float32)
+    spec = AttentionSpec(window=7)
+
+    def projected(attention, **kw):
+        def f(q, k, v, w):
+            out = attention(q, k, v, segments, spec, **kw)
+            if isinstance(out, HeadParts):
+                return sum(jnp.einsum("bshd,hde->bse", p, r) for p, r in zip(out.parts, out.rows(w), strict=True))
+            return jnp.einsum("bshd,hde->bse", out, w)
+
+        return jax.jit(lambda *a: (lambda out, vjp: (out, *vjp(dout)))(*jax.vjp(f, *a)))
+
+    want = projected(dot_attention)(q, k, v, w)
+    mesh = make_mesh(mesh_text)
+    with use_rules(make_rules(3, sequence_parallel="tensor" in mesh_text), mesh), jax.set_mesh(mesh):
+        got = projected(KERNEL_TABLE["ulysses_dot"], parts=parts)(q, k, v, w)
+    _assert_close(got[:4], want[:4])
+    assert np.max(np.abs(got[4] - want[4])) / np.max(np.abs(want[4])) < RTOL
+
+
+def test_output_parts_are_chosen_where_they_apply():
+    # llama3-8b on context=4, tensor=2: 4 heads per device after the exchange, 1 kv head: 2 parts of 2
+    assert choose_parts(0, 32, 8, 2, 4) == 2 and choose_parts(1, 32, 8, 2, 4) == 1
+    assert choose_parts(0, 32, 8, 2, 4, blocker="the output projection is FP8") == 1
+    assert choose_parts(0, 12, 12, 1, 4) == 1  # 3 heads per device do not halve: whole, as auto
+    with pytest.raises(SpmdkitError, match="parts of 2 heads cut the 3 query heads that share a kv head"):
+        choose_parts(3, 12, 4, 1, 2)  # 6 heads per device, 3 per kv head
+    with pytest.raises(SpmdkitError, match="--model.ulysses-parts 2: the output projection is FP8: use 1"):
+        choose_parts(2, 32, 8, 2, 4, blocker="the output projection is FP8")
 
 
 # (mesh, Ulysses factor, batch, seq, heads, kv_heads, head_dim, window, packed): a ring of context / U positions
@@ -220,6 +268,11 @@ def test_ulysses_refuses_heads_that_do_not_split_in_one_line():
         (["--mesh", "context=4,fsdp=2", "--ulysses", "2"], "--ulysses only goes with it"),
         (["--mesh", "context=4,fsdp=2", "--context-parallel", "2d", "--ulysses", "3"], "--ulysses 3 must divide"),
         (["--mesh", "context=4,fsdp=2", "--context-parallel", "2d", "--ulysses", "4"], "strictly between 1 and it"),
+        (["--mesh", "context=4,fsdp=2", "--model.ulysses-parts", "2"], "--model.ulysses-parts 2 needs Ulysses"),
+        (
+            ["--mesh", "context=4,fsdp=2", "--context-parallel", "ulysses", "--model.ulysses-parts", "3"],
+            "the 2 heads each device attends do not split into 3 parts",
+        ),
         (
             [
                 "--mesh",
@@ -292,6 +345,7 @@ def test_training_under_ulysses_gives_the_fsdp_losses(tmp_path):
     want = _losses(tmp_path / "fsdp")
     assert len(want) == 20 and want[-1] < want[0] and "attention blockwise" in base.stdout
     assert "attention ulysses_blockwise" in ulysses.stdout
+    assert "Ulysses attention (all-to-alls, the output in 2 head parts)" in ulysses.stdout  # auto: 2 heads each
     assert "ring attention (zigzag) of Ulysses groups of 2 (2D)" in two_d.stdout
     for name in ("u", "usp", "uacc", "2d"):
         got = _losses(tmp_path / name)

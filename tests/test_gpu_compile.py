@@ -81,6 +81,7 @@ LLAMA3_8B_128K = "--model llama3-8b --mesh context=8 --seq-len 131072 --batch-si
 COMMANDS = {
     "llama3_8b": f"{LLAMA3_8B} --json --roofline",
     "llama3_8b_128k": f"{LLAMA3_8B_128K} --json",
+    "llama3_8b_128k_tp": f"{LLAMA3_8B_128K} --mesh context=4,tensor=2 --json",
     "llama3_70b": "--model llama3-70b --mesh fsdp=8 --seq-len 512 --batch-size 8 --json",
     "json": f"{SMALL} --mesh fsdp=4,tensor=2 --json",
     "moe_dropless": f"{MOE_DROPLESS} --json",
@@ -314,18 +315,21 @@ def test_the_dropless_moe_step_reports_how_its_expert_gemms_compiled(h100):
     assert f"MoE GEMMs    dense: {expected:.2f} x the routed FLOPs" in format_report(report)
 
 
-def test_llama3_8b_at_128k_tokens_on_8_h100_fits_under_ulysses_with_cudnn(h100):
-    """131,072 tokens of Llama-3-8B on one node, context=8, remat full (#38): auto runs Ulysses around cuDNN (both
-    fused kernels in the program), the state is sharded over context (12 GB of arguments per device, not 8 x), it
-    fits, every all-to-all is an async pair XLA overlaps with compute (none made synchronous on jaxlib 0.12: two
-    collectives may be in flight, `targets/flags.py`), and the planner's memory and all-to-all bytes are XLA's
-    within 10%."""
-    report = compile_run("llama3_8b_128k")
+@pytest.mark.parametrize("name", ["llama3_8b_128k", "llama3_8b_128k_tp"])
+def test_llama3_8b_at_128k_tokens_on_8_h100_fits_under_ulysses_with_cudnn(name, h100):
+    """131,072 tokens of Llama-3-8B on one node, context=8 and context=4,tensor=2, remat full (#38): auto runs
+    Ulysses around cuDNN (both fused kernels in the program), the state is sharded over context (12 GB of arguments
+    per device, not 8 x), it fits, the output is exchanged in 2 head parts, every all-to-all is an async pair XLA
+    overlaps with compute (none made synchronous on jaxlib 0.12: two collectives may be in flight,
+    `targets/flags.py`; before the parts, the out exchange sat alone between attention and o_proj: 9 of 48 under
+    tensor=2), and the planner's memory and all-to-all bytes are XLA's within 10%."""
+    report = compile_run(name)
     assert report["fits"] and report["attention_kernel"] == "ulysses_cudnn"
     assert report["per_device_bytes"]["argument"] < 16e9  # 16 GB of float32 parameters and moments / 8, + batch
     exchange = report["collectives"]["all-to-all"]
-    assert exchange["executions"] == 12 * 32  # q, k, v, out: forward, again under full remat, backward; 32 layers
-    # jaxlib 0.12 overlaps all 48; 0.11.2's scheduler leaves one backward exchange with nothing beside it
+    # q, k, v and the output's 2 parts: forward, again under full remat, backward; 32 layers
+    assert report["ulysses_parts"] == 2 and exchange["executions"] == 5 * 3 * 32
+    # jaxlib 0.12 overlaps all 60; 0.11.2's scheduler may leave one backward exchange with nothing beside it
     import jaxlib
 
     synchronous = 0 if tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 12) else 1

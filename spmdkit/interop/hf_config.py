@@ -35,8 +35,8 @@ MXFP4 = (
 )
 # TransformerConfig fields that are the run's numerics, not the function a Hugging Face config fixes.
 RUN_FIELDS = frozenset({
-    "dtype", "param_dtype", "remat", "attention", "attention_block", "loss_chunk", "z_loss", "dispatch",
-    "capacity_factor", "load_balance_weight", "router_z_weight", "balance_rate", "max_positions", "fp8",
+    "dtype", "param_dtype", "remat", "attention", "attention_block", "ulysses_parts", "loss_chunk", "z_loss",
+    "dispatch", "capacity_factor", "load_balance_weight", "router_z_weight", "balance_rate", "max_positions", "fp8",
     "mtp_weight",
 })  # fmt: skip
 

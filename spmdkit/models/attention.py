@@ -22,7 +22,8 @@ and `choose_attention` keeps a model with sinks off it.
 
 - `ulysses_<kernel>`: Ulysses context parallelism (`spmdkit.parallel.context.ulysses`): all-to-alls over the
   `context` axis turn the sequence split (natural order) into a head split, and `<kernel>` (dot, blockwise, or
-  cuDNN's fused kernel) attends the whole sequence per device.
+  cuDNN's fused kernel) attends the whole sequence per device. With `parts` > 1 it returns the output as
+  `HeadParts`, exchanged part by part, for `spmdkit.models.layers.Attention.out` to project part by part.
 
 `KERNEL_TABLE` maps each kind (dot, blockwise, cudnn, ring, ulysses_*) to its kernel. `attend(q, k, v, kind,
 segment_ids, spec)` runs the kernel the model config names: `spmdkit.train.step.program.build_program` has
@@ -47,9 +48,9 @@ from spmdkit.errors import SpmdkitError
 from spmdkit.kernels.attention_block import grouped_scores, grouped_values, visible, with_sinks
 from spmdkit.kernels.attention_spec import AttentionSpec, ring_key_tile
 from spmdkit.kernels.blockwise_attention import blockwise_attention
-from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.attention_choice import ULYSSES, choose_attention
 from spmdkit.parallel.context.ring_attention import RingLayout, ring_attention
-from spmdkit.parallel.context.ulysses import UlyssesLayout, ulysses_attention
+from spmdkit.parallel.context.ulysses import HeadParts, UlyssesLayout, ulysses_attention
 from spmdkit.parallel.nested_region import nested_region
 from spmdkit.sharding.logical import active_rules
 
@@ -226,13 +227,16 @@ def _ulysses(local: Any) -> Any:
     batch and head axes taken from the active rules; seq sharded over `context` in natural order."""
 
     def kernel(
-        q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None, sinks: Any = None
-    ) -> jax.Array:
+        q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any = None, spec: Any = None, sinks: Any = None,
+        parts: int = 1,
+    ) -> jax.Array | HeadParts:  # fmt: skip
         rules, mesh = active_rules()
         batch, heads = _free_axes(rules.params["batch"], mesh), _free_axes(rules.params["heads"], mesh)
         k, v = _split_kv_heads(q, k, v, heads, mesh)
         layout = UlyssesLayout("context", batch, heads)
-        return ulysses_attention(q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local, sinks=sinks)
+        return ulysses_attention(
+            q, k, v, segment_ids, spec, mesh=mesh, layout=layout, local=local, sinks=sinks, parts=parts
+        )
 
     return kernel
 
@@ -256,15 +260,21 @@ def attend(
     segment_ids: jax.Array | None = None,
     spec: AttentionSpec | None = None,
     sinks: jax.Array | None = None,
-) -> jax.Array:
+    parts: int = 1,
+) -> jax.Array | HeadParts:
     """The kernel `kind` names (`KERNEL_TABLE`) on q, k, v, segment ids, spec and sinks (the module doc). "auto"
     runs ring attention under a context axis > 1 in the mesh in force, else blockwise; a kind that cannot split the
-    sequence as the mesh does, or take the sinks, raises SpmdkitError (`choose_attention`, no platform known)."""
+    sequence as the mesh does, or take the sinks, raises SpmdkitError (`choose_attention`, no platform known).
+    `parts` > 1 (Ulysses kinds only): the output as Ulysses' `HeadParts`, for a projection part by part."""
     softcap = spec.softcap if spec else 0.0
     kernel = choose_attention(
         kind, context=context_size(), platform=None, dtype=q.dtype.name, head_dim=q.shape[3], softcap=softcap,
         sinks=sinks is not None,
     )  # fmt: skip
+    if parts > 1:
+        if kernel not in ULYSSES:
+            raise SpmdkitError(f"attention output parts ({parts}) need a Ulysses kernel, not {kernel}: set parts 1")
+        return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec, sinks, parts=parts)
     if sinks is None:
         return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec)
     return KERNEL_TABLE[kernel](q, k, v, segment_ids, spec, sinks)

@@ -76,6 +76,13 @@ class TransformerConfig:
         ),
     ] = "auto"
     attention_block: Annotated[int, arg("positions per query and key block of the blockwise attention kernel")] = 512
+    ulysses_parts: Annotated[
+        int,
+        arg(
+            "Ulysses: exchange and project attention's output in this many head parts, each part's projection beside "
+            "the next part's exchange (0: auto, 2 where the heads split and o is a plain projection; 1: whole)"
+        ),
+    ] = 0
     loss_chunk: Annotated[int, arg("sequence positions per chunk of the LM head + cross-entropy (0: one chunk)")] = 512
     z_loss: Annotated[float, arg("weight of the z-loss mean(log(Z)^2) on the LM head's logits (0: off)")] = 0.0
     experts: Annotated[int, arg("mixture of experts: routed experts per MoE block (0: a dense model)")] = 0
@@ -224,8 +231,8 @@ class TransformerConfig:
         parse_remat(self.remat)  # one line naming the bad policy and the valid ones
         if self.loss_chunk < 0 or not (math.isfinite(self.z_loss) and self.z_loss >= 0):
             raise SpmdkitError(f"loss_chunk={self.loss_chunk} and z_loss={self.z_loss} must be >= 0")
-        if self.attention_block < 1:
-            raise SpmdkitError(f"attention_block={self.attention_block} must be positive")
+        if self.attention_block < 1 or self.ulysses_parts < 0:
+            raise SpmdkitError(f"attention_block={self.attention_block} must be > 0, ulysses_parts >= 0 (0: auto)")
         if self.experts:
             check_experts(self)
             if self.balance_rate:  # the balancing moves the correction bias: the model has one (and exports it)

@@ -24,6 +24,7 @@ from spmdkit.models.fp8 import Fp8Scales, project
 from spmdkit.models.layer_plan import LayerKind, layer_kind
 from spmdkit.models.remat_policy import named
 from spmdkit.parallel.collective_matmul import column_parallel, ring_mesh, row_parallel
+from spmdkit.parallel.context.ulysses import HeadParts
 from spmdkit.sharding.logical import constrain
 
 # Activation layouts, by logical name. The residual stream carries `act_seq` (sequence parallelism shards it
@@ -230,17 +231,30 @@ class Attention(nnx.Module):
         frequencies, scaling = rope_frequencies(c, kind.local_rope), rope_scaling(c, kind.local_rope)
         return rotary(q, positions, frequencies, scaling), rotary(k, positions, frequencies, scaling), v
 
-    def out(self, attended: jax.Array) -> jax.Array:
-        """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP)."""
+    def out(self, attended: jax.Array | HeadParts) -> jax.Array:
+        """The output projection: [batch, seq, heads, head_dim] -> [batch, seq, embed] (row-parallel under TP).
+        Ulysses' `HeadParts` (`ulysses_parts` > 1): each part times its rows of o, summed, so that a part's GEMM
+        runs while the next part is exchanged (the partial sums add before TP's one all-reduce)."""
         dt = self.config.dtype
-        attended = attended[..., : self.config.value_head_dim]  # latent attention: values were padded to head_dim
-        attended = named(constrain(attended, ("batch", "seq", "heads", None)), "context")
+        if isinstance(attended, HeadParts):  # build_program allows parts only where o is one plain einsum
+            rows = attended.rows(self.o[...].astype(dt))
+            y = sum(jnp.einsum("bshd,hde->bse", self._context(p), w) for p, w in zip(attended.parts, rows, strict=True))
+            return self._biased(y)
+        attended = self._context(attended)
         if not self.config.fp8 and ring_mesh() is not None:  # --overlap-tp: the sum reduce-scattered in a ring
             y = row_parallel(attended, self.o[...].astype(dt), ("heads", "head_dim", "embed"))
         else:
             y = project("bshd,hde->bse", attended, self.o, getattr(self, "o_fp8", None), dtype=dt)
+        return self._biased(y)
+
+    def _context(self, attended: jax.Array) -> jax.Array:
+        """The attention output (or a part of its heads) as the projection reads it, named for the remat policies."""
+        attended = attended[..., : self.config.value_head_dim]  # latent attention: values were padded to head_dim
+        return named(constrain(attended, ("batch", "seq", "heads", None)), "context")
+
+    def _biased(self, y: jax.Array) -> jax.Array:
         if self.config.o_bias:
-            y = y + self.o_bias[...].astype(dt)
+            y = y + self.o_bias[...].astype(self.config.dtype)
         return named(constrain(y, RESIDUAL), "out_proj")
 
     def spec(self, kind: LayerKind | None = None) -> AttentionSpec:
@@ -257,8 +271,8 @@ class Attention(nnx.Module):
         kind: the layer's static kind (its window, its RoPE; None: layer 0's)."""
         c = self.config
         q, k, v = self.qkv(x, positions, kind)
-        attended = attend(q, k, v, c.attention, segment_ids, self.spec(kind), self.sink_logits())
-        return self.out(attended)
+        parts = max(c.ulysses_parts, 1)  # build_program resolved 0 (auto); a model traced outside runs whole
+        return self.out(attend(q, k, v, c.attention, segment_ids, self.spec(kind), self.sink_logits(), parts))
 
     def sink_logits(self) -> jax.Array | None:
         """The sinks [heads] float32 (split like the heads), or None without `attention_sinks`."""

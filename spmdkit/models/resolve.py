@@ -21,8 +21,8 @@ ReadSource = Callable[[str], TransformerConfig]  # a model path -> the model it 
 # numerics, not the model's function: they may differ from what --init-from holds.
 OWN_SETTINGS = ("name", "init_from", "dtype", "remat", "attention")
 RUN_NUMERICS = frozenset({
-    "param_dtype", "max_positions", "dispatch", "capacity_factor", "load_balance_weight", "router_z_weight",
-    "balance_rate", "mtp_weight",
+    "param_dtype", "max_positions", "ulysses_parts", "dispatch", "capacity_factor", "load_balance_weight",
+    "router_z_weight", "balance_rate", "mtp_weight",
 })  # fmt: skip
 DEFAULT_MODEL = "tiny"  # `--model`'s default: with --init-from, it means "the source's shape"
 OVERRIDES = tuple(f.name for f in dataclasses.fields(TransformerConfig) if f.name not in OWN_SETTINGS)

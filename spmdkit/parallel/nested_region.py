@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 __all__ = ["nested_region"]
 
@@ -31,11 +31,10 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def nested_region(
-    local: Callable[..., jax.Array], specs: tuple, out_spec: PartitionSpec, free: set[str], *args: jax.Array
-) -> jax.Array:
+def nested_region(local: Callable[..., Any], specs: tuple, out_spec: Any, free: set[str], *args: jax.Array) -> Any:
     """`local(*args)` per device, manual over the `free` axes too: a `shard_map` nested over the context's abstract
-    mesh (`specs`: the args' partition specs over the free axes, `out_spec` the output's) for the forward, and
+    mesh (`specs`: the args' partition specs over the free axes, `out_spec` the output's: an array's, or a tuple's
+    for a tuple of arrays) for the forward, and
     another for the backward, which takes `local`'s vjp per device (its forward recomputed there). Gradients flow
     to the floating-point args; output and cotangents are typed as varying over the manual axes the inputs vary
     over. `local` may hold collectives over the free axes (their transposes run in the backward region)."""
@@ -56,7 +55,7 @@ def nested_region(
     @jax.custom_vjp
     def typed(*inputs: jax.Array) -> jax.Array:
         out = nested(local, in_specs=specs, out_specs=out_spec, check_vma=False)(*inputs)
-        return _varying_like(out, inputs[floats[0]])
+        return jax.tree.map(lambda x: _varying_like(x, inputs[floats[0]]), out)
 
     def forward(*inputs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return typed(*inputs), inputs

@@ -284,6 +284,7 @@ def compile_for_target(
     model_flops = program.model_config.flops_per_token(run.seq_len) * run.batch_size * run.seq_len  # what MFU counts
     report.update(
         remat=program.model_config.remat, zero=program.rules.zero_stage,
+        ulysses_parts=program.model_config.ulysses_parts,
         model_flops_per_device=model_flops / devices,
         planner_collective_bytes=dict(plan.collective_bytes),
         remat_that_fits=None if fits else remat_that_fits(config, gpus, usable, state),
@@ -318,7 +319,8 @@ def format_report(report: dict[str, Any]) -> str:
         + (f"; host memory {_gb(m['host'])} (not in the total)" if m.get("host") else ""),
         f"             {verdict} in {_gb(r['usable_hbm_bytes'])} usable of {_gb(r['hbm_bytes'])} HBM; planner "
         f"{_gb(r['planner_bytes'])} ({r['planner_ratio']:.2f} x XLA:GPU)",
-        f"attention    {r['attention_kernel']} (found in the compiled program)" + _windows_text(r),
+        f"attention    {r['attention_kernel']} (found in the compiled program)" + _windows_text(r)
+        + (f"; its output exchanged in {r['ulysses_parts']} head parts" if r.get("ulysses_parts", 1) > 1 else ""),
         f"FLOPs        {flops['total'] / 1e12:.3f} TFLOP per device per call of the program (loops "
         f"multiplied{busiest}){model_flops}",
         "collectives  " + (", ".join(

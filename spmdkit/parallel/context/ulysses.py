@@ -19,6 +19,11 @@ GQA: after the exchange every device needs the kv heads of its query heads. With
 each device repeats its kv heads r = C / gcd(kv_heads/T, C) times before the exchange (r divides the group
 heads/kv_heads because heads/T is divisible by C), the repeat's transpose summing their gradients. Requires heads
 divisible by T x C (else the ring: `--context-parallel ring`).
+
+Output parts (`parts` > 1): the second exchange is the one Ulysses cannot hide, since the output projection reads
+its result next. Split into P head parts, part p's exchange runs beside part p + 1's attention, and the last part's
+beside the projection of the ones before it, when the caller projects each part by its own rows (`HeadParts`):
+out W_o = sum_p out_p W_o[rows_p]. The same bytes move, in P all-to-alls of 1/P the size.
 """
 
 from __future__ import annotations
@@ -44,7 +49,62 @@ from spmdkit.parallel.nested_region import nested_region
 # sequence), segment ids [b, s] or None.
 LocalKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, AttentionSpec], jax.Array]
 
-__all__ = ["UlyssesLayout", "ulysses_attention"]
+__all__ = ["HeadParts", "UlyssesLayout", "choose_parts", "ulysses_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadParts:
+    """Attention's output [batch, seq, heads, head_dim] as P = `len(parts)` arrays [batch, seq, heads / P, head_dim]
+    (seq over context, heads over the tensor axes, like the whole), exchanged one after another. `split` = (T, C):
+    the heads' tensor and context factors. Part p holds, in order, the heads t h/T + c h/(T C) + p n + i (t < T,
+    c < C, i < n = h / (T C P)): device c attended heads c h/(T C) .. of its tensor shard, cut in P parts."""
+
+    parts: tuple[jax.Array, ...]
+    split: tuple[int, int]
+
+    def rows(self, w: jax.Array) -> tuple[jax.Array, ...]:
+        """w [heads, ...] (a projection's input heads first) -> each part's rows [heads / parts, ...]."""
+        T, C = self.split
+        n = w.shape[0] // (T * C * len(self.parts))
+        tiled = w.reshape(T, C, len(self.parts), n, *w.shape[1:])
+        return tuple(tiled[:, :, p].reshape(T * C * n, *w.shape[1:]) for p in range(len(self.parts)))
+
+
+def exchanged_heads(heads: int, kv_heads: int, tensor: int, context: int) -> tuple[int, int]:
+    """(query heads, kv heads) one device attends after the exchange: kv heads that do not split over `tensor` are
+    repeated to the query heads first (as the model's kernel table does), then `kv_repeat` times for `context`."""
+    kv = kv_heads if kv_heads % tensor == 0 else heads
+    repeat = kv_repeat(kv // tensor, heads // tensor, context)
+    return heads // (tensor * context), kv // tensor * repeat // context
+
+
+def part_refusal(heads: int, kv_heads: int, parts: int) -> str | None:
+    """Why a device's `heads` query heads (reading `kv_heads` kv heads) cannot be cut into `parts` parts that each
+    read whole kv heads, or None when they can."""
+    if parts < 1 or heads % parts:
+        return f"the {heads} heads each device attends do not split into {parts} parts"
+    size, group = heads // parts, heads // kv_heads
+    if size % group and group % size:
+        return f"parts of {size} heads cut the {group} query heads that share a kv head"
+    return None
+
+
+def choose_parts(
+    requested: int, heads: int, kv_heads: int, tensor: int, context: int, blocker: str | None = None
+) -> int:  # fmt: skip
+    """The head parts Ulysses exchanges attention's output in (`ulysses_attention`'s `parts`). `requested`: 0 (auto:
+    2 where the heads allow and nothing blocks, else 1), 1 (whole) or P; `blocker`: why the output projection cannot
+    take parts (it is not one plain einsum: FP8, LoRA on it, --overlap-tp), or None. An explicit P > 1 that cannot
+    run raises SpmdkitError."""
+    if requested == 1:
+        return 1
+    mine, kv = exchanged_heads(heads, kv_heads, tensor, context)
+    reason = blocker or part_refusal(mine, kv, requested or 2)
+    if reason is None:
+        return requested or 2
+    if requested == 0:
+        return 1
+    raise SpmdkitError(f"--model.ulysses-parts {requested}: {reason}: use 1 (or 0, auto)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +118,35 @@ class UlyssesLayout:
     heads_axes: tuple[str, ...] = ("tensor",)
 
 
+def _kv_part(part: int, size: int, group: int) -> slice:
+    """The kv heads the query heads [part x size, (part + 1) x size) read, `group` query heads per kv head (a part
+    holds whole groups, or lies inside one: `part_refusal`)."""
+    first = part * size // group
+    return slice(first, first + max(size // group, 1))
+
+
 def _local_program(
     q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None, sinks: jax.Array | None = None, *,
-    axis: str, repeat: int, local: LocalKernel, spec: AttentionSpec,
-) -> jax.Array:  # fmt: skip
-    """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back; `sinks` [h] (this
-    device's heads before the exchange) are cut to the h/C heads it attends after it."""
+    axis: str, repeat: int, local: LocalKernel, spec: AttentionSpec, parts: int = 1,
+) -> tuple[jax.Array, ...]:  # fmt: skip
+    """Per device: [b, s/C, h, d] in, exchange, `local` over [b, s, h/C, d], exchange back, in `parts` head parts
+    (a tuple of [b, s/C, h/parts, d]); `sinks` [h] (this device's heads before the exchange) are cut to the h/C
+    heads it attends after it."""
     if repeat > 1:
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     C = lax.axis_size(axis)
     q, k, v = (to_heads(x, axis, C) for x in (q, k, v))
     seg = None if seg is None else gather_seq(seg, axis, C)
-    if sinks is None:
-        return to_seq(local(q, k, v, seg, spec), axis, C)
-    mine = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis) * q.shape[2], q.shape[2])  # to_heads' chunk
-    return to_seq(local(q, k, v, seg, spec, mine), axis, C)
+    if sinks is not None:
+        sinks = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis) * q.shape[2], q.shape[2])  # to_heads' chunk
+    size, group = q.shape[2] // parts, q.shape[2] // k.shape[2]
+    outs = []
+    for part in range(parts):
+        heads, kv = slice(part * size, (part + 1) * size), _kv_part(part, size, group)
+        extra = () if sinks is None else (sinks[heads],)
+        out = local(q[:, :, heads], k[:, :, kv], v[:, :, kv], seg, spec, *extra)
+        outs.append(to_seq(out, axis, C))
+    return tuple(outs)
 
 
 def _split(mesh: Mesh, axes: tuple[str, ...], manual: set[str]) -> tuple[str, ...]:
@@ -108,7 +182,8 @@ def ulysses_attention(
     layout: UlyssesLayout = UlyssesLayout(),
     local: LocalKernel = blockwise_attention,
     sinks: jax.Array | None = None,
-) -> jax.Array:
+    parts: int = 1,
+) -> jax.Array | HeadParts:
     """Attention with the sequence sharded over `layout.axis_name`, by two all-to-alls around `local`.
 
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] (GQA: heads a multiple of kv_heads);
@@ -119,7 +194,8 @@ def ulysses_attention(
     blockwise kernel). The region is manual over every mesh axis not already manual, so a fused kernel (cuDNN)
     inside it is per device; inside a partly manual region it nests there (`spmdkit.parallel.nested_region`).
     Gradients: JAX's transpose of the all-to-alls around `local`'s own. `sinks` [heads] (GPT-OSS; split like the
-    heads): `local` then takes its heads' sinks as a sixth argument.
+    heads): `local` then takes its heads' sinks as a sixth argument. `parts` > 1: the output as `HeadParts`, `local`
+    run once per part (the module doc).
     """
     check_qkv(q, k, v, "Ulysses attention", segment_ids)
     spec = (spec or AttentionSpec()).resolved(q.shape[3], q.shape[1])
@@ -132,20 +208,25 @@ def ulysses_attention(
     _check(q, k, mesh, batch, heads, axis)
     C, T = mesh.shape[axis], math.prod(mesh.shape[a] for a in heads)
     repeat = kv_repeat(k.shape[2] // T, q.shape[2] // T, C)
+    if parts > 1 and (reason := part_refusal(q.shape[2] // (T * C), k.shape[2] // T * repeat // C, parts)):
+        raise SpmdkitError(f"Ulysses: {reason}")
     tokens = P(batch or None, axis, heads or None, None)
+    outs = tuple([tokens] * parts) if parts > 1 else tokens
     extra = {name: (x, spec) for name, x, spec in (("seg", segment_ids, P(batch or None, axis)),
                                                    ("sinks", sinks, P(heads or None))) if x is not None}  # fmt: skip
     args, specs = (q, k, v, *(x for x, _ in extra.values())), (tokens, tokens, tokens, *(s for _, s in extra.values()))
 
-    def program(q: jax.Array, k: jax.Array, v: jax.Array, *given: jax.Array) -> jax.Array:
+    def program(q: jax.Array, k: jax.Array, v: jax.Array, *given: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         named = dict(zip(extra, given, strict=True))
-        return _local_program(q, k, v, named.get("seg"), named.get("sinks"), axis=axis, repeat=repeat, local=local,
-                              spec=spec)  # fmt: skip
+        outs = _local_program(q, k, v, named.get("seg"), named.get("sinks"), axis=axis, repeat=repeat, local=local,
+                              spec=spec, parts=parts)  # fmt: skip
+        return outs if parts > 1 else outs[0]
 
     free = {a for a in mesh.axis_names if a not in manual}
     with jax.named_scope("ulysses"):  # names its all-to-alls in the compiled program (`spmdkit compile` reads it)
         if manual:  # inside a partly manual region (accumulation over replica axes): a nested region
-            return nested_region(program, specs, tokens, free, *args)
-        # check_vma=False: a fused kernel's custom call (cuDNN) does not declare how it varies over the manual axes
-        region = jax.shard_map(program, mesh=mesh, in_specs=specs, out_specs=tokens, axis_names=free, check_vma=False)
-        return region(*args)
+            out = nested_region(program, specs, outs, free, *args)
+        else:  # check_vma=False: a fused kernel's custom call (cuDNN) does not declare how it varies
+            region = jax.shard_map(program, mesh=mesh, in_specs=specs, out_specs=outs, axis_names=free, check_vma=False)
+            out = region(*args)
+    return HeadParts(out, (T, C)) if parts > 1 else out

@@ -37,7 +37,7 @@ def describe_run(trainer: Trainer) -> str:
             f"{jax.devices()[0].platform.upper()} device(s), {jax.process_count()} process(es)",
             f"parallelism  {describe_parallelism(trainer.mesh)}; optimizer state {zero}"
             + ("; sequence parallel" if trainer.rules.sequence_parallel else "")
-            + _context_parallelism(cfg.attention, trainer.rules),
+            + _context_parallelism(cfg.attention, trainer.rules, cfg.ulysses_parts),
             f"model        {name}: {cfg.num_params():,} parameters, {cfg.layers} layers, "
             f"compute {cfg.dtype}{' (dense matmuls in FP8)' if cfg.fp8 else ''}, remat {cfg.remat}",
             f"kernels      attention {trainer.attention}" + (" (auto)" if settings.attention == "auto" else "")
@@ -55,12 +55,14 @@ def describe_run(trainer: Trainer) -> str:
     )  # fmt: skip
 
 
-def _context_parallelism(kernel: str, rules: Rules) -> str:
-    """How the context axis splits attention: the ring, the 2D ring of Ulysses groups, or Ulysses."""
+def _context_parallelism(kernel: str, rules: Rules, parts: int = 1) -> str:
+    """How the context axis splits attention: the ring, the 2D ring of Ulysses groups, or Ulysses (its output
+    exchanged in `parts` head parts)."""
     if kernel == "ring":
         groups = f" of Ulysses groups of {rules.ulysses} (2D)" if rules.ulysses > 1 else ""
         return f"; ring attention ({rules.ring_layout}){groups}"
-    return "; Ulysses attention (all-to-alls)" if kernel.startswith("ulysses") else ""
+    parted = f", the output in {parts} head parts" if parts > 1 else ""
+    return f"; Ulysses attention (all-to-alls{parted})" if kernel.startswith("ulysses") else ""
 
 
 def _describe_experts(trainer: Trainer) -> str:

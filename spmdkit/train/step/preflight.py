@@ -45,7 +45,7 @@ def data_settings(config: TrainConfig) -> list[tuple[str, str, str]]:
 
 # What a resumed run may change freely: where the model comes from and how it is computed (the kernel, remat and
 # chunking compute the same function), and how the optimizer is run (its offload, its bad-step limit).
-_HOW = {"model": {"name", "init_from", "remat", "attention", "attention_block", "loss_chunk"},
+_HOW = {"model": {"name", "init_from", "remat", "attention", "attention_block", "loss_chunk", "ulysses_parts"},
         "optimizer": {"max_bad_steps", "offload"}}  # fmt: skip
 
 

@@ -21,12 +21,13 @@ from spmdkit.data.packing.rows import FIELDS
 from spmdkit.data.resolve import resolve_source, source_tokenizer
 from spmdkit.errors import SpmdkitError
 from spmdkit.interop.sources import weights_checksum
-from spmdkit.models.attention_choice import choose_attention
+from spmdkit.models.attention_choice import ULYSSES, choose_attention
 from spmdkit.models.config import TransformerConfig
 from spmdkit.models.lora import check_lora
 from spmdkit.models.lora_config import LoraConfig
 from spmdkit.parallel.collective_matmul import rings
 from spmdkit.parallel.context.chunks import ring_balance
+from spmdkit.parallel.context.ulysses import choose_parts
 from spmdkit.parallel.pipeline.schedule import Schedule
 from spmdkit.plan.dispatch import choose_dispatch
 from spmdkit.plan.layout import Layout, check_layout
@@ -228,6 +229,24 @@ def moe_dispatch(
     return model.replace(dispatch=choice.dispatch), f"{choice.reason} (--moe-dispatch auto)"
 
 
+def output_parts(config: TrainConfig, mesh: Mesh, model: TransformerConfig, kernel: str) -> int:
+    """The head parts attention's output is exchanged and projected in under Ulysses (`--model.ulysses-parts`, its
+    0 resolved: `spmdkit.parallel.context.ulysses.choose_parts`); 1 for every other kernel."""
+    requested, lora = model.ulysses_parts, config.lora
+    if kernel not in ULYSSES:
+        if requested > 1:
+            raise SpmdkitError(f"--model.ulysses-parts {requested} needs Ulysses attention, not {kernel}: drop it")
+        return 1
+    blocker = (
+        "the output projection is FP8" if model.fp8
+        else "the output projection runs in --overlap-tp's ring" if config.mesh.overlap_tp
+        else "the output projection has LoRA adapters" if lora.rank and "o" in lora.targets.split(",")
+        else "the output projection is quantized (QLoRA)" if lora.rank and lora.quantize != "none"
+        else None
+    )  # fmt: skip
+    return choose_parts(requested, model.heads, model.kv_heads, mesh.shape["tensor"], mesh.shape["context"], blocker)
+
+
 def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abstract: bool = False) -> TrainProgram:
     """The program of `config` on `devices` (default: every device of every process). Everything the mesh, model
     and batch must agree on is checked here, before any array exists; an explicit attention kernel that cannot run
@@ -260,7 +279,8 @@ def build_program(config: TrainConfig, devices: Sequence[Any] | None = None, abs
         count = microbatches(config, mesh)
         pipeline = pipeline_schedule(settings.pipeline_schedule, mesh, count, settings.virtual_stages, model.layers)
     tx = make_optimizer(config.optimizer, run.steps, model)
-    model = model.replace(attention=kernel)  # decided once, here: the model runs what its config says
+    parts = output_parts(config, mesh, model, kernel)
+    model = model.replace(attention=kernel, ulysses_parts=parts)  # decided once, here: the model runs its config
     return TrainProgram(
         config, mesh, model, rules, kernel, pipeline, tx, schedule(config.optimizer, run.steps), dispatch_reason
     )
