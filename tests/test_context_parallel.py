@@ -92,28 +92,32 @@ def test_ulysses_equals_dense_attention(mesh_text, batch, seq, heads, kv_heads, 
         _assert_close(got, want)
 
 
-# (mesh, batch, seq, heads, kv_heads, head_dim, parts): parts of 1 head inside a kv group, of whole groups, of a
-# group each, under SP with tensor; the kv heads repeated for the degree (kv 1 on context 4)
+# (mesh, batch, seq, heads, kv_heads, head_dim, parts, sinks): parts of 1 head inside a kv group, of whole groups,
+# of a group each, under SP with tensor; the kv heads repeated for the degree (kv 1 on context 4); attention sinks
 PART_CASES = [
-    ("context=8", 1, 64, 16, 2, 64, 2),
-    ("context=4,fsdp=2", 2, 32, 16, 4, 64, 2),
-    ("context=4,fsdp=2", 2, 32, 16, 1, 128, 4),
-    ("context=2,tensor=2,fsdp=2", 2, 32, 16, 4, 64, 2),
+    ("context=8", 1, 64, 16, 2, 64, 2, False),
+    ("context=4,fsdp=2", 2, 32, 16, 4, 64, 2, True),
+    ("context=4,fsdp=2", 2, 32, 16, 1, 128, 4, False),
+    ("context=2,tensor=2,fsdp=2", 2, 32, 16, 4, 64, 2, True),
 ]
 
 
-@pytest.mark.parametrize("mesh_text,batch,seq,heads,kv_heads,head_dim,parts", PART_CASES)
-def test_ulysses_output_parts_project_to_the_dense_output(mesh_text, batch, seq, heads, kv_heads, head_dim, parts):
+@pytest.mark.parametrize("mesh_text,batch,seq,heads,kv_heads,head_dim,parts,sinks", PART_CASES)
+def test_ulysses_output_parts_project_to_the_dense_output(
+    mesh_text, batch, seq, heads, kv_heads, head_dim, parts, sinks
+):
     """The output in head parts, each part times its rows of a projection W [heads, head_dim, 24], summed: dense
-    attention's output times W, forward and gradients (q, k, v and W) within 1e-5, packed and windowed."""
+    attention's output times W, forward and gradients (q, k, v and W) within 1e-5, packed and windowed, with and
+    without sinks (each part attends with its heads' sinks)."""
     q, k, v, _, segments = _inputs(batch, seq, heads, kv_heads, head_dim, True)
     w = np.random.default_rng(1).standard_normal((heads, head_dim, 24), dtype=np.float32)
     dout = np.random.default_rng(2).standard_normal((batch, seq, 24), dtype=np.float32)
+    logits = np.random.default_rng(3).standard_normal(heads, dtype=np.float32) if sinks else None
     spec = AttentionSpec(window=7)
 
     def projected(attention, **kw):
         def f(q, k, v, w):
-            out = attention(q, k, v, segments, spec, **kw)
+            out = attention(q, k, v, segments, spec, logits, **kw)
             if isinstance(out, HeadParts):
                 return sum(jnp.einsum("bshd,hde->bse", p, r) for p, r in zip(out.parts, out.rows(w), strict=True))
             return jnp.einsum("bshd,hde->bse", out, w)
