@@ -32,6 +32,7 @@ from spmdkit.tools.gpu_compile import (
     format_report,
     lower_train_step,
     memory_bytes,
+    planner_estimate,
     roofline_report,
 )
 from spmdkit.tools.strategies import STRATEGIES as TABLE
@@ -349,3 +350,15 @@ def test_llama3_8b_on_8_h100_fits_with_cudnn_and_the_planner_within_10_percent(h
     assert {"gemm", "attention", "collective", "optimizer"} <= set(roofline["kinds"])
     assert 0.3 < roofline["mfu"] < 1 and roofline["step_seconds"] > 0
     assert 0.9 < report["planner_ratio"] < 1.1, (report["planner_ratio"], report["planner_memory"])
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_the_planner_counts_the_2d_exchanges_as_compiled(remat, h100):
+    """2D on context=8 (Ulysses pairs, a ring of 4): the planner's all-to-all bytes are XLA:GPU's, with the ring's
+    backward exchanging D = rowsum(dO * O) rather than out, and full remat's second forward sharing its q, k, v
+    exchanges with the backward's (the planner counted both: 1.18 x XLA's bytes)."""
+    flags = f"--mesh context=8 --context-parallel 2d --ulysses 2 --model.remat {remat}"
+    program, text, _ = compile_flags(flags, h100)
+    compiled = collective_report(text).bytes("all-to-all")
+    planned = planner_estimate(program, "h100").collective_bytes["all-to-all"]
+    assert compiled > 0 and planned == pytest.approx(compiled, rel=0.01)

@@ -199,8 +199,9 @@ def _context_collectives(s: Layout, kernel: str, add: Callable[..., None]) -> No
     """The context axis's traffic (C devices): Ulysses' all-to-alls (U = C), the ring's K/V hops (U = 1), or both
     (2D: a ring of C/U positions, Ulysses in groups of U). Per layer and pass (forward, again under full remat, and
     backward): Ulysses sends q, k, v in and the output back (autodiff's transposes in the backward); 2D's ring
-    exchanges its residuals and cotangents in its own backward (q, k, v, out, dout, lse, dlse in; dq, dk, dv back);
-    the ring sends K/V around its R positions and brings the float32 dK/dV home."""
+    exchanges its residuals and cotangents in its own backward (q, k, v, dout, lse, D in; dq, dk, dv back), and
+    full remat's second forward only its output (XLA shares that pass's q, k, v exchanges with the backward's); the
+    ring sends K/V around its R positions and brings the float32 dK/dV home."""
     m, a, T, C, d, passes = (
         s.model,
         s.a,
@@ -216,8 +217,9 @@ def _context_collectives(s: Layout, kernel: str, add: Callable[..., None]) -> No
         if U == C:
             per_layer = passes * s.tokens * d * a * (2 * H + 2 * kv)
         else:
-            forward, backward = d * a * (2 * H + 2 * kv) + 4 * H, d * a * (4 * H + 4 * kv) + 8 * H
-            per_layer = s.tokens * ((passes - 1) * forward + backward)
+            forward, backward = d * a * (2 * H + 2 * kv) + 4 * H, d * a * (3 * H + 4 * kv) + 8 * H
+            # full remat's forward again: only the output goes back, XLA shares its q, k, v with the backward's
+            per_layer = s.tokens * (forward + (passes - 2) * d * a * H + backward)
         add("all-to-all", ("context",), s.stage_layers * per_layer, overlapped=False)
     if kernel == "ring":  # per layer, the steps its window reaches (`ring_steps`; all R without a window)
         R, windows = C // U, [m.window_of(i) for i in range(m.layers)]

@@ -24,9 +24,10 @@ device trades its sequence piece for 1/U of the heads with the others of its pos
 `spmdkit.parallel.context.exchange`) before the ring, and back after it, in the forward and in the backward.
 
 Backward (`jax.custom_vjp`, residuals out and lse: O(seq / N) per device; D = rowsum(dO * O) less the cotangent of
-lse). dQ accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the
-last step one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel with
-K/V (one more small hop) and every pair masks keys of other documents. The per-tile math (`fold`, `block_grads`) is
+lse, taken where out is: under 2D before the exchange, which then carries D [B, H, S] rather than out). dQ
+accumulates locally; K, V (one buffer) and the float32 dK, dV (one buffer) travel the ring, and after the last step
+one more hop brings dK, dV home. With `segment_ids` (documents packed in a row) the keys' ids travel with K/V (one
+more small hop) and every pair masks keys of other documents. The per-tile math (`fold`, `block_grads`) is
 `spmdkit.kernels.attention_block`, shared with the blockwise kernel. `key_tile` scans the keys of a chunk pair in
 tiles, bounding the scratch per pair to [heads, c, key_tile] instead of [heads, c, c].
 """
@@ -184,13 +185,17 @@ def _forward_local(ring: Ring, q, k, v, seg):
     return from_q_blocks(out.astype(q.dtype), 2 * c), merge_rows(lse)
 
 
-def _backward_local(ring: Ring, q, k, v, seg, out, lse, dout, dlse):
-    """Per device: the cotangents of (out, lse) -> dq, dk, dv with the shapes and dtypes of q, k, v.
-    State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
+def _row_delta(out, dout, dlse):
+    """D = rowsum(dO * out) - dlse, float32 [B, H, S] (lse's layout): out and dout [B, S, H, D]."""
+    return jnp.swapaxes(row_delta(dout, out), 1, 2) - dlse.astype(F32)
+
+
+def _backward_local(ring: Ring, q, k, v, seg, lse, dout, delta):
+    """Per device: the cotangent dout of out, with lse and `_row_delta` -> dq, dk, dv with the shapes and dtypes of
+    q, k, v. State: dq [2 (slot), ..] (stays), dk and dv [2 (slot), ..] (travel with K/V), float32."""
     kv_heads, c = k.shape[2], q.shape[1] // 2
     qs, dos = q_blocks(q, c, kv_heads), q_blocks(dout, c, kv_heads)
-    delta = row_delta(dos, q_blocks(out, c, kv_heads)) - split_rows(dlse, kv_heads)
-    rows = (qs, dos, split_rows(lse, kv_heads), delta)
+    rows = (qs, dos, split_rows(lse, kv_heads), split_rows(delta, kv_heads))
     q_seg = None if seg is None else row_blocks(seg, c)
     kv = jnp.stack([kv_blocks(k, c), kv_blocks(v, c)])
 
@@ -228,15 +233,17 @@ def _forward_device(ring: Ring, q, k, v, seg):
 
 
 def _backward_device(ring: Ring, q, k, v, seg, out, lse, dout, dlse):
-    """Per device: `_backward_local`, under 2D between the exchanges (the repeated kv heads' gradients summed)."""
+    """Per device: `_backward_local`, under 2D between the exchanges (the repeated kv heads' gradients summed). D is
+    a row statistic, so it is taken before the exchange: the 1/D-th of out's bytes cross, not out."""
     u, axis = ring.layout.ulysses, ring.layout.axis_name
+    delta = _row_delta(out, dout, dlse)
     if u == 1:
-        return _backward_local(ring, q, k, v, seg, out, lse, dout, dlse)
+        return _backward_local(ring, q, k, v, seg, lse, dout, delta)
     k, v = (jnp.repeat(x, ring.kv_repeat, axis=2) for x in (k, v))
-    q, k, v, out, dout = (to_heads(x, axis, u) for x in (q, k, v, out, dout))
-    lse, dlse = (to_heads(x, axis, u, seq_axis=2, heads_axis=1) for x in (lse, dlse))
+    q, k, v, dout = (to_heads(x, axis, u) for x in (q, k, v, dout))
+    lse, delta = (to_heads(x, axis, u, seq_axis=2, heads_axis=1) for x in (lse, delta))
     seg = None if seg is None else gather_seq(seg, axis, u)
-    dq, dk, dv = _backward_local(ring, q, k, v, seg, out, lse, dout, dlse)
+    dq, dk, dv = _backward_local(ring, q, k, v, seg, lse, dout, delta)
     return to_seq(dq, axis, u), *(fold_repeats(to_seq(x, axis, u), ring.kv_repeat) for x in (dk, dv))
 
 
