@@ -70,9 +70,9 @@ def inference_mesh(spec: str | None = None, devices: list[jax.Device] | None = N
 
 def generation_config(config: TransformerConfig, dtype: str | None = None) -> TransformerConfig:
     """The config generation runs: MoE dispatch `dropless`, the `dot` attention setting (generation brings its own
-    kernel), no FP8 (its scales are training state: generation runs the compute dtype), and the compute dtype
-    `dtype` when given."""
-    changes: dict[str, Any] = {"attention": "dot", "fp8": False}
+    kernel) with its output whole (no Ulysses parts), no FP8 (its scales are training state: generation runs the
+    compute dtype), and the compute dtype `dtype` when given."""
+    changes: dict[str, Any] = {"attention": "dot", "ulysses_parts": 1, "fp8": False}
     if config.experts:
         changes["dispatch"] = "dropless"
     if dtype is not None:

@@ -202,14 +202,8 @@ def _context_collectives(s: Layout, kernel: str, add: Callable[..., None]) -> No
     exchanges its residuals and cotangents in its own backward (q, k, v, dout, lse, D in; dq, dk, dv back), and
     full remat's second forward only its output (XLA shares that pass's q, k, v exchanges with the backward's); the
     ring sends K/V around its R positions and brings the float32 dK/dV home."""
-    m, a, T, C, d, passes = (
-        s.model,
-        s.a,
-        s["tensor"],
-        s["context"],
-        s.model.head_dim,
-        3 if s.model.remat_policy.full else 2,
-    )
+    m, a, T, C, d = s.model, s.a, s["tensor"], s["context"], s.model.head_dim
+    passes = 3 if s.model.remat_policy.full else 2
     U, H = (C if kernel.startswith("ulysses") else s.ulysses), m.heads / T
     kv = m.kv_heads / T if m.kv_heads % T == 0 else (m.heads / T if U > 1 else m.kv_heads)  # Ulysses repeats them
     if U > 1:
@@ -396,5 +390,7 @@ def lora_flops(s: Layout) -> float:
 
 @functools.cache
 def model_name(m: TransformerConfig) -> str:
-    names = [n for n, p in PRESETS.items() if p.replace(dtype=m.dtype, remat=m.remat, attention=m.attention) == m]
+    """The preset `m` is, up to how a run computes it (its resolved kernel, dispatch, remat, dtype), or "custom"."""
+    run = {k: getattr(m, k) for k in ("dtype", "remat", "attention", "ulysses_parts", "dispatch")}
+    names = [n for n, p in PRESETS.items() if p.replace(**run) == m]
     return names[0] if names else f"custom ({m.num_params() / 1e9:.3g}B parameters)"
