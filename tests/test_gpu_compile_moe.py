@@ -61,9 +61,8 @@ def test_auto_dispatch_executes_at_most_1_3_x_the_routed_expert_flops(reports, s
 
 
 def test_a_deepseek_shaped_step_with_balancing_and_mtp_compiles_with_cudnn_and_fits(reports):
-    """Latent attention runs cuDNN's fused kernel, the step fits, and the expert GEMMs stay at capacity's 1.25 x:
-    the main model's routed FLOPs times (its MoE layers + the MTP block) / its MoE layers."""
-    report, model = reports["deepseek"], parse_flags(DEEPSEEK.split(), TrainConfig()).model.build()
+    """Latent attention runs cuDNN's fused kernel, the step fits, and the expert GEMMs stay at capacity's 1.25 x
+    the routed FLOPs, the MTP module's MoE block counted among the routed blocks."""
+    report = reports["deepseek"]
     assert report["fits"] and report["attention_kernel"] == "cudnn", report["attention_kernel"]
-    blocks = (model.moe_layers + model.mtp_depth) / model.moe_layers
-    assert report["moe_gemm"]["dispatch"] == "capacity" and report["moe_gemm"]["ratio"] <= 1.3 * blocks
+    assert report["moe_gemm"]["dispatch"] == "capacity" and report["moe_gemm"]["ratio"] <= 1.3

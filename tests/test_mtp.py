@@ -98,6 +98,32 @@ def test_the_batch_has_pieces_shorter_than_the_depth_and_documents_that_meet_in_
     assert (fields["segment_ids"].max(axis=1) >= 3).any()
 
 
+@pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(experts=4, top_k=2, moe_every=2, shared_expert=True)])
+def test_the_parameter_count_and_the_planners_inventory_hold_the_mtp_modules(config):
+    """`num_params` and the planner's parameter list count what the model builds, the MTP modules included (dense,
+    and a block of the last layer's kind: here mixture of experts), and the FLOPs per token count each module's
+    block, eh_proj and its pass through the shared LM head (6 x their matmul weights per token beside the main
+    model's)."""
+    from spmdkit.plan.layout import parameters
+
+    model = nnx.eval_shape(lambda: _model(config))
+    built = {
+        ".".join(map(str, p)).removesuffix(".scale"): v.shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    assert any(name.startswith("mtp.") for name in built)
+    assert built == {name: shape for name, shape, _ in parameters(config)}
+    assert config.num_params() == sum(int(np.prod(shape)) for shape in built.values())
+    plain, e, later = (
+        config.replace(mtp_depth=0),
+        config.embed,
+        config.layers + (config.moe_every if config.experts else 1),
+    )
+    flops = lambda layers: plain.replace(layers=layers).flops_per_token(S)  # noqa: E731
+    block = flops(later) - flops(later - 1)  # one more layer of the last layer's kind
+    extra = config.flops_per_token(S) - plain.flops_per_token(S)
+    assert extra == pytest.approx(config.mtp_depth * (block + 6 * (config.vocab_size * e + 2 * e * e)), rel=1e-12)
+
+
 def test_the_mtp_loss_is_deepseeks_formula_per_document_and_joins_the_objective(one_device):
     model = _model()
     reference = _reference(model)

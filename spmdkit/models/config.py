@@ -264,6 +264,11 @@ class TransformerConfig:
         """How many blocks are mixture-of-experts blocks."""
         return sum(self.is_moe_layer(i) for i in range(self.layers)) if self.experts else 0
 
+    @property
+    def mtp_moe_layers(self) -> int:
+        """How many multi-token-prediction blocks are mixture-of-experts blocks (each is the last layer's kind)."""
+        return self.mtp_depth * self.is_moe_layer(self.layers - 1)
+
     def window_of(self, layer: int) -> int:
         """The sliding window of layer `layer` (0: global attention)."""
         pattern = self.window_pattern or "L"
@@ -309,7 +314,8 @@ class TransformerConfig:
         tied), biases and norm scales included.
 
         A mixture-of-experts block has `experts` MLPs of width `routed_mlp` (+ the shared one and its gate) and a
-        router [embed, experts]; `active=True` counts only the `top_k` experts a token runs through.
+        router [embed, experts]; `active=True` counts only the `top_k` experts a token runs through. Each
+        multi-token-prediction module adds a block of the last layer's kind, 3 norms and eh_proj [2, embed, embed].
         """
         e = self.embed
         attention = self._attention_matrices + self._attention_vectors
@@ -322,7 +328,8 @@ class TransformerConfig:
         moe = attention + routed + shared + router + norms
         layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
         head = 0 if self.tie_embeddings else self.vocab_size * e
-        return self.vocab_size * e + head + layers + e
+        mtp = self.mtp_depth * ((moe if self.mtp_moe_layers else dense) + 3 * e + 2 * e * e)
+        return self.vocab_size * e + head + layers + e + mtp
 
     def _mlp_params(self, width: int, bias: bool) -> int:
         return 3 * self.embed * width + bias * (2 * width + self.embed)
@@ -361,15 +368,16 @@ class TransformerConfig:
         gather, not a matmul, so an untied table is left out, as are norm scales and biases; a router and a shared
         expert's gate are matmuls). Attention adds QK^T and PV: 2 x 2 x keys x heads x head_dim per layer forward,
         times 3 with backward, keys = seq (seq / 2 causal; a local layer's window W < seq: W - W^2 / (2 seq)).
+        Multi-token prediction: its blocks (the last layer's kind), eh_proj and the shared LM head once more each.
         """
-        norms = 2 * (self.pre_norm + self.post_norm) * self.embed
-        vectors = self.layers * (norms + self._attention_vectors) + self.embed
-        vectors += (self.layers - self.moe_layers) * self.mlp_bias * (2 * self.mlp + self.embed)
-        vectors += self.moe_layers * self._moe_vectors()
-        table = 0 if self.tie_embeddings else self.vocab_size * self.embed
-        matmul_params = self.num_params(active=True) - table - vectors
+        blocks, moe, e = self.layers + self.mtp_depth, self.moe_layers + self.mtp_moe_layers, self.embed
+        norms = 2 * (self.pre_norm + self.post_norm) * e
+        vectors = blocks * (norms + self._attention_vectors) + e + 3 * e * self.mtp_depth
+        vectors += (blocks - moe) * self.mlp_bias * (2 * self.mlp + e) + moe * self._moe_vectors()
+        table = 0 if self.tie_embeddings else self.vocab_size * e
+        matmul_params = self.num_params(active=True) - table - vectors + self.mtp_depth * self.vocab_size * e
         keys = 0.0
-        for layer in range(self.layers):
+        for layer in [*range(self.layers), *[self.layers - 1] * self.mtp_depth]:
             window = self.window_of(layer) if causal else 0
             full = seq_len / 2 if causal else seq_len
             keys += window - window * window / (2 * seq_len) if 0 < window < seq_len else full

@@ -7,7 +7,8 @@ Parameters as `spmdkit.models.transformer` builds them, named by their model pat
 and the MoE blocks stacked over moe_layers (`moe_blocks.*`: attention as in a dense block, a router [embed,
 experts], expert gate/up [experts, embed, mlp] and down [experts, mlp, embed], and `moe_blocks.mlp.shared.*` when
 `shared_expert`); the biases and q/k norms the config asks for sit beside their weights (`attention.q_bias`,
-`attention.q_norm`, `mlp.down_bias`).
+`attention.q_norm`, `mlp.down_bias`); with `mtp_depth` D, the multi-token-prediction modules (`mtp.*`: D blocks of
+the last layer's kind, their norms and eh_proj).
 
 LoRA (`--lora.rank`, `spmdkit.models.lora`): each targeted projection W [layers, *in, *out] of a stack gets, beside
 it, A `W_lora_a` [layers, *in, rank] (W's input names, the rank dim None) and B `W_lora_b` [layers, rank, *out] (its
@@ -76,10 +77,8 @@ def _attention_vectors(m: TransformerConfig) -> list[Param]:
     if m.qk_norm and m.qk_norm_scope == "head":
         out += [("attention.q_norm", (d,), ("norm",)), ("attention.k_norm", (d,), ("norm",))]
     elif m.qk_norm:
-        out += [
-            ("attention.q_norm", (H, d), ("heads", "head_dim")),
-            ("attention.k_norm", (K, d), ("kv_heads", "head_dim")),
-        ]
+        out += [("attention.q_norm", (H, d), ("heads", "head_dim"))]
+        out += [("attention.k_norm", (K, d), ("kv_heads", "head_dim"))]
     return out
 
 
@@ -112,10 +111,7 @@ def _experts(m: TransformerConfig) -> list[Param]:
         ("up", (X, E, F), ("experts", "embed", "mlp")),
         ("down", (X, F, E), ("experts", "mlp", "embed")),
     ]
-    if m.router_bias:
-        mlp += [("router_bias", (X,), (None,))]
-    if m.router_correction_bias:
-        mlp += [("router_correction_bias", (X,), (None,))]
+    mlp += [(f"{n}_bias", (X,), (None,)) for n in ("router", "router_correction") if getattr(m, f"{n}_bias")]
     if m.expert_bias:
         mlp += [(f"{n}_bias", (X, F), ("experts", "mlp")) for n in ("gate", "up")]
         mlp += [("down_bias", (X, E), ("experts", "embed"))]
@@ -151,6 +147,10 @@ def parameters(m: TransformerConfig) -> list[Param]:
     for stack, count, moe in [("blocks", m.layers - m.moe_layers, False), ("moe_blocks", m.moe_layers, True)]:
         if count:
             out += [(f"{stack}.{n}", (count, *shape), ("layers", *names)) for n, shape, names in _block(m, moe)]
+    if D := m.mtp_depth:  # the multi-token-prediction modules (`spmdkit.models.mtp`): blocks of the last layer's kind
+        out += [(f"mtp.blocks.{n}", (D, *shape), ("layers", *names)) for n, shape, names in _block(m, m.mtp_moe_layers)]
+        out += [(f"mtp.{n}", (D, E), ("layers", "norm")) for n in ("enorm", "hnorm", "head_norm")]
+        out += [("mtp.eh_proj", (D, 2, E, E), ("layers", None, "embed", None))]
     head = [] if m.tie_embeddings else [("lm_head", (E, V), ("embed", "vocab"))]
     return [*out, ("final_norm", (E,), ("norm",)), *head]
 

@@ -159,7 +159,8 @@ def moe_gemm(text: str, program: TrainProgram, devices: int) -> dict[str, Any] |
     backward_all = hlo_flops(text, where=re.compile(rf'op_name="[^"]*transpose\([^"]*{ops}'))["matmul"]
     recompute = hlo_flops(text, where=re.compile(rf'op_name="[^"]*rematted_computation[^"]*{ops}'))["matmul"]
     forward, backward = found["flops"] - backward_all, backward_all - recompute
-    per_pass = 6 * m.embed * m.routed_mlp * m.top_k * m.moe_layers * run.batch_size * run.seq_len / devices
+    routed_blocks = m.moe_layers + m.mtp_moe_layers  # multi-token prediction's MoE blocks route tokens too
+    per_pass = 6 * m.embed * m.routed_mlp * m.top_k * routed_blocks * run.batch_size * run.seq_len / devices
     remat_factor = 1 + (recompute > 0)  # how often the routed forward runs
     routed = per_pass * (remat_factor + 2)
     kind = "grouped" if found["grouped"] and not found["dense"] else "dense"
