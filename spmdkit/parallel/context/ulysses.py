@@ -208,7 +208,7 @@ def ulysses_attention(
     _check(q, k, mesh, batch, heads, axis)
     C, T = mesh.shape[axis], math.prod(mesh.shape[a] for a in heads)
     repeat = kv_repeat(k.shape[2] // T, q.shape[2] // T, C)
-    if parts > 1 and (reason := part_refusal(q.shape[2] // (T * C), k.shape[2] // T * repeat // C, parts)):
+    if parts > 1 and (reason := part_refusal(*exchanged_heads(q.shape[2], k.shape[2], T, C), parts)):
         raise SpmdkitError(f"Ulysses: {reason}")
     tokens = P(batch or None, axis, heads or None, None)
     outs = tuple([tokens] * parts) if parts > 1 else tokens
