@@ -316,18 +316,18 @@ def _traffic(
 def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: float = 0.8) -> Estimate:
     """The Estimate of a checked layout on `dev` (`--moe-dispatch auto` resolved first, as `build_program` would
     on this device and batch split: `estimate` and the search's layouts alike)."""
-    s = with_dispatch(s, planner_platform(dev))
+    platform = planner_platform(dev)
+    s = with_dispatch(s, platform)
     m, sizes = s.model, s.sizes
     devices = math.prod(sizes.values())
-    kernel = layout_kernel(s, planner_platform(dev), dev.compute_capability)
+    kernel = layout_kernel(s, platform, dev.compute_capability)
     by_opcode, traffic, hidden, blocking = _traffic(s, dev, kernel, comm_efficiency)
     model_flops = m.flops_per_token(s.seq_len) * s.batch_size * s.seq_len
     # The experts compute every slot, padding included (and drop what overflows): Q slots, not top_k S tokens, or
     # a dense ragged_dot's E top_k S (`spmdkit.plan.dispatch`); 6 FLOPs per weight and slot (forward and
     # backward), 3 E F weights per expert.
     routed = m.top_k * s.seq_len
-    split, platform = s.replicas > 1, planner_platform(dev)
-    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, split, platform) * routed if m.moe_layers else 0
+    executed = expert_flops_ratio(m, m.dispatch, s.seq_len, s.replicas > 1, platform) * routed if m.moe_layers else 0
     padding = 18 * m.embed * m.routed_mlp * m.moe_layers * (executed - routed) * s.batch_size
     attention_forward = 2 * m.layers * m.heads * m.head_dim * s.seq_len * s.batch_size * s.seq_len
     run = model_flops + padding
@@ -365,7 +365,7 @@ def evaluate(s: Layout, dev: Device, efficiency: float = 0.5, comm_efficiency: f
         model=model_name(m), mesh=sizes, device=dev.name, batch_size=s.batch_size, seq_len=s.seq_len,
         dtype=m.dtype, remat=m.remat, zero=s.zero, sequence_parallel=s.sequence_parallel and sizes["tensor"] > 1,
         microbatches=s.microbatches, schedule=s.schedule, virtual_stages=s.virtual_stages,
-        memory=memory(s, planner_platform(dev), dev.compute_capability),
+        memory=memory(s, platform, dev.compute_capability),
         hbm_bytes=dev.hbm_bytes, collective_bytes=by_opcode, traffic=traffic, bubble=bubble, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble_s, step_s=step, tokens_per_s=s.batch_size * s.seq_len / step,
         mfu=model_flops / (step * devices * mixed_peak(dev, m.fp8_flops_per_token() / m.flops_per_token(s.seq_len))),
